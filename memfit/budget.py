@@ -1,0 +1,49 @@
+"""Memory sizes: parsing "24GB" and printing bytes. All units are binary (GB == GiB == 2**30)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from memfit.errors import BudgetFormatError
+
+_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """Parse a size such as ``24GB``, ``24GiB``, ``24G``, ``1536MB``, ``0.5TB`` or ``1000`` (bytes).
+
+    GPU memory is sold and reported in powers of two, so ``GB`` means GiB here.
+    """
+    if isinstance(text, bool):
+        raise BudgetFormatError(f"not a memory size: {text!r}")
+    if isinstance(text, (int, float)):
+        value, power = float(text), 0
+    else:
+        match = _PATTERN.match(text)
+        if match is None:
+            raise BudgetFormatError(
+                f"cannot read the memory size {text!r}: write a number with an optional unit, "
+                "e.g. 24GB, 24GiB, 24G, 1536MB, 0.5TB or 1000 (bytes)"
+            )
+        value = float(match.group(1))
+        unit = match.group(2).upper()
+        suffix = match.group(3).upper()
+        if unit == "" and suffix not in ("", "B"):
+            raise BudgetFormatError(f"cannot read the memory size {text!r}")
+        power = _POWERS[unit]
+    result = value * (1024**power)
+    if not math.isfinite(result) or result <= 0:
+        raise BudgetFormatError(f"a memory size must be positive, got {text!r}")
+    return int(math.floor(result))
+
+
+def format_bytes(n: float, *, signed: bool = False) -> str:
+    """Print bytes as ``1.23 GiB`` / ``456.7 MiB`` / ``12.0 KiB`` / ``512 B``."""
+    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
+    a = abs(n)
+    for unit, power in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
+        if a >= 1024**power:
+            return f"{sign}{a / 1024**power:.2f} {unit}"
+    return f"{sign}{a:.0f} B"

@@ -1,0 +1,31 @@
+"""Errors a user can cause. The CLI prints these without a traceback and exits 2."""
+
+from __future__ import annotations
+
+
+class MemfitError(Exception):
+    """Base class: something the user can fix; the message says how."""
+
+
+class BudgetFormatError(MemfitError):
+    """A memory budget string that cannot be parsed."""
+
+
+class InfeasibleBudgetError(MemfitError):
+    """No schedule fits the budget; ``min_budget_bytes`` is the smallest that does."""
+
+    def __init__(self, message: str, min_budget_bytes: int) -> None:
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+
+
+class FileFormatError(MemfitError):
+    """A profile or schedule file that is missing, corrupt or of the wrong format."""
+
+
+class ScheduleMismatchError(MemfitError):
+    """A schedule that was made for another model (fingerprint or unit names differ)."""
+
+
+class UnitSelectionError(MemfitError):
+    """Units that cannot be found or do not form a chain."""

@@ -1,0 +1,174 @@
+"""Profile: what the profiler measured about one model, input and optimizer, as versioned JSON.
+
+The memory part is a timeline of phases. Each phase moves the live-bytes level by ``end_bytes``
+and reaches ``peak_bytes`` above the level it started at. Unit phases carry one such pair per
+option (``none``, ``full``), remainder phases (embedding, head, loss, optimizer step) one pair.
+Walking the timeline from ``baseline_bytes`` gives the step's peak for any choice of options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memfit.jsonio import Fields, read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+PROFILE_FORMAT = "memfit.profile/1"
+OPTIONS = ("none", "full")
+
+
+@dataclass(slots=True)
+class OptionCost:
+    """What one way of running a unit costs, measured in a step where every unit ran that way."""
+
+    fwd_peak_bytes: int  # highest level during the unit's forward, above the level it began at
+    stored_bytes: int  # level change over the forward: what the unit keeps until its backward
+    bwd_peak_bytes: int  # highest level during the unit's backward, above the level it began at
+    bwd_end_bytes: int  # level change over the backward (frees what was kept, adds gradients)
+    recompute_s: float  # extra time this option costs per step
+
+
+@dataclass(slots=True)
+class UnitProfile:
+    name: str
+    fwd_s: float
+    bwd_s: float
+    input_bytes: int  # bytes of the unit's tensor inputs (what a checkpoint keeps)
+    saved_bytes: int  # saved for backward, deduplicated by storage, parameters excluded, by producer
+    param_bytes: int
+    options: dict[str, OptionCost]
+
+    @property
+    def fwd_transient_bytes(self) -> int:
+        o = self.options["none"]
+        return max(0, o.fwd_peak_bytes - o.stored_bytes)
+
+    @property
+    def bwd_transient_bytes(self) -> int:
+        o = self.options["none"]
+        return max(0, o.bwd_peak_bytes)
+
+
+@dataclass(slots=True)
+class Phase:
+    """One stretch of the step between two marks; ``unit`` is None for the remainder."""
+
+    label: str
+    unit: int | None = None
+    kind: str = "remainder"  # "remainder", "forward" or "backward"
+    peak_bytes: int = 0
+    end_bytes: int = 0
+
+
+@dataclass(slots=True)
+class Profile:
+    model_class: str
+    device: str
+    optimizer: str | None
+    input_shapes: str
+    baseline_bytes: int  # live at step start: parameters, buffers, optimizer state, inputs
+    param_bytes: int
+    grad_bytes: int
+    buffer_bytes: int
+    optimizer_state_bytes: int
+    input_bytes: int
+    step_s: float  # one un-checkpointed training step
+    units: list[UnitProfile]
+    phases: list[Phase]
+    fingerprint: dict[str, Any]
+    measured_peak_bytes: dict[str, int] = field(default_factory=dict)  # per all-units option
+    torch_version: str = ""
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row a unit: times in seconds, memory in bytes."""
+        import pandas as pd
+
+        rows = []
+        for u in self.units:
+            none, full = u.options["none"], u.options["full"]
+            rows.append(
+                {
+                    "unit": u.name,
+                    "fwd_s": u.fwd_s,
+                    "bwd_s": u.bwd_s,
+                    "input_bytes": u.input_bytes,
+                    "saved_bytes": u.saved_bytes,
+                    "param_bytes": u.param_bytes,
+                    "stored_none_bytes": none.stored_bytes,
+                    "stored_full_bytes": full.stored_bytes,
+                    "fwd_transient_bytes": u.fwd_transient_bytes,
+                    "bwd_peak_none_bytes": none.bwd_peak_bytes,
+                    "bwd_peak_full_bytes": full.bwd_peak_bytes,
+                    "recompute_s": full.recompute_s,
+                }
+            )
+        return pd.DataFrame(rows).set_index("unit")
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, {"format": PROFILE_FORMAT, **asdict(self)})
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> Profile:
+        return profile_from_dict(read_json(path, PROFILE_FORMAT), str(path))
+
+
+def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
+    f = Fields(data, where)
+    units = []
+    for u in f.items("units"):
+        opts = u.obj("options")
+        options = {}
+        for name in OPTIONS:
+            o = opts.obj(name)
+            options[name] = OptionCost(
+                o.int("fwd_peak_bytes"), o.int("stored_bytes"), o.int("bwd_peak_bytes"),
+                o.int("bwd_end_bytes"), o.float("recompute_s"),
+            )
+        units.append(
+            UnitProfile(
+                u.str("name"), u.float("fwd_s"), u.float("bwd_s"), u.int("input_bytes"),
+                u.int("saved_bytes"), u.int("param_bytes"), options,
+            )
+        )
+    phases = []
+    for p in f.items("phases"):
+        unit = p.data.get("unit")
+        if unit is not None and (not isinstance(unit, int) or not 0 <= unit < len(units)):
+            raise_field(p.where, "unit", unit)
+        kind = p.str("kind")
+        if kind not in ("remainder", "forward", "backward"):
+            raise_field(p.where, "kind", kind)
+        phases.append(Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes")))
+    measured = f.obj("measured_peak_bytes")
+    return Profile(
+        model_class=f.str("model_class"),
+        device=f.str("device"),
+        optimizer=f.opt_str("optimizer"),
+        input_shapes=f.str("input_shapes"),
+        baseline_bytes=f.int("baseline_bytes"),
+        param_bytes=f.int("param_bytes"),
+        grad_bytes=f.int("grad_bytes"),
+        buffer_bytes=f.int("buffer_bytes"),
+        optimizer_state_bytes=f.int("optimizer_state_bytes"),
+        input_bytes=f.int("input_bytes"),
+        step_s=f.float("step_s"),
+        units=units,
+        phases=phases,
+        fingerprint=f.obj("fingerprint").data,
+        measured_peak_bytes={k: measured.int(k) for k in measured.data},
+        torch_version=str(data.get("torch_version", "")),
+    )
+
+
+def raise_field(where: str, key: str, value: Any) -> None:
+    from memfit.errors import FileFormatError
+
+    raise FileFormatError(f"{where}: field {key!r} has an invalid value {value!r}")

@@ -1,0 +1,221 @@
+"""Measuring a model's training step: per-unit memory phases and times (CUDA or the CPU)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.profile import OPTIONS, OptionCost, Phase, Profile, UnitProfile
+from memfit.profiler.saved import saved_and_input_bytes
+from memfit.profiler.step import (
+    Inputs,
+    LossFn,
+    default_loss,
+    make_optimizer,
+    optimizer_tensors,
+    storage_bytes,
+    training_step,
+    zero_grad,
+)
+from memfit.profiler.timeline import Stretch, check_same_shape, recorded_step, stretches
+from memfit.runtime.apply import clear_policies, is_checkpointed, set_policies
+from memfit.schedule import model_fingerprint
+from memfit.units import find_units
+
+Progress = Callable[[str], None]
+
+
+def profile(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    units: str | list[str] = "auto",
+    optimizer: str | None = "adamw",
+    repeat: int = 3,
+    progress: Progress | None = None,
+) -> Profile:
+    """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
+    unit checkpointed, and return the per-unit costs the planner needs.
+
+    ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments, on
+    the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
+    they were.
+    """
+    if repeat < 1:
+        raise MemfitError("repeat must be at least 1")
+    say = progress or (lambda _msg: None)
+    inp = Inputs.of(inputs)
+    loss = loss_fn or default_loss
+    names = find_units(model, units)
+    if any(is_checkpointed(model.get_submodule(n)) for n in names):
+        raise MemfitError("the model already has checkpointed units; profile the plain model")
+    device = _device_of(model)
+    with _left_as_found(model):
+        model.train()
+        opt = make_optimizer(optimizer, model.parameters())
+        say("warm-up step")
+        zero_grad(model, opt)
+        training_step(model, inp, loss, opt)  # creates the optimizer state: steady state follows
+        say("saved-for-backward bytes")
+        saved, in_bytes = saved_and_input_bytes(model, names, inp, loss)
+        memory: dict[str, list[Stretch]] = {}
+        times: list[list[Stretch]] = []
+        for option in OPTIONS:
+            say(f"memory with every unit {option}")
+            with _all_units(model, names, option):
+                zero_grad(model, opt)
+                training_step(model, inp, loss, opt)  # warm-up in this configuration
+                memory[option] = stretches(recorded_step(model, names, inp, loss, opt, device, "memory"))
+        check_same_shape(memory["none"], memory["full"], "every unit was checkpointed")
+        for r in range(repeat):
+            say(f"timing {r + 1}/{repeat}")
+            times.append(stretches(recorded_step(model, names, inp, loss, opt, device, "time")))
+        zero_grad(model, opt)
+        baseline = storage_bytes(
+            [*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()]
+        )
+        state_bytes = storage_bytes(optimizer_tensors(opt))
+    params = list(model.parameters())
+    return _assemble(
+        model, names, inp, optimizer, device, memory, times, saved, in_bytes, baseline, state_bytes, params
+    )
+
+
+def _assemble(
+    model: nn.Module,
+    names: list[str],
+    inp: Inputs,
+    optimizer: str | None,
+    device: torch.device,
+    memory: dict[str, list[Stretch]],
+    times: list[list[Stretch]],
+    saved: list[int],
+    in_bytes: list[int],
+    baseline: int,
+    state_bytes: int,
+    params: list[nn.Parameter],
+) -> Profile:
+    def median_time(k: int) -> float:
+        return statistics.median(run[k].seconds for run in times)
+
+    index = {s.label: k for k, s in enumerate(memory["none"])}
+    units: list[UnitProfile] = []
+    for i, name in enumerate(names):
+        fk, bk = index.get(f"fwd:{i}"), index.get(f"bwd:{i}")
+        if fk is None or bk is None:
+            raise MemfitError(
+                f"unit {name!r} did not take part in the backward pass (no gradient reached its "
+                "output); choose units whose outputs the loss depends on"
+            )
+        fwd_s, bwd_s = median_time(fk), median_time(bk)
+        options = {}
+        for option in OPTIONS:
+            f, b = memory[option][fk], memory[option][bk]
+            # A checkpointed unit runs its forward once more, inside its backward.
+            recompute = 0.0 if option == "none" else fwd_s
+            options[option] = OptionCost(f.peak, f.end, b.peak, b.end, recompute)
+        module = model.get_submodule(name)
+        pbytes = storage_bytes(list(module.parameters()))
+        units.append(UnitProfile(name, fwd_s, bwd_s, in_bytes[i], saved[i], pbytes, options))
+    phases = []
+    for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
+        kind, _, idx = s_none.label.partition(":")
+        if kind in ("fwd", "bwd"):
+            i = int(idx)
+            label = f"{'forward' if kind == 'fwd' else 'backward'} {names[i]}"
+            phases.append(Phase(label, i, "forward" if kind == "fwd" else "backward"))
+        else:
+            # The remainder does not depend on the units' options; keep the larger figures.
+            peak, end = max(s_none.peak, s_full.peak), s_none.end
+            phases.append(Phase(_remainder_label(s_none.label, names), None, "remainder", peak, end))
+    step_s = statistics.median(sum(s.seconds for s in run) for run in times)
+    trainable = [p for p in params if p.requires_grad]
+    measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in OPTIONS}
+    return Profile(
+        model_class=model_fingerprint(model, names)["model_class"],
+        device=str(device),
+        optimizer=optimizer,
+        input_shapes=inp.describe(),
+        baseline_bytes=baseline,
+        param_bytes=storage_bytes(params),
+        grad_bytes=storage_bytes(trainable),
+        buffer_bytes=storage_bytes(list(model.buffers())),
+        optimizer_state_bytes=state_bytes,
+        input_bytes=storage_bytes(inp.tensors()),
+        step_s=step_s,
+        units=units,
+        phases=phases,
+        fingerprint=model_fingerprint(model, names),
+        measured_peak_bytes=measured,
+        torch_version=torch.__version__,
+    )
+
+
+def _cumulative(run: list[Stretch]) -> list[Stretch]:
+    """Stretches with peaks relative to the step's start instead of their own start."""
+    level, out = 0, []
+    for s in run:
+        out.append(Stretch(s.label, level + s.peak, level + s.end, s.seconds))
+        level += s.end
+    return out
+
+
+def _remainder_label(label: str, names: list[str]) -> str:
+    kind, _, idx = label.partition(":")
+    if kind == "forward":
+        return "forward before the units"
+    if kind == "fwd_end":
+        i = int(idx)
+        return f"forward after {names[i]}" + (" (head, loss)" if i == len(names) - 1 else "")
+    if kind == "backward":
+        return "backward of loss and head"
+    if kind == "bwd_end":
+        return f"backward before {names[int(idx)]}"
+    if kind == "step":
+        return "optimizer step"
+    return label
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for t in [*model.parameters(), *model.buffers()]:
+        return t.device
+    return torch.device("cpu")
+
+
+@contextmanager
+def _all_units(model: nn.Module, names: list[str], option: str) -> Iterator[None]:
+    set_policies(model, dict.fromkeys(names, option))
+    try:
+        yield
+    finally:
+        clear_policies(model)
+
+
+@contextmanager
+def _left_as_found(model: nn.Module) -> Iterator[None]:
+    """Restore buffers (BatchNorm statistics), gradients, train/eval mode and the RNG."""
+    training = {m: m.training for m in model.modules()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+        for m, mode in training.items():
+            m.train(mode)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)

@@ -1,0 +1,186 @@
+"""Marks at unit boundaries, and recorders that read memory or time at each mark.
+
+A mark is a label heard at a moment of the step: ``fwd:i`` / ``fwd_end:i`` around unit i's
+forward (module hooks), ``bwd:i`` when the gradient of its output arrives and ``bwd_end:i`` when
+the gradient of its input is complete (tensor hooks), plus the step's own ``forward``,
+``backward``, ``step`` and ``done``. Consecutive marks bound the phases of the Profile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.errors import MemfitError
+from memfit.profiler.step import iter_tensors
+
+
+@dataclass(slots=True)
+class Mark:
+    label: str
+    level: int  # live bytes at the mark, relative to the step's start
+    peak: int  # highest live bytes since the previous mark, relative to the step's start
+    time_s: float = 0.0
+
+
+class UnitMarks:
+    """Context manager: hooks on the units that report boundary marks to ``on_mark``."""
+
+    def __init__(self, model: nn.Module, unit_names: list[str], on_mark: Callable[[str], None]):
+        self.units = [model.get_submodule(n) for n in unit_names]
+        self.names = unit_names
+        self.on_mark = on_mark
+        self._handles: list[Any] = []
+        self._labels: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: set[int] = set()
+
+    def __enter__(self) -> UnitMarks:
+        for i, unit in enumerate(self.units):
+            self._handles.append(unit.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self._handles.append(unit.register_forward_hook(self._post(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if i in self._seen:
+                raise MemfitError(
+                    f"unit {self.names[i]!r} ran twice in one forward; units must each run once "
+                    "per step (choose other units with units=[...])"
+                )
+            self._seen.add(i)
+            self.on_mark(f"fwd:{i}")
+            self._tag((args, kwargs), f"bwd_end:{i}")
+
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            self.on_mark(f"fwd_end:{i}")
+            self._tag(output, f"bwd:{i}")
+
+        return hook
+
+    def _tag(self, obj: Any, label: str) -> None:
+        tensor = next((t for t in iter_tensors(obj) if t.requires_grad), None)
+        if tensor is None:
+            return
+        labels = self._labels.get(tensor)
+        if labels is None:
+            labels = []
+            self._labels[tensor] = labels
+            self._handles.append(tensor.register_hook(lambda grad, ls=labels: self._fire(ls)))
+        labels.append(label)
+
+    def _fire(self, labels: list[str]) -> None:
+        # One tensor can end one unit's backward and begin the previous one's: ends come first.
+        for label in sorted(labels, key=lambda s: s.startswith("bwd:")):
+            self.on_mark(label)
+
+
+class CpuMemoryRecorder:
+    """Exact live bytes on the CPU from the allocator's own events (the CPU allocator does not
+    cache). Relies on ``prof.profiler.kineto_results.events()``, a private but long-stable
+    surface, because the public ``prof.events()`` does not carry every allocation."""
+
+    def __init__(self) -> None:
+        self._prof: Any = None
+
+    def __enter__(self) -> CpuMemoryRecorder:
+        self._prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(*exc)
+
+    def on_mark(self, label: str) -> None:
+        with torch.profiler.record_function(f"memfit:{label}"):
+            pass
+
+    def marks(self) -> list[Mark]:
+        events = list(self._prof.profiler.kineto_results.events())
+        memory = sorted(
+            (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        labels = sorted((e.start_ns(), e.name()[len("memfit:") :]) for e in events if e.name().startswith("memfit:"))
+        out: list[Mark] = []
+        level = peak = 0
+        j = 0
+        for t, label in labels:
+            while j < len(memory) and memory[j][0] < t:
+                level += memory[j][1]
+                peak = max(peak, level)
+                j += 1
+            out.append(Mark(label, level, peak))
+            peak = level
+        return out
+
+
+class CudaMemoryRecorder:
+    """Live bytes from the CUDA caching allocator's statistics (allocated, not reserved)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._start = 0
+        self._marks: list[Mark] = []
+
+    def __enter__(self) -> CudaMemoryRecorder:
+        torch.cuda.synchronize(self.device)
+        self._start = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def on_mark(self, label: str) -> None:
+        level = torch.cuda.memory_allocated(self.device) - self._start
+        peak = torch.cuda.max_memory_allocated(self.device) - self._start
+        self._marks.append(Mark(label, level, peak))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def marks(self) -> list[Mark]:
+        return self._marks
+
+
+class TimeRecorder:
+    """Wall-clock time at each mark (CUDA is synchronised first, so a mark's time is real)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._marks: list[Mark] = []
+
+    def __enter__(self) -> TimeRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def on_mark(self, label: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._marks.append(Mark(label, 0, 0, time.perf_counter()))
+
+    def marks(self) -> list[Mark]:
+        return self._marks
+
+
+def memory_recorder(device: torch.device) -> CpuMemoryRecorder | CudaMemoryRecorder:
+    if device.type == "cuda":
+        return CudaMemoryRecorder(device)
+    if device.type == "cpu":
+        return CpuMemoryRecorder()
+    raise MemfitError(f"memfit measures memory on CPU and CUDA devices, not {device.type!r}")

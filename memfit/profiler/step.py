@@ -1,0 +1,151 @@
+"""The training step memfit plans for, and the byte counts of what lives across it.
+
+The step is the steady state of a training loop: ``zero_grad(set_to_none=True)``, forward,
+loss, backward, ``optimizer.step()``. Profiling, validation and the example all run this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Inputs:
+    """Positional and keyword arguments of the model's forward."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @staticmethod
+    def of(inputs: Any) -> Inputs:
+        if isinstance(inputs, Inputs):
+            return inputs
+        if isinstance(inputs, torch.Tensor):
+            return Inputs((inputs,), {})
+        if isinstance(inputs, tuple):
+            return Inputs(inputs, {})
+        if isinstance(inputs, dict):
+            return Inputs((), dict(inputs))
+        raise MemfitError(
+            f"inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
+            f"arguments, got {type(inputs).__name__}"
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(iter_tensors((self.args, self.kwargs)))
+
+    def describe(self) -> str:
+        parts = [_describe(a) for a in self.args]
+        parts += [f"{k}={_describe(v)}" for k, v in self.kwargs.items()]
+        return ", ".join(parts)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}[{','.join(str(s) for s in value.shape)}]"
+    return type(value).__name__
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested tuples, lists, dicts and Hugging Face ModelOutputs, in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from iter_tensors(v)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` when the model computes one (Hugging Face), else the mean square of the
+    first tensor in the output."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    for t in iter_tensors(output):
+        if t.is_floating_point():
+            return t.float().pow(2).mean()
+    raise MemfitError("the model's output has no floating-point tensor; pass loss_fn=")
+
+
+def make_optimizer(name: str | None, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The optimizer whose state and step memfit counts. Learning rate 0 so that profiling never
+    changes the weights; the state and temporaries are the same as with any learning rate."""
+    key = "none" if name is None else name.lower()
+    params = [p for p in params if p.requires_grad]
+    if key == "adamw":
+        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    if key == "adam":
+        return torch.optim.Adam(params, lr=0.0)
+    if key == "sgd":
+        return torch.optim.SGD(params, lr=0.0)
+    if key == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.0, momentum=0.9)
+    if key == "none":
+        return None
+    raise MemfitError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def training_step(
+    model: nn.Module,
+    inputs: Inputs,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    on_mark: Callable[[str], None] | None = None,
+) -> float:
+    """One step; ``on_mark`` hears ``forward``, ``backward``, ``step`` and ``done`` as each begins.
+    The output is not kept past the loss, as in ``loss = loss_fn(model(x))``."""
+    mark = on_mark or (lambda _label: None)
+    mark("forward")
+    loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+    mark("backward")
+    loss.backward()
+    mark("step")
+    if optimizer is not None:
+        optimizer.step()
+    mark("done")
+    return float(loss.detach())
+
+
+def zero_grad(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: set[int] = set(exclude or ())
+    total = 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        key = st.data_ptr() if st.data_ptr() else id(st)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for state in optimizer.state.values() for v in iter_tensors(dict(state))]

@@ -1,0 +1,86 @@
+"""Schedule: which units to checkpoint, and what the plan predicts, as versioned JSON."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from memfit.errors import FileFormatError
+from memfit.jsonio import Fields, read_json, write_json_atomic
+
+SCHEDULE_FORMAT = "memfit.schedule/1"
+POLICIES = ("none", "full")
+
+
+@dataclass(slots=True)
+class Schedule:
+    policies: dict[str, str]  # unit name -> "none" | "full", in forward order
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_recompute_s: float
+    predicted_overhead: float  # recompute time / un-checkpointed step time
+    strategy: str  # "ilp" or a baseline's name
+    solver: str
+    solver_status: str
+    solve_s: float
+    fingerprint: dict[str, Any]
+    input_shapes: str = ""
+    baselines: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def checkpointed(self) -> list[str]:
+        return [name for name, policy in self.policies.items() if policy != "none"]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, {"format": SCHEDULE_FORMAT, **asdict(self)})
+
+
+def load_schedule(path: str | os.PathLike[str]) -> Schedule:
+    """Read a schedule written by ``Schedule.save`` / ``memfit plan -o``, checking every field."""
+    f = Fields(read_json(path, SCHEDULE_FORMAT), str(path))
+    policies = f.obj("policies").data
+    for unit, policy in policies.items():
+        if policy not in POLICIES:
+            raise FileFormatError(
+                f"{path}: field 'policies' gives unit {unit!r} the policy {policy!r}; "
+                f"expected one of {', '.join(POLICIES)}"
+            )
+    fingerprint = f.obj("fingerprint")
+    for key in ("model_class", "units", "params_sha256"):
+        if key not in fingerprint.data:
+            raise FileFormatError(f"{path}: field 'fingerprint' lacks {key!r}")
+    return Schedule(
+        policies=dict(policies),
+        budget_bytes=f.int("budget_bytes"),
+        predicted_peak_bytes=f.int("predicted_peak_bytes"),
+        predicted_recompute_s=f.float("predicted_recompute_s"),
+        predicted_overhead=f.float("predicted_overhead"),
+        strategy=f.str("strategy"),
+        solver=f.str("solver"),
+        solver_status=f.str("solver_status"),
+        solve_s=f.float("solve_s"),
+        fingerprint=fingerprint.data,
+        input_shapes=str(f.data.get("input_shapes", "")),
+        baselines=dict(f.data.get("baselines") or {}),
+    )
+
+
+def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]:
+    """Class, unit names and a hash of parameter names, shapes and dtypes: enough to tell that a
+    schedule was made for this architecture, without depending on the weights' values."""
+    digest = hashlib.sha256()
+    count = 0
+    for name, p in model.named_parameters():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+        count += p.numel()
+    base = getattr(type(model), "_memfit_base", type(model))
+    return {
+        "model_class": f"{base.__module__}.{base.__qualname__}",
+        "units": list(unit_names),
+        "params_sha256": digest.hexdigest(),
+        "param_count": count,
+    }
