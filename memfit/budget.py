@@ -36,7 +36,7 @@ def parse_bytes(text: str | int | float) -> int:
     result = value * (1024**power)
     if not math.isfinite(result) or result <= 0:
         raise BudgetFormatError(f"a memory size must be positive, got {text!r}")
-    return int(math.floor(result))
+    return math.floor(result)
 
 
 def format_bytes(n: float, *, signed: bool = False) -> str:

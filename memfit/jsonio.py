@@ -59,7 +59,7 @@ class Fields:
         if key not in self.data:
             raise FileFormatError(f"{self.where}: missing field {key!r}")
         value = self.data[key]
-        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
             raise FileFormatError(f"{self.where}: field {key!r} must be {what}, got {value!r}")
         return value
 

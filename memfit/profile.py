@@ -55,13 +55,19 @@ class UnitProfile:
 
 @dataclass(slots=True)
 class Phase:
-    """One stretch of the step between two marks; ``unit`` is None for the remainder."""
+    """One stretch of the step between two marks; ``unit`` is None for the remainder.
+
+    A remainder phase can end higher when some unit is checkpointed: tensors made outside the
+    units (position ids, masks) that a checkpoint keeps for its recompute are not freed with
+    the forward. ``ckpt_end_bytes`` is the end level change then.
+    """
 
     label: str
     unit: int | None = None
     kind: str = "remainder"  # "remainder", "forward" or "backward"
     peak_bytes: int = 0
     end_bytes: int = 0
+    ckpt_end_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -146,7 +152,9 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         kind = p.str("kind")
         if kind not in ("remainder", "forward", "backward"):
             raise_field(p.where, "kind", kind)
-        phases.append(Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes")))
+        phases.append(
+            Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes"), p.int("ckpt_end_bytes"))
+        )
     measured = f.obj("measured_peak_bytes")
     return Profile(
         model_class=f.str("model_class"),

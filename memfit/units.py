@@ -23,7 +23,7 @@ def find_units(model: nn.Module, spec: str | Sequence[str] = "auto") -> list[str
     names = [n for n, _ in model.named_modules() if n]
     chosen: list[str] = []
     for pattern in patterns:
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        hits = [n for n in names if _matches(n, pattern)]
         if not hits:
             raise UnitSelectionError(
                 f"no module matches the unit pattern {pattern!r}; "
@@ -35,6 +35,12 @@ def find_units(model: nn.Module, spec: str | Sequence[str] = "auto") -> list[str
             if a != b and b.startswith(a + "."):
                 raise UnitSelectionError(f"unit {b!r} lies inside unit {a!r}: units must not nest")
     return chosen
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """Glob by dotted component: ``layers.*`` matches ``layers.3`` but not ``layers.3.mlp``."""
+    parts, pats = name.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True))
 
 
 def _auto_units(model: nn.Module) -> list[str]:

@@ -25,7 +25,8 @@ class IntModel:
 
     quantum: int
     baseline: int
-    phases: list[tuple[int | None, dict[str, tuple[int, int]]]]  # (unit, option -> (peak, end))
+    # (unit, option -> (peak, end)); the remainder's options are "" and "ckpt" (some unit checkpointed)
+    phases: list[tuple[int | None, dict[str, tuple[int, int]]]]
     recompute_ns: list[dict[str, int]]
 
     @staticmethod
@@ -45,7 +46,8 @@ class IntModel:
         phases: list[tuple[int | None, dict[str, tuple[int, int]]]] = []
         for ph in profile.phases:
             if ph.unit is None:
-                phases.append((None, {"": (up(ph.peak_bytes), up(ph.end_bytes))}))
+                peak = up(ph.peak_bytes)
+                phases.append((None, {"": (peak, up(ph.end_bytes)), "ckpt": (peak, up(ph.ckpt_end_bytes))}))
                 continue
             costs = profile.units[ph.unit].options
             if ph.kind == "forward":
@@ -105,12 +107,16 @@ def _solve_cpsat(
         m.AddExactlyOne(x[i].values())
     big = _bounds(model)
     peak_var = m.NewIntVar(-big, big, "peak") if minimize == "peak" else None
+    any_ckpt = m.NewBoolVar("any_ckpt")
+    for i in range(n):
+        for o in OPTIONS[1:]:
+            m.AddImplication(x[i][o], any_ckpt)
     level: cp_model.LinearExprT = model.baseline
     for k, (unit, table) in enumerate(model.phases):
         if unit is None:
             p, e = table[""]
             peak_expr: cp_model.LinearExprT = level + p
-            end_expr: cp_model.LinearExprT = level + e
+            end_expr: cp_model.LinearExprT = level + e + (table["ckpt"][1] - e) * any_ckpt
         else:
             peak_expr = level + sum(table[o][0] * x[unit][o] for o in OPTIONS)
             end_expr = level + sum(table[o][1] * x[unit][o] for o in OPTIONS)
@@ -150,6 +156,10 @@ def _solve_cbc(
     for i in range(n):
         prob += pulp.lpSum(x[i].values()) == 1
     peak_var = pulp.LpVariable("peak") if minimize == "peak" else None
+    any_ckpt = pulp.LpVariable("any_ckpt", cat="Binary")
+    for i in range(n):
+        for o in OPTIONS[1:]:
+            prob += any_ckpt >= x[i][o]
     if peak_var is not None:
         prob += peak_var
     else:
@@ -158,7 +168,7 @@ def _solve_cbc(
     for k, (unit, table) in enumerate(model.phases):
         if unit is None:
             p, e = table[""]
-            peak_expr, end_expr = level + p, level + e
+            peak_expr, end_expr = level + p, level + e + (table["ckpt"][1] - e) * any_ckpt
         else:
             peak_expr = level + pulp.lpSum(table[o][0] * x[unit][o] for o in OPTIONS)
             end_expr = level + pulp.lpSum(table[o][1] * x[unit][o] for o in OPTIONS)

@@ -45,9 +45,10 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
     level = profile.baseline_bytes
     peak, where = level, "start"
     levels = []
+    any_ckpt = any(o != "none" for o in chosen)
     for phase in profile.phases:
         if phase.unit is None:
-            p, e = phase.peak_bytes, phase.end_bytes
+            p, e = phase.peak_bytes, phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
         else:
             cost = profile.units[phase.unit].options[chosen[phase.unit]]
             if phase.kind == "forward":

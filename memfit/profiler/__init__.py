@@ -132,9 +132,11 @@ def _assemble(
             label = f"{'forward' if kind == 'fwd' else 'backward'} {names[i]}"
             phases.append(Phase(label, i, "forward" if kind == "fwd" else "backward"))
         else:
-            # The remainder does not depend on the units' options; keep the larger figures.
-            peak, end = max(s_none.peak, s_full.peak), s_none.end
-            phases.append(Phase(_remainder_label(s_none.label, names), None, "remainder", peak, end))
+            # The remainder's peak does not depend on the units' options: keep the larger. Its end
+            # can be higher with checkpointing (tensors kept for recompute); never take it lower.
+            peak, end, ckpt_end = max(s_none.peak, s_full.peak), s_none.end, max(s_none.end, s_full.end)
+            label = _remainder_label(s_none.label, names)
+            phases.append(Phase(label, None, "remainder", peak, end, ckpt_end))
     step_s = statistics.median(sum(s.seconds for s in run) for run in times)
     trainable = [p for p in params if p.requires_grad]
     measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in OPTIONS}

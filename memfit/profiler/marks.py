@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,14 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import MemfitError
 from memfit.profiler.step import iter_tensors
-
-
-@dataclass(slots=True)
-class Mark:
-    label: str
-    level: int  # live bytes at the mark, relative to the step's start
-    peak: int  # highest live bytes since the previous mark, relative to the step's start
-    time_s: float = 0.0
+from memfit.runtime.memory import Mark
 
 
 class UnitMarks:
@@ -88,74 +80,6 @@ class UnitMarks:
             self.on_mark(label)
 
 
-class CpuMemoryRecorder:
-    """Exact live bytes on the CPU from the allocator's own events (the CPU allocator does not
-    cache). Relies on ``prof.profiler.kineto_results.events()``, a private but long-stable
-    surface, because the public ``prof.events()`` does not carry every allocation."""
-
-    def __init__(self) -> None:
-        self._prof: Any = None
-
-    def __enter__(self) -> CpuMemoryRecorder:
-        self._prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        )
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._prof.__exit__(*exc)
-
-    def on_mark(self, label: str) -> None:
-        with torch.profiler.record_function(f"memfit:{label}"):
-            pass
-
-    def marks(self) -> list[Mark]:
-        events = list(self._prof.profiler.kineto_results.events())
-        memory = sorted(
-            (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-        labels = sorted((e.start_ns(), e.name()[len("memfit:") :]) for e in events if e.name().startswith("memfit:"))
-        out: list[Mark] = []
-        level = peak = 0
-        j = 0
-        for t, label in labels:
-            while j < len(memory) and memory[j][0] < t:
-                level += memory[j][1]
-                peak = max(peak, level)
-                j += 1
-            out.append(Mark(label, level, peak))
-            peak = level
-        return out
-
-
-class CudaMemoryRecorder:
-    """Live bytes from the CUDA caching allocator's statistics (allocated, not reserved)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._start = 0
-        self._marks: list[Mark] = []
-
-    def __enter__(self) -> CudaMemoryRecorder:
-        torch.cuda.synchronize(self.device)
-        self._start = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def on_mark(self, label: str) -> None:
-        level = torch.cuda.memory_allocated(self.device) - self._start
-        peak = torch.cuda.max_memory_allocated(self.device) - self._start
-        self._marks.append(Mark(label, level, peak))
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def marks(self) -> list[Mark]:
-        return self._marks
-
-
 class TimeRecorder:
     """Wall-clock time at each mark (CUDA is synchronised first, so a mark's time is real)."""
 
@@ -176,11 +100,3 @@ class TimeRecorder:
 
     def marks(self) -> list[Mark]:
         return self._marks
-
-
-def memory_recorder(device: torch.device) -> CpuMemoryRecorder | CudaMemoryRecorder:
-    if device.type == "cuda":
-        return CudaMemoryRecorder(device)
-    if device.type == "cpu":
-        return CpuMemoryRecorder()
-    raise MemfitError(f"memfit measures memory on CPU and CUDA devices, not {device.type!r}")

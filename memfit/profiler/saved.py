@@ -63,7 +63,10 @@ def saved_and_input_bytes(
 
     marks = UnitMarks(model, unit_names, on_mark)
     units = marks.units
-    handles = [u.register_forward_pre_hook(_input_counter(i, input_bytes, model), with_kwargs=True) for i, u in enumerate(units)]
+    handles = [
+        u.register_forward_pre_hook(_input_counter(i, input_bytes, model), with_kwargs=True)
+        for i, u in enumerate(units)
+    ]
     try:
         with marks, producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_fn(model(*inputs.args, **inputs.kwargs))

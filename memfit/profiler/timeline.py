@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,8 +10,9 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profiler.marks import Mark, TimeRecorder, UnitMarks, memory_recorder
+from memfit.profiler.marks import TimeRecorder, UnitMarks
 from memfit.profiler.step import Inputs, LossFn, training_step, zero_grad
+from memfit.runtime.memory import Mark, memory_recorder
 
 
 @dataclass(slots=True)
@@ -44,7 +46,7 @@ def stretches(marks: list[Mark]) -> list[Stretch]:
     if not marks or marks[0].label != "forward" or marks[-1].label != "done":
         raise MemfitError("the profiled step was not recorded whole (marks are missing)")
     out = []
-    for a, b in zip(marks, marks[1:], strict=False):
+    for a, b in itertools.pairwise(marks):
         out.append(Stretch(a.label, b.peak - a.level, b.level - a.level, b.time_s - a.time_s))
     return out
 

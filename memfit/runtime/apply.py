@@ -122,6 +122,8 @@ def _context_fn(module: nn.Module) -> Callable[[], Any]:
 def _batch_norm_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     if op in _BATCH_NORM_OPS:
         return CheckpointPolicy.MUST_SAVE
-    if op is _aten.add_.Tensor and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.long and args[0].dim() == 0:
+    target = args[0] if args else None
+    counter = isinstance(target, torch.Tensor) and target.dtype == torch.long and target.dim() == 0
+    if op is _aten.add_.Tensor and counter:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

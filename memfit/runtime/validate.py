@@ -1,0 +1,178 @@
+"""validate(): run the plain and the scheduled model, and compare measured with predicted."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.profiler.step import (
+    Inputs,
+    LossFn,
+    default_loss,
+    make_optimizer,
+    optimizer_tensors,
+    storage_bytes,
+    training_step,
+    zero_grad,
+)
+from memfit.runtime.apply import apply, clear_policies, set_policies
+from memfit.runtime.memory import memory_recorder
+from memfit.schedule import Schedule
+
+
+@dataclass(slots=True)
+class StepRun:
+    """What one configuration did: losses per step, final gradients and buffers, peak, time."""
+
+    losses: list[float]
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    peak_bytes: int
+
+
+@dataclass(slots=True)
+class Validation:
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    plain_peak_bytes: int
+    predicted_overhead: float
+    measured_overhead: float  # scheduled step time / plain step time - 1
+    plain_step_s: float
+    step_s: float
+    max_grad_diff: float
+    losses_equal: bool
+    grads_equal: bool
+    buffers_equal: bool
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured: positive means the plan was cautious."""
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / self.measured_peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.measured_peak_bytes <= self.budget_bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.fits and self.losses_equal and self.grads_equal and self.buffers_equal
+
+
+def measure_steps(
+    model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+    steps: int = 2, seed: int = 0,
+) -> StepRun:
+    """Run ``steps`` training steps (the first warms up) from a fixed seed; the peak is the
+    last step's. The optimizer has learning rate 0, so every step sees the same weights."""
+    inp = Inputs.of(inputs)
+    loss = loss_fn or default_loss
+    device = _device(model)
+    opt = make_optimizer(optimizer, model.parameters())
+    model.train()
+    torch.manual_seed(seed)
+    losses = []
+    for _ in range(steps - 1):
+        zero_grad(model, opt)
+        losses.append(training_step(model, inp, loss, opt))
+    zero_grad(model, opt)
+    baseline = storage_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()])
+    recorder = memory_recorder(device)
+    with recorder:
+        recorder.on_mark("start")
+        losses.append(training_step(model, inp, loss, opt))
+        recorder.on_mark("end")
+    marks = recorder.marks()
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level)
+
+
+def step_times(
+    model: nn.Module, inputs: Any, policies: dict[str, str], *, loss_fn: LossFn | None = None,
+    optimizer: str | None = "adamw", steps: int = 5,
+) -> tuple[float, float]:
+    """Median step time of the plain model and of the scheduled one, measured in alternation so
+    that drift in the machine's speed falls on both alike."""
+    inp = Inputs.of(inputs)
+    loss = loss_fn or default_loss
+    device = _device(model)
+    opt = make_optimizer(optimizer, model.parameters())
+    model.train()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(steps + 1):
+        for scheduled in (False, True) if i % 2 == 0 else (True, False):
+            if scheduled:
+                set_policies(model, policies)
+            try:
+                zero_grad(model, opt)
+                _sync(device)
+                t0 = time.perf_counter()
+                training_step(model, inp, loss, opt)
+                _sync(device)
+                if i > 0:  # the first round warms up
+                    times[scheduled].append(time.perf_counter() - t0)
+            finally:
+                clear_policies(model)
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(iter(model.parameters())).device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def validate(
+    model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
+    optimizer: str | None = "adamw", steps: int = 5,
+) -> Validation:
+    """Measure the plain model and the scheduled model on the same state and RNG, and compare
+    peak memory, losses, gradients and buffers; time ``steps`` steps of each in alternation.
+    ``model`` is left as it was."""
+    state = copy.deepcopy(model.state_dict())
+    plain = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    model.load_state_dict(state)
+    apply(model, schedule)
+    try:
+        sched = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    finally:
+        clear_policies(model)
+        model.load_state_dict(state)
+    plain_s, sched_s = step_times(model, inputs, schedule.policies, loss_fn=loss_fn, optimizer=optimizer, steps=steps)
+    model.load_state_dict(state)
+    diff = 0.0
+    grads_equal = True
+    for name, g in plain.grads.items():
+        h = sched.grads[name]
+        if (g is None) != (h is None):
+            grads_equal = False
+        elif g is not None and h is not None:
+            d = (g - h).abs().max().item() if g.numel() else 0.0
+            diff = max(diff, d)
+            # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute.
+            exact = g.device.type == "cpu"
+            grads_equal &= bool(torch.equal(g, h)) if exact else d <= 1e-5 * max(1.0, g.abs().max().item())
+    return Validation(
+        budget_bytes=schedule.budget_bytes,
+        predicted_peak_bytes=schedule.predicted_peak_bytes,
+        measured_peak_bytes=sched.peak_bytes,
+        plain_peak_bytes=plain.peak_bytes,
+        predicted_overhead=schedule.predicted_overhead,
+        measured_overhead=sched_s / plain_s - 1.0,
+        plain_step_s=plain_s,
+        step_s=sched_s,
+        max_grad_diff=diff,
+        losses_equal=plain.losses == sched.losses,
+        grads_equal=grads_equal,
+        buffers_equal=all(torch.equal(b, sched.buffers[n]) for n, b in plain.buffers.items()),
+    )

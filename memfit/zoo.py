@@ -1,0 +1,118 @@
+"""Small built-in models for the scenarios, the tests and the benchmarks (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.dropout = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, mlp_ratio * d_model),
+            nn.GELU(),
+            nn.Linear(mlp_ratio * d_model, d_model),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder: token and position embeddings, pre-LN blocks, tied head."""
+
+    def __init__(
+        self, vocab: int = 4096, seq: int = 256, d_model: int = 256, n_head: int = 4, n_layer: int = 6,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(seq, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPTBlock(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        out = {"logits": logits}
+        if targets is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return out
+
+
+def gpt(
+    batch: int = 8, seq: int = 256, vocab: int = 4096, d_model: int = 256, n_head: int = 4,
+    n_layer: int = 6, dropout: float = 0.1, seed: int = 0,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The default scenario's model and a batch of random tokens with next-token targets."""
+    torch.manual_seed(seed)
+    model = GPT(vocab, seq, d_model, n_head, n_layer, dropout)
+    idx = torch.randint(0, vocab, (batch, seq + 1))
+    return model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
+
+
+class ResBlock(nn.Module):
+    """A post-activation residual block; a strided 1x1 projection when the shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.short: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.short = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.short(x))
+
+
+def cnn(
+    batch: int = 16, image: int = 64, widths: tuple[int, ...] | list[int] = (32, 32, 64, 64, 128, 128),
+    classes: int = 10, seed: int = 0,
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A ResNet-style CNN whose blocks differ in size (widths grow, resolution shrinks)."""
+    torch.manual_seed(seed)
+    blocks, c = [], widths[0]
+    for i, w in enumerate(widths):
+        blocks.append(ResBlock(c, w, stride=2 if i > 0 and w != c else 1))
+        c = w
+    model = nn.Sequential()
+    stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+    model.add_module("stem", stem)
+    model.add_module("blocks", nn.Sequential(*blocks))
+    model.add_module("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)))
+    return model, (torch.randn(batch, 3, image, image),)
