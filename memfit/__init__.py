@@ -5,6 +5,8 @@
     model = memfit.apply(model, sched)                # checkpoint the chosen units in place
 """
 
+__version__ = "0.1.0"
+
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import (
     BudgetFormatError,
@@ -18,7 +20,9 @@ from memfit.optimizer.model import Prediction, predict
 from memfit.optimizer.planner import min_budget_bytes, plan
 from memfit.profile import Profile
 from memfit.profiler import profile
+from memfit.profiler.step import default_loss
 from memfit.runtime.apply import apply
+from memfit.runtime.validate import Validation, validate
 from memfit.schedule import Schedule, load_schedule
 
 __all__ = [
@@ -31,7 +35,9 @@ __all__ = [
     "Schedule",
     "ScheduleMismatchError",
     "UnitSelectionError",
+    "Validation",
     "apply",
+    "default_loss",
     "format_bytes",
     "load_schedule",
     "min_budget_bytes",
@@ -39,4 +45,5 @@ __all__ = [
     "plan",
     "predict",
     "profile",
+    "validate",
 ]

@@ -58,6 +58,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
+        for module in self.modules():  # GPT-2's initialisation, so losses start near log(vocab)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -7,6 +7,11 @@ plain measurement marks only the start and the end.
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,8 @@ class CpuMemoryRecorder:
         self._prof: Any = None
 
     def __enter__(self) -> CpuMemoryRecorder:
+        self._quiet = _filtered_stderr()
+        self._quiet.__enter__()
         self._prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
@@ -39,7 +46,10 @@ class CpuMemoryRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._prof.__exit__(*exc)
+        try:
+            self._prof.__exit__(*exc)
+        finally:
+            self._quiet.__exit__(*exc)
 
     def on_mark(self, label: str) -> None:
         with torch.profiler.record_function(f"memfit:{label}"):
@@ -88,6 +98,34 @@ class CudaMemoryRecorder:
 
     def marks(self) -> list[Mark]:
         return self._marks
+
+
+_NOISE = ("USDT:", "profiler_start", "profiler_stop", "Memory block of unknown size")
+
+
+@contextmanager
+def _filtered_stderr() -> Iterator[None]:
+    """Drop the profiler's own start/stop chatter (written by C++ straight to file descriptor 2)
+    and pass every other line through."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stderr (captured): nothing to filter
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if line.strip() and not any(n in line for n in _NOISE):
+                    sys.stderr.write(line)
 
 
 def memory_recorder(device: torch.device) -> CpuMemoryRecorder | CudaMemoryRecorder:

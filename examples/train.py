@@ -1,0 +1,42 @@
+"""A complete small training loop that applies a memfit schedule.
+
+    memfit plan --budget 300MB -o schedule.json        # plan for the built-in gpt-small scenario
+    python examples/train.py --schedule schedule.json --steps 20
+
+The model comes from the same scenario the schedule was planned for; in your own script it is
+simply your model: ``model = memfit.apply(model, memfit.load_schedule("schedule.json"))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import memfit
+from memfit.scenarios import load_scenario
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schedule", default="schedule.json", help="schedule JSON from `memfit plan -o`")
+    parser.add_argument("--scenario", default="gpt-small", help="scenario the schedule was planned for")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    args = parser.parse_args()
+
+    model, batch = load_scenario(args.scenario).build()
+    model = memfit.apply(model, memfit.load_schedule(args.schedule))
+    print("checkpointed units:", ", ".join(memfit.load_schedule(args.schedule).checkpointed) or "none")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model.train()
+    for step in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = memfit.default_loss(model(**batch) if isinstance(batch, dict) else model(*batch))
+        loss.backward()
+        optimizer.step()
+        print(f"step {step}: loss {loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

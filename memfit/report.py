@@ -1,0 +1,107 @@
+"""Text tables for the CLI: schedules, profiles and validations, in MiB/GiB and milliseconds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memfit.budget import format_bytes
+from memfit.optimizer.model import predict
+from memfit.profile import Profile
+from memfit.runtime.validate import Validation
+from memfit.schedule import Schedule
+
+BASELINE_NAMES = {"none": "checkpoint nothing", "full": "checkpoint every unit"}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] | None = None) -> str:
+    """A plain aligned table; ``right`` marks the columns to align right (numbers)."""
+    right = right or [i > 0 for i in range(len(headers))]
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            str(c).rjust(w) if r else str(c).ljust(w) for c, w, r in zip(cells, widths, right, strict=True)
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
+    """The units with their policies, then the plan beside the baselines."""
+    if profile is not None:
+        rows = []
+        for u, policy in zip(profile.units, schedule.policies.values(), strict=True):
+            cost = u.options[policy]
+            rows.append([u.name, policy, format_bytes(u.saved_bytes), format_bytes(cost.stored_bytes),
+                         _ms(cost.recompute_s)])
+        head = ["unit", "policy", "saved for bwd", "kept to bwd", "recompute"]
+        out = [table(head, rows, [False, False, True, True, True])]
+    else:
+        out = [table(["unit", "policy"], [[n, p] for n, p in schedule.policies.items()], [False, False])]
+    out.append("")
+    budget = schedule.budget_bytes
+    summary = [[f"memfit plan ({schedule.strategy})", format_bytes(schedule.predicted_peak_bytes),
+                "yes", _pct(schedule.predicted_overhead)]]
+    for key, figures in schedule.baselines.items():
+        peak = int(figures["peak_bytes"])
+        summary.append([BASELINE_NAMES.get(key, key), format_bytes(peak), "yes" if peak <= budget else "no",
+                        _pct(figures["overhead"])])
+    out.append(table(["strategy", "predicted peak", "fits", "slowdown"], summary, [False, True, False, True]))
+    used = sum(p != "none" for p in schedule.policies.values())
+    out.append("")
+    out.append(
+        f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed; "
+        f"solver {schedule.solver} ({schedule.solver_status}) in {schedule.solve_s:.2f} s"
+    )
+    if profile is not None:
+        where = predict(profile, schedule.policies).peak_phase
+        out.append(f"the peak is reached in: {where}")
+    return "\n".join(out)
+
+
+def profile_report(profile: Profile) -> str:
+    rows = []
+    for u in profile.units:
+        none, full = u.options["none"], u.options["full"]
+        rows.append([u.name, _ms(u.fwd_s), _ms(u.bwd_s), format_bytes(u.input_bytes), format_bytes(u.saved_bytes),
+                     format_bytes(none.stored_bytes), format_bytes(full.stored_bytes),
+                     format_bytes(none.bwd_peak_bytes), format_bytes(full.bwd_peak_bytes)])
+    head = ["unit", "fwd", "bwd", "input", "saved", "kept (none)", "kept (full)", "bwd peak (none)", "bwd peak (full)"]
+    lines = [
+        f"{profile.model_class} on {profile.device}, optimizer {profile.optimizer}; inputs: {profile.input_shapes}",
+        table(head, rows, [False, *([True] * 8)]),
+        "",
+        f"parameters {format_bytes(profile.param_bytes)}, gradients {format_bytes(profile.grad_bytes)}, "
+        f"optimizer state {format_bytes(profile.optimizer_state_bytes)}, buffers {format_bytes(profile.buffer_bytes)}, "
+        f"inputs {format_bytes(profile.input_bytes)}",
+        f"one step {_ms(profile.step_s)}; measured peak {format_bytes(profile.measured_peak_bytes.get('none', 0))} "
+        f"with nothing checkpointed, {format_bytes(profile.measured_peak_bytes.get('full', 0))} with every unit",
+    ]
+    return "\n".join(lines)
+
+
+def validation_report(v: Validation) -> str:
+    rows = [
+        ["peak memory", format_bytes(v.predicted_peak_bytes), format_bytes(v.measured_peak_bytes),
+         f"{v.error * 100:+.2f}%"],
+        ["slowdown", _pct(v.predicted_overhead), _pct(v.measured_overhead),
+         f"{(v.predicted_overhead - v.measured_overhead) * 100:+.1f} pp"],
+    ]
+    verdict = "OK" if v.ok else "FAILED"
+    checks = [
+        f"measured peak {'fits' if v.fits else 'EXCEEDS'} the budget of {format_bytes(v.budget_bytes)} "
+        f"(plain model: {format_bytes(v.plain_peak_bytes)})",
+        f"losses {'equal' if v.losses_equal else 'DIFFER'}; gradients {'equal' if v.grads_equal else 'DIFFER'} "
+        f"(max difference {v.max_grad_diff:.3g}); buffers {'equal' if v.buffers_equal else 'DIFFER'}",
+        f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled",
+    ]
+    return "\n".join([table(["", "predicted", "measured", "error"], rows), "", *checks, f"validation {verdict}"])

@@ -1,0 +1,135 @@
+"""A checkpointed model computes exactly what the plain one does: loss, outputs, gradients, buffers."""
+
+import copy
+
+import pytest
+import torch
+
+import memfit
+from memfit.runtime.apply import clear_policies, is_checkpointed, set_policies
+from memfit.schedule import Schedule, model_fingerprint
+from memfit.units import find_units
+from memfit.zoo import cnn
+
+from .conftest import kw_net, tiny_gpt
+
+
+def _schedule(model, policies):
+    return Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+                    model_fingerprint(model, list(policies)))
+
+
+def _run(model, inputs, steps=2, seed=123):
+    """Two SGD steps from a fixed seed: per-step losses and outputs, final grads and buffers."""
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.train()
+    losses, outputs = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        loss = memfit.default_loss(out)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        first = out["logits"] if isinstance(out, dict) else out
+        outputs.append(first.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return losses, outputs, grads, params, buffers
+
+
+def _assert_identical(a, b):
+    for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True):
+        assert torch.equal(x, y)
+    for d1, d2 in zip(a[2:], b[2:], strict=True):
+        assert d1.keys() == d2.keys()
+        for k in d1:
+            assert torch.equal(d1[k], d2[k]), k
+
+
+@pytest.mark.parametrize("pattern", ["none", "full", "mixed"])
+@pytest.mark.parametrize("factory", [tiny_gpt, kw_net, lambda: cnn(batch=4, image=16, widths=[8, 8, 16, 16])],
+                         ids=["gpt-dropout", "kwargs-tuple", "cnn-batchnorm"])
+def test_gradients_equal_plain(factory, pattern):
+    model, inputs = factory()
+    names = find_units(model, "auto")
+    twin = copy.deepcopy(model)
+    policy = {"none": lambda i: "none", "full": lambda i: "full", "mixed": lambda i: "full" if i % 2 else "none"}
+    policies = {n: policy[pattern](i) for i, n in enumerate(names)}
+    memfit.apply(twin, _schedule(model, policies))
+    assert [is_checkpointed(twin.get_submodule(n)) for n in names] == [p == "full" for p in policies.values()]
+    _assert_identical(_run(model, inputs), _run(twin, inputs))
+
+
+def test_checkpointing_really_saves_memory_and_recomputes():
+    """Guards against an apply() that silently does nothing: fewer saved bytes, more forward calls."""
+    model, inputs = tiny_gpt()
+    names = find_units(model, "auto")
+    calls = []
+    model.get_submodule(names[0]).attn.register_forward_hook(lambda *a: calls.append(1))
+
+    def saved_bytes():
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = memfit.default_loss(model(**inputs))
+        return loss, total
+
+    loss, plain = saved_bytes()
+    loss.backward()
+    assert len(calls) == 1
+    set_policies(model, dict.fromkeys(names, "full"))
+    calls.clear()
+    loss, ckpt = saved_bytes()
+    loss.backward()
+    assert len(calls) == 2  # the forward ran again inside backward
+    assert ckpt < plain / 2
+
+
+def test_names_and_state_dict_unchanged():
+    model, _ = tiny_gpt()
+    names = find_units(model, "auto")
+    before = [n for n, _ in model.named_parameters()], list(model.state_dict())
+    set_policies(model, dict.fromkeys(names, "full"))
+    assert ([n for n, _ in model.named_parameters()], list(model.state_dict())) == before
+    assert isinstance(model.get_submodule(names[0]), type(tiny_gpt()[0].h[0]))
+    clear_policies(model)
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_refuses_to_wrap_twice():
+    model, _ = tiny_gpt()
+    names = find_units(model, "auto")
+    sched = _schedule(model, dict.fromkeys(names, "full"))
+    memfit.apply(model, sched)
+    with pytest.raises(memfit.MemfitError, match="already checkpointed"):
+        memfit.apply(model, sched)
+
+
+def test_refuses_schedule_of_another_model():
+    model, _ = tiny_gpt()
+    other, _ = kw_net()
+    sched = _schedule(other, dict.fromkeys(find_units(other, "auto"), "full"))
+    with pytest.raises(memfit.ScheduleMismatchError, match="another model"):
+        memfit.apply(model, sched)
+    bigger, _ = memfit.zoo.gpt(batch=1, seq=32, vocab=256, d_model=64, n_head=2, n_layer=5)
+    sched = _schedule(bigger, dict.fromkeys(find_units(bigger, "auto"), "full"))
+    with pytest.raises(memfit.ScheduleMismatchError):
+        memfit.apply(model, sched)
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_refuses_unknown_unit():
+    model, _ = tiny_gpt()
+    sched = _schedule(model, {"h.0": "full", "h.9": "full"})
+    sched.fingerprint = model_fingerprint(model, ["h.0", "h.9"])
+    with pytest.raises(memfit.ScheduleMismatchError, match="h.9"):
+        memfit.apply(model, sched)
+    assert not is_checkpointed(model.h[0])
