@@ -144,9 +144,12 @@ def _profile(args: argparse.Namespace) -> Any:
     sc, model, inputs = _build(args)
     optimizer = None if sc.optimizer == "none" else sc.optimizer
     with tqdm(total=4 + args.repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
+        started = []
+
         def progress(message: str) -> None:  # called as each pass begins
-            if bar.postfix:
+            if started:
                 bar.update(1)
+            started.append(message)
             bar.set_postfix_str(message)
 
         result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=args.repeat, progress=progress)

@@ -130,6 +130,6 @@ def test_refuses_unknown_unit():
     model, _ = tiny_gpt()
     sched = _schedule(model, {"h.0": "full", "h.9": "full"})
     sched.fingerprint = model_fingerprint(model, ["h.0", "h.9"])
-    with pytest.raises(memfit.ScheduleMismatchError, match="h.9"):
+    with pytest.raises(memfit.ScheduleMismatchError, match=r"h\.9"):
         memfit.apply(model, sched)
     assert not is_checkpointed(model.h[0])

@@ -1,0 +1,76 @@
+"""Predicted peak = measured peak: plan at several budgets, run the step, measure on the CPU."""
+
+import copy
+
+import pytest
+import torch
+
+import memfit
+from memfit.runtime.validate import measure_steps
+from memfit.scenarios import load_scenario
+
+from .conftest import tiny_gpt
+
+TOLERANCE = 0.03
+
+
+def hf_gpt2():
+    pytest.importorskip("transformers")
+    from memfit.hf import gpt2
+
+    return gpt2(batch=2, seq=64, n_layer=3, n_embd=64, n_head=2, vocab=512)
+
+
+def hf_llama():
+    pytest.importorskip("transformers")
+    from memfit.hf import llama
+
+    return llama(batch=2, seq=64, n_layer=3, hidden=64, n_head=4, vocab=512)
+
+
+def cnn_mixed():
+    return memfit.zoo.cnn(batch=4, image=32, widths=[8, 16, 16, 32])
+
+
+@pytest.mark.parametrize("factory", [tiny_gpt, hf_gpt2, hf_llama, cnn_mixed], ids=["gpt", "hf-gpt2", "hf-llama", "cnn"])
+def test_predicted_peak_matches_measured(factory):
+    model, inputs = factory()
+    units = "blocks.*" if factory is cnn_mixed else "auto"
+    optimizer = "sgd-momentum" if factory is cnn_mixed else "adamw"
+    prof = memfit.profile(model, inputs, units=units, optimizer=optimizer, repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    assert lo < hi
+    seen = set()
+    for frac in (0.0, 0.5, 1.0):
+        budget = int(lo + frac * (hi - lo))
+        sched = memfit.plan(prof, budget)
+        twin = memfit.apply(copy.deepcopy(model), sched)
+        measured = measure_steps(twin, inputs, optimizer=optimizer).peak_bytes
+        assert measured <= budget
+        assert abs(sched.predicted_peak_bytes - measured) / measured <= TOLERANCE
+        seen.add(tuple(sched.policies.values()))
+    assert len(seen) == 3  # three different schedules were checked
+
+
+def test_profile_measures_what_validate_measures():
+    model, inputs = tiny_gpt()
+    prof = memfit.profile(model, inputs, repeat=1)
+    for option in ("none", "full"):
+        pred = memfit.predict(prof, dict.fromkeys(prof.unit_names, option)).peak_bytes
+        assert pred == prof.measured_peak_bytes[option]
+
+
+def test_default_scenario_fits_and_validates():
+    """The built-in default at a mid budget: fits, equal gradients, prediction within 3%."""
+    sc = load_scenario("gpt-small")
+    sc.args.update(batch=2, seq=128)
+    model, inputs = sc.build()
+    prof = memfit.profile(model, inputs, repeat=1)
+    budget = (memfit.min_budget_bytes(prof) + memfit.predict(prof, {}).peak_bytes) // 2
+    sched = memfit.plan(prof, budget)
+    result = memfit.validate(model, inputs, sched, steps=1)
+    assert result.ok, result
+    assert abs(result.error) <= TOLERANCE
+    assert result.plain_peak_bytes > result.measured_peak_bytes
+    assert not any(hasattr(type(m), "_memfit_base") for m in model.modules())  # left plain
+    assert torch.isfinite(torch.tensor(result.measured_overhead))

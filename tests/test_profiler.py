@@ -1,0 +1,116 @@
+"""The profiler's figures are measured facts: byte counts checked by hand and by MemTracker."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.profiler.saved import saved_and_input_bytes
+from memfit.profiler.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
+from memfit.runtime.validate import measure_steps
+from memfit.units import find_units
+
+from .conftest import kw_net, tiny_gpt
+
+
+def test_cpu_meter_agrees_with_memtracker():
+    """Two independent ways of counting live CPU tensors give the same step peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, batch = tiny_gpt()
+    ours = measure_steps(model, batch).peak_bytes
+    opt = make_optimizer("adamw", model.parameters())
+    inp = Inputs.of(batch)
+    torch.manual_seed(0)
+    zero_grad(model, opt)
+    training_step(model, inp, default_loss, opt)
+    zero_grad(model, opt)
+    tracker = MemTracker()
+    tracker.track_external(model, opt, *inp.tensors())
+    with tracker:
+        training_step(model, inp, default_loss, opt)
+    assert ours == tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_saved_bytes_by_hand():
+    """Linear(16,16)+ReLU units on a [4,16] input: each ReLU saves its output (256 bytes), made by
+    its own unit; each Linear saves its input, made by the unit before (or the input: not counted)."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3)])
+    saved, inputs = saved_and_input_bytes(model, ["0", "1", "2"], Inputs.of(torch.randn(4, 16)), default_loss)
+    assert saved == [256, 256, 256]
+    assert inputs == [256, 256, 256]
+
+
+def test_static_bytes(gpt_profile):
+    model, batch = tiny_gpt()
+    params = sum(p.numel() * 4 for p in model.parameters())  # tied weights appear once
+    assert gpt_profile.param_bytes == params
+    assert gpt_profile.grad_bytes == params
+    n_tensors = len(list(model.parameters()))
+    assert gpt_profile.optimizer_state_bytes == 2 * params + 4 * n_tensors  # exp_avg, exp_avg_sq, step
+    assert gpt_profile.input_bytes == sum(t.numel() * 8 for t in batch.values())
+    assert gpt_profile.baseline_bytes == params + gpt_profile.optimizer_state_bytes + gpt_profile.input_bytes
+    assert gpt_profile.unit_names == ["h.0", "h.1", "h.2", "h.3"]
+    for u in gpt_profile.units:
+        assert u.fwd_s > 0 and u.bwd_s > 0
+        assert u.options["full"].stored_bytes < u.options["none"].stored_bytes
+        assert u.options["full"].recompute_s == u.fwd_s
+        assert u.options["none"].recompute_s == 0
+        # a kept unit frees what it stored and leaves its gradients: the same net change either way
+        none, full = u.options["none"], u.options["full"]
+        assert none.stored_bytes + none.bwd_end_bytes == full.stored_bytes + full.bwd_end_bytes
+
+
+def test_profile_leaves_model_as_found():
+    model, inputs = memfit.zoo.cnn(batch=4, image=16, widths=[8, 8, 16])
+    model.eval()
+    state = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    memfit.profile(model, inputs, units="blocks.*", repeat=1)
+    assert not model.training
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not any(hasattr(type(m), "_memfit_base") for m in model.modules())
+
+
+def test_profile_kwargs_model_and_inputs_forms():
+    model, inputs = kw_net()
+    prof = memfit.profile(model, inputs, repeat=1, optimizer="sgd")
+    assert len(prof.units) == 5 and prof.optimizer_state_bytes == 0
+    assert "mask=float32[4,16,1]" in prof.input_shapes
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    for form in (torch.randn(2, 8), (torch.randn(2, 8),), {"input": torch.randn(2, 8)}):
+        assert memfit.profile(seq, form, repeat=1, optimizer=None).unit_names == ["0", "1", "2"]
+
+
+def test_unit_selection():
+    model, _ = tiny_gpt()
+    assert find_units(model, "auto") == ["h.0", "h.1", "h.2", "h.3"]
+    assert find_units(model, "h.*") == ["h.0", "h.1", "h.2", "h.3"]
+    assert find_units(model, ["h.0", "h.[23]"]) == ["h.0", "h.2", "h.3"]
+    with pytest.raises(memfit.UnitSelectionError, match="no module matches"):
+        find_units(model, "layers.*")
+    with pytest.raises(memfit.UnitSelectionError, match="nest"):
+        find_units(model, ["h.0", "h.0.attn"])
+    with pytest.raises(memfit.UnitSelectionError, match="found no"):
+        find_units(nn.Linear(2, 2), "auto")
+
+
+def test_units_off_the_gradient_path_are_refused():
+    class Side(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.main = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                for b in self.blocks:
+                    b(x)
+            return self.main(x)
+
+    with pytest.raises(memfit.MemfitError, match="backward"):
+        memfit.profile(Side(), torch.randn(2, 4), repeat=1)
