@@ -41,6 +41,7 @@ class UnitProfile:
     saved_bytes: int  # saved for backward, deduplicated by storage, parameters excluded, by producer
     param_bytes: int
     options: dict[str, OptionCost]
+    output_bytes: int = 0  # bytes of the unit's tensor output (freed inside a checkpointed segment)
 
     @property
     def fwd_transient_bytes(self) -> int:
@@ -87,6 +88,7 @@ class Profile:
     phases: list[Phase]
     fingerprint: dict[str, Any]
     measured_peak_bytes: dict[str, int] = field(default_factory=dict)  # per all-units option
+    chain: bool = False  # each unit's output is the next one's only input: segments are possible
     torch_version: str = ""
 
     @property
@@ -141,7 +143,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         units.append(
             UnitProfile(
                 u.str("name"), u.float("fwd_s"), u.float("bwd_s"), u.int("input_bytes"),
-                u.int("saved_bytes"), u.int("param_bytes"), options,
+                u.int("saved_bytes"), u.int("param_bytes"), options, u.int("output_bytes"),
             )
         )
     phases = []
@@ -173,6 +175,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         fingerprint=f.obj("fingerprint").data,
         measured_peak_bytes={k: measured.int(k) for k in measured.data},
         torch_version=str(data.get("torch_version", "")),
+        chain=bool(data.get("chain", False)),
     )
 
 

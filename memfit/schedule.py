@@ -13,7 +13,7 @@ from memfit.errors import FileFormatError
 from memfit.jsonio import Fields, read_json, write_json_atomic
 
 SCHEDULE_FORMAT = "memfit.schedule/1"
-POLICIES = ("none", "full")
+POLICIES = ("none", "full")  # and "segment:<first>..<last>"
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class Schedule:
     strategy: str  # "ilp" or a baseline's name
     solver: str
     solver_status: str
-    solve_s: float
+    solve_s: float  # not saved: it would make identical plans differ
     fingerprint: dict[str, Any]
     input_shapes: str = ""
     baselines: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -36,7 +36,11 @@ class Schedule:
         return [name for name, policy in self.policies.items() if policy != "none"]
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        write_json_atomic(path, {"format": SCHEDULE_FORMAT, **asdict(self)})
+        """Write atomically. The solve time is left out, so that the same profile and budget
+        always give a byte-identical file."""
+        data = asdict(self)
+        del data["solve_s"]
+        write_json_atomic(path, {"format": SCHEDULE_FORMAT, **data})
 
 
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
@@ -44,10 +48,10 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     f = Fields(read_json(path, SCHEDULE_FORMAT), str(path))
     policies = f.obj("policies").data
     for unit, policy in policies.items():
-        if policy not in POLICIES:
+        if policy not in POLICIES and not (isinstance(policy, str) and policy.startswith("segment:")):
             raise FileFormatError(
                 f"{path}: field 'policies' gives unit {unit!r} the policy {policy!r}; "
-                f"expected one of {', '.join(POLICIES)}"
+                "expected none, full or segment:<first>..<last>"
             )
     fingerprint = f.obj("fingerprint")
     for key in ("model_class", "units", "params_sha256"):
@@ -62,7 +66,7 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         strategy=f.str("strategy"),
         solver=f.str("solver"),
         solver_status=f.str("solver_status"),
-        solve_s=f.float("solve_s"),
+        solve_s=0.0,
         fingerprint=fingerprint.data,
         input_shapes=str(f.data.get("input_shapes", "")),
         baselines=dict(f.data.get("baselines") or {}),

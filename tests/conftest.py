@@ -62,8 +62,9 @@ def gpt_profile() -> Profile:
     return memfit.profile(model, batch, repeat=1)
 
 
-def random_profile(n: int, seed: int, *, kinds: int = 2) -> Profile:
-    """A synthetic chain profile with integer bytes, for solver checks against brute force."""
+def random_profile(n: int, seed: int, *, chain: bool = True) -> Profile:
+    """A synthetic chain profile with integer bytes, for solver checks against brute force. As in
+    a real step, each unit's net change (its gradients) is the same whether it is checkpointed."""
     r = random.Random(seed)
     units, phases = [], [Phase("pre", None, "remainder", r.randint(0, 50), r.randint(0, 50), r.randint(50, 60))]
     for i in range(n):
@@ -78,6 +79,7 @@ def random_profile(n: int, seed: int, *, kinds: int = 2) -> Profile:
                     "full": OptionCost(s + r.randint(0, 30), s, a + r.randint(0, 40), grads - s,
                                        r.randint(1, 1000) * 1e-6),
                 },
+                output_bytes=r.randint(1, s),
             )
         )
         phases.append(Phase(f"forward u{i}", i, "forward"))
@@ -88,4 +90,5 @@ def random_profile(n: int, seed: int, *, kinds: int = 2) -> Profile:
     phases.append(Phase("step", None, "remainder", r.randint(0, 80), 0, 0))
     phases[0].ckpt_end_bytes = max(phases[0].ckpt_end_bytes, phases[0].end_bytes)
     return Profile("Synthetic", "cpu", "adamw", "", 100, 0, 0, 0, 0, 0, 0.1, units, phases,
-                   {"model_class": "Synthetic", "units": [u.name for u in units], "params_sha256": "0"})
+                   {"model_class": "Synthetic", "units": [u.name for u in units], "params_sha256": "0"},
+                   chain=chain)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.profiler.saved import saved_and_input_bytes
+from memfit.profiler.saved import unit_facts
 from memfit.profiler.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
 from memfit.runtime.validate import measure_steps
 from memfit.units import find_units
@@ -38,9 +38,10 @@ def test_saved_bytes_by_hand():
     """Linear(16,16)+ReLU units on a [4,16] input: each ReLU saves its output (256 bytes), made by
     its own unit; each Linear saves its input, made by the unit before (or the input: not counted)."""
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3)])
-    saved, inputs = saved_and_input_bytes(model, ["0", "1", "2"], Inputs.of(torch.randn(4, 16)), default_loss)
-    assert saved == [256, 256, 256]
-    assert inputs == [256, 256, 256]
+    facts = unit_facts(model, ["0", "1", "2"], Inputs.of(torch.randn(4, 16)), default_loss)
+    assert facts.saved == [256, 256, 256]
+    assert facts.inputs == facts.outputs == [256, 256, 256]
+    assert facts.chain
 
 
 def test_static_bytes(gpt_profile):

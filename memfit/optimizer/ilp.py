@@ -1,9 +1,11 @@
-"""The integer program: one option per unit, one constraint per phase, least recompute time.
+"""The integer program: one role per unit, one constraint per phase, least recompute time.
 
-Both backends (OR-Tools CP-SAT and PuLP with CBC) solve the same integer data: bytes divided by
-a quantum and rounded up, so that whatever fits the scaled model fits the real one, and
-recompute time in whole nanoseconds. Levels are chained variables (level after phase k = level
-before it + the phase's end), which keeps the model linear in size.
+Every solver (OR-Tools CP-SAT, PuLP with CBC, and the chain DP in dp.py) works on the same
+integer data, ``IntModel``: bytes divided by a quantum and rounded so that whatever fits the
+scaled model fits the real one, and recompute time in whole nanoseconds. Each unit's net
+change over the step (what stays after its backward: its gradients) is made the same for every
+role, as it is physically; levels are chained variables (level after phase k = level before it
++ the phase's end), which keeps the model linear in size.
 """
 
 from __future__ import annotations
@@ -13,55 +15,93 @@ import time
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
-from memfit.profile import OPTIONS, Profile
+from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role, segment_roles
+from memfit.profile import Profile
 
-SOLVERS = ("cpsat", "cbc")
-_RANGE = 2**30  # scaled bytes stay below this, far inside both solvers' exact integer range
+SOLVERS = ("cpsat", "cbc", "dp")
+_RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
+
+
+@dataclass(slots=True)
+class IntPhase:
+    unit: int | None
+    kind: str  # "remainder", "forward", "backward"
+    peak: int = 0  # remainder only
+    end: int = 0
+    ckpt_end: int = 0  # remainder's end when some unit is checkpointed
 
 
 @dataclass(slots=True)
 class IntModel:
-    """A Profile in integers: per phase (peak, end) per option, per unit recompute ns."""
-
     quantum: int
     baseline: int
-    # (unit, option -> (peak, end)); the remainder's options are "" and "ckpt" (some unit checkpointed)
-    phases: list[tuple[int | None, dict[str, tuple[int, int]]]]
-    recompute_ns: list[dict[str, int]]
+    phases: list[IntPhase]
+    roles: list[list[Role]]  # the roles each unit may take
+    costs: dict[tuple[int, Role], tuple[int, int, int, int]]  # (fwd peak, fwd end, bwd peak, bwd end)
+    recompute_ns: dict[tuple[int, Role], int]
+    net: list[int]  # each unit's level change over the whole step, whatever its role
+
+    @property
+    def n(self) -> int:
+        return len(self.roles)
 
     @staticmethod
-    def of(profile: Profile) -> IntModel:
-        scale = profile.baseline_bytes + sum(
-            max(abs(p.peak_bytes), abs(p.end_bytes)) for p in profile.phases
-        ) + sum(
-            max(abs(v) for o in u.options.values() for v in (o.fwd_peak_bytes, o.stored_bytes,
-                                                              o.bwd_peak_bytes, o.bwd_end_bytes))
-            for u in profile.units
-        )
-        q = max(1, math.ceil(scale / _RANGE))
+    def of(profile: Profile, *, segments: bool = True, max_segment: int = 8) -> IntModel:
+        """The scaled model; segments (of up to ``max_segment`` units) only for chains."""
+        figures = [profile.baseline_bytes, *(abs(v) for p in profile.phases for v in (p.peak_bytes, p.end_bytes))]
+        for u in profile.units:
+            for o in u.options.values():
+                figures += [abs(o.fwd_peak_bytes), abs(o.stored_bytes), abs(o.bwd_peak_bytes), abs(o.bwd_end_bytes)]
+        q = max(1, math.ceil(sum(figures) / _RANGE))
 
-        def up(x: int) -> int:
-            return -((-x) // q)
+        def up(x: float) -> int:
+            return -int((-x) // q)
 
-        phases: list[tuple[int | None, dict[str, tuple[int, int]]]] = []
-        for ph in profile.phases:
-            if ph.unit is None:
-                peak = up(ph.peak_bytes)
-                phases.append((None, {"": (peak, up(ph.end_bytes)), "ckpt": (peak, up(ph.ckpt_end_bytes))}))
-                continue
-            costs = profile.units[ph.unit].options
-            if ph.kind == "forward":
-                table = {o: (up(c.fwd_peak_bytes), up(c.stored_bytes)) for o, c in costs.items()}
-            else:
-                table = {o: (up(c.bwd_peak_bytes), up(c.bwd_end_bytes)) for o, c in costs.items()}
-            phases.append((ph.unit, table))
-        recompute = [{o: round(c.recompute_s * 1e9) for o, c in u.options.items()} for u in profile.units]
-        return IntModel(q, up(profile.baseline_bytes), phases, recompute)
+        phases = [
+            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes)) if p.unit is None
+            else IntPhase(p.unit, p.kind)
+            for p in profile.phases
+        ]
+        units = profile.units
+        net = [max(up(o.stored_bytes) + up(o.bwd_end_bytes) for o in u.options.values()) for u in units]
+        costs: dict[tuple[int, Role], tuple[int, int, int, int]] = {}
+        recompute: dict[tuple[int, Role], int] = {}
+        roles: list[list[Role]] = [[NONE, FULL] for _ in units]
+        for j, u in enumerate(units):
+            for role in (NONE, FULL):
+                o = u.options[role.kind]
+                fe = up(o.stored_bytes)
+                costs[j, role] = (up(o.fwd_peak_bytes), fe, up(o.bwd_peak_bytes), net[j] - fe)
+                recompute[j, role] = round(o.recompute_s * 1e9)
+        if segments and profile.chain:
+            for seg in segment_roles(len(units), max_segment):
+                members = range(seg.first, seg.last + 1)
+                fends = {
+                    j: up(units[j].options["full"].stored_bytes)
+                    - (int(units[j - 1].output_bytes // q) if j > seg.first else 0)
+                    for j in members
+                }
+                for j in members:
+                    full, none = units[j].options["full"], units[j].options["none"]
+                    if j < seg.last:
+                        back = (up(none.bwd_peak_bytes), net[j] - up(none.stored_bytes))
+                    else:
+                        before = sum(fends.values())
+                        kept = sum(up(units[m].options["none"].stored_bytes) for m in range(seg.first, seg.last))
+                        remat = up(full.stored_bytes) + kept - before
+                        end = sum(net[m] for m in members) - before - sum(
+                            net[m] - up(units[m].options["none"].stored_bytes) for m in range(seg.first, seg.last)
+                        )
+                        back = (remat + up(full.bwd_peak_bytes), end)
+                    costs[j, seg] = (up(full.fwd_peak_bytes), fends[j], *back)
+                    recompute[j, seg] = round(full.recompute_s * 1e9)
+                    roles[j].append(seg)
+        return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)
 
 
 @dataclass(slots=True)
 class Solution:
-    choice: list[str]  # option per unit
+    roles: list[Role]  # per unit
     status: str  # "optimal" or "feasible" (time limit reached with an answer)
     seconds: float
     objective: int  # recompute ns, or scaled peak when minimising memory
@@ -81,111 +121,159 @@ def solve(
         raise MemfitError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
     cap = None if budget_bytes is None or minimize == "peak" else budget_bytes // model.quantum
     start = time.perf_counter()
-    if solver == "cpsat":
-        result = _solve_cpsat(model, cap, minimize, time_limit)
+    if solver == "dp":
+        from memfit.optimizer.dp import solve_dp
+
+        result = solve_dp(model, cap, minimize)
     else:
-        result = _solve_cbc(model, cap, minimize, time_limit)
+        result = _solve_mip(model, cap, minimize, time_limit, solver)
     if result is None:
         return None
-    choice, status, objective = result
-    return Solution(choice, status, time.perf_counter() - start, objective)
+    roles, status, objective = result
+    return Solution(roles, status, time.perf_counter() - start, objective)
 
 
-def _bounds(model: IntModel) -> int:
-    return model.baseline + sum(max(abs(v) for pe in t.values() for v in pe) for _, t in model.phases) + 1
+def _segments(model: IntModel) -> list[Role]:
+    return sorted({r for rs in model.roles for r in rs if r.kind == SEGMENT}, key=lambda r: (r.first, r.last))
 
 
-def _solve_cpsat(
-    model: IntModel, cap: int | None, minimize: str, time_limit: float | None
-) -> tuple[list[str], str, int] | None:
-    from ortools.sat.python import cp_model
-
-    m = cp_model.CpModel()
-    n = len(model.recompute_ns)
-    x = [{o: m.NewBoolVar(f"x{i}_{o}") for o in OPTIONS} for i in range(n)]
-    for i in range(n):
-        m.AddExactlyOne(x[i].values())
-    big = _bounds(model)
-    peak_var = m.NewIntVar(-big, big, "peak") if minimize == "peak" else None
-    any_ckpt = m.NewBoolVar("any_ckpt")
-    for i in range(n):
-        for o in OPTIONS[1:]:
-            m.AddImplication(x[i][o], any_ckpt)
-    level: cp_model.LinearExprT = model.baseline
-    for k, (unit, table) in enumerate(model.phases):
-        if unit is None:
-            p, e = table[""]
-            peak_expr: cp_model.LinearExprT = level + p
-            end_expr: cp_model.LinearExprT = level + e + (table["ckpt"][1] - e) * any_ckpt
+def _solve_mip(
+    model: IntModel, cap: int | None, minimize: str, time_limit: float | None, solver: str
+) -> tuple[list[Role], str, int] | None:
+    """CP-SAT and CBC share this formulation; ``_Backend`` hides their spelling."""
+    b = _CpSat() if solver == "cpsat" else _Cbc()
+    x = [{NONE: b.boolean(f"n{j}"), FULL: b.boolean(f"f{j}")} for j in range(model.n)]
+    for seg in _segments(model):
+        var = b.boolean(f"s{seg.first}_{seg.last}")
+        for j in range(seg.first, seg.last + 1):
+            x[j][seg] = var
+    for j in range(model.n):
+        b.add_eq(list(x[j].values()), 1)
+    any_ckpt = b.boolean("any_ckpt")  # some unit is checkpointed: exactly the OR of the roles
+    checkpointed = [var for j in range(model.n) for role, var in x[j].items() if role != NONE]
+    for var in checkpointed:
+        b.add_implies(var, any_ckpt)
+    b.add_le(b.expr([(1, any_ckpt)] + [(-1, v) for v in checkpointed]), 0)
+    big = model.baseline + sum(abs(v) for c in model.costs.values() for v in c) + sum(
+        abs(p.peak) + abs(p.end) + abs(p.ckpt_end) for p in model.phases) + 1
+    peak_var = b.integer(-big, big, "peak") if minimize == "peak" else None
+    level = b.expr([], model.baseline)
+    for k, ph in enumerate(model.phases):
+        if ph.unit is None:
+            peak_expr = level + ph.peak
+            end_expr = level + ph.end + b.expr([(ph.ckpt_end - ph.end, any_ckpt)])
         else:
-            peak_expr = level + sum(table[o][0] * x[unit][o] for o in OPTIONS)
-            end_expr = level + sum(table[o][1] * x[unit][o] for o in OPTIONS)
+            pi, ei = (0, 1) if ph.kind == "forward" else (2, 3)
+            terms = x[ph.unit].items()
+            peak_expr = level + b.expr([(model.costs[ph.unit, r][pi], v) for r, v in terms])
+            end_expr = level + b.expr([(model.costs[ph.unit, r][ei], v) for r, v in terms])
         if peak_var is not None:
-            m.Add(peak_expr <= peak_var)
+            b.add_le(peak_expr - peak_var, 0)
         elif cap is not None:
-            m.Add(peak_expr <= cap)
-        nxt = m.NewIntVar(-big, big, f"L{k}")
-        m.Add(nxt == end_expr)
-        level = nxt
+            b.add_le(peak_expr, cap)
+        nxt = b.integer(-big, big, f"L{k}")
+        b.add_le(end_expr - nxt, 0)  # the level may only be over-estimated, never under
+        level = b.expr([(1, nxt)])
     if peak_var is not None:
-        m.Minimize(peak_var)
+        b.minimize(b.expr([(1, peak_var)]))
     else:
-        m.Minimize(sum(model.recompute_ns[i][o] * x[i][o] for i in range(n) for o in OPTIONS))
-    s = cp_model.CpSolver()
-    s.parameters.num_workers = 1  # deterministic: the same profile gives the same schedule
-    s.parameters.random_seed = 0
-    if time_limit is not None:
-        s.parameters.max_time_in_seconds = float(time_limit)
-    status = s.Solve(m)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.UNKNOWN:
-            raise MemfitError("the solver found no answer within the time limit; raise --time-limit")
+        b.minimize(b.expr([(model.recompute_ns[j, r], v) for j in range(model.n) for r, v in x[j].items()]))
+    outcome = b.solve(time_limit)
+    if outcome is None:
         return None
-    choice = [next(o for o in OPTIONS if s.Value(x[i][o])) for i in range(n)]
-    return choice, "optimal" if status == cp_model.OPTIMAL else "feasible", round(s.ObjectiveValue())
+    status, objective = outcome
+    roles = [next(r for r, v in x[j].items() if b.value(v)) for j in range(model.n)]
+    return roles, status, objective
 
 
-def _solve_cbc(
-    model: IntModel, cap: int | None, minimize: str, time_limit: float | None
-) -> tuple[list[str], str, int] | None:
-    import pulp
+class _CpSat:
+    def __init__(self) -> None:
+        from ortools.sat.python import cp_model
 
-    prob = pulp.LpProblem("memfit", pulp.LpMinimize)
-    n = len(model.recompute_ns)
-    x = [{o: pulp.LpVariable(f"x{i}_{o}", cat="Binary") for o in OPTIONS} for i in range(n)]
-    for i in range(n):
-        prob += pulp.lpSum(x[i].values()) == 1
-    peak_var = pulp.LpVariable("peak") if minimize == "peak" else None
-    any_ckpt = pulp.LpVariable("any_ckpt", cat="Binary")
-    for i in range(n):
-        for o in OPTIONS[1:]:
-            prob += any_ckpt >= x[i][o]
-    if peak_var is not None:
-        prob += peak_var
-    else:
-        prob += pulp.lpSum(model.recompute_ns[i][o] * x[i][o] for i in range(n) for o in OPTIONS)
-    level: pulp.LpAffineExpression = pulp.LpAffineExpression(constant=model.baseline)
-    for k, (unit, table) in enumerate(model.phases):
-        if unit is None:
-            p, e = table[""]
-            peak_expr, end_expr = level + p, level + e + (table["ckpt"][1] - e) * any_ckpt
-        else:
-            peak_expr = level + pulp.lpSum(table[o][0] * x[unit][o] for o in OPTIONS)
-            end_expr = level + pulp.lpSum(table[o][1] * x[unit][o] for o in OPTIONS)
-        if peak_var is not None:
-            prob += peak_expr <= peak_var
-        elif cap is not None:
-            prob += peak_expr <= cap
-        nxt = pulp.LpVariable(f"L{k}")
-        prob += nxt == end_expr
-        level = nxt
-    cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
-    prob.solve(cmd)
-    status = pulp.LpStatus[prob.status]
-    if status != "Optimal" or prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        if status == "Not Solved":
+        self.cp = cp_model
+        self.m = cp_model.CpModel()
+        self.s = cp_model.CpSolver()
+
+    def boolean(self, name: str):  # type: ignore[no-untyped-def]
+        return self.m.NewBoolVar(name)
+
+    def integer(self, lo: int, hi: int, name: str):  # type: ignore[no-untyped-def]
+        return self.m.NewIntVar(lo, hi, name)
+
+    def expr(self, terms, const: int = 0):  # type: ignore[no-untyped-def]
+        return sum((c * v for c, v in terms if c), const)
+
+    def add_eq(self, vars_, value: int) -> None:  # type: ignore[no-untyped-def]
+        self.m.Add(sum(vars_) == value)
+
+    def add_le(self, e, value: int) -> None:  # type: ignore[no-untyped-def]
+        self.m.Add(e <= value)
+
+    def add_implies(self, a, b) -> None:  # type: ignore[no-untyped-def]
+        self.m.AddImplication(a, b)
+
+    def minimize(self, e) -> None:  # type: ignore[no-untyped-def]
+        self.m.Minimize(e)
+
+    def solve(self, time_limit: float | None) -> tuple[str, int] | None:
+        p = self.s.parameters
+        p.num_workers = 1  # deterministic: the same profile gives the same schedule
+        p.random_seed = 0
+        if time_limit is not None:
+            p.max_time_in_seconds = float(time_limit)
+        status = self.s.Solve(self.m)
+        if status == self.cp.UNKNOWN:
             raise MemfitError("the solver found no answer within the time limit; raise --time-limit")
-        return None
-    choice = [max(OPTIONS, key=lambda o, i=i: x[i][o].value() or 0.0) for i in range(n)]
-    optimal = prob.sol_status == pulp.LpSolutionOptimal
-    return choice, "optimal" if optimal else "feasible", round(pulp.value(prob.objective))
+        if status not in (self.cp.OPTIMAL, self.cp.FEASIBLE):
+            return None
+        return ("optimal" if status == self.cp.OPTIMAL else "feasible"), round(self.s.ObjectiveValue())
+
+    def value(self, v) -> bool:  # type: ignore[no-untyped-def]
+        return bool(self.s.Value(v))
+
+
+class _Cbc:
+    def __init__(self) -> None:
+        import pulp
+
+        self.pulp = pulp
+        self.prob = pulp.LpProblem("memfit", pulp.LpMinimize)
+
+    def boolean(self, name: str):  # type: ignore[no-untyped-def]
+        return self.pulp.LpVariable(name, cat="Binary")
+
+    def integer(self, lo: int, hi: int, name: str):  # type: ignore[no-untyped-def]
+        return self.pulp.LpVariable(name, lo, hi)
+
+    def expr(self, terms, const: int = 0):  # type: ignore[no-untyped-def]
+        e = self.pulp.LpAffineExpression(constant=const)
+        for c, v in terms:  # a segment's variable recurs once per member: add, never overwrite
+            if c:
+                e.addterm(v, c)
+        return e
+
+    def add_eq(self, vars_, value: int) -> None:  # type: ignore[no-untyped-def]
+        self.prob += self.pulp.lpSum(vars_) == value
+
+    def add_le(self, e, value: int) -> None:  # type: ignore[no-untyped-def]
+        self.prob += e <= value
+
+    def add_implies(self, a, b) -> None:  # type: ignore[no-untyped-def]
+        self.prob += b >= a
+
+    def minimize(self, e) -> None:  # type: ignore[no-untyped-def]
+        self.prob.setObjective(e)
+
+    def solve(self, time_limit: float | None) -> tuple[str, int] | None:
+        pulp = self.pulp
+        # threads= is left unset on purpose: CBC sometimes waits ~10 s on its thread pool with it.
+        self.prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
+        if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            if pulp.LpStatus[self.prob.status] == "Not Solved":
+                raise MemfitError("the solver found no answer within the time limit; raise --time-limit")
+            return None
+        optimal = self.prob.sol_status == pulp.LpSolutionOptimal
+        return ("optimal" if optimal else "feasible"), round(pulp.value(self.prob.objective))
+
+    def value(self, v) -> bool:  # type: ignore[no-untyped-def]
+        return (v.value() or 0.0) > 0.5

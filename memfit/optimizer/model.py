@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from memfit.errors import MemfitError
-from memfit.profile import OPTIONS, Profile
+from memfit.optimizer.roles import roles_of, unit_costs
+from memfit.profile import Profile
 
 
 @dataclass(slots=True)
@@ -24,41 +24,26 @@ class Prediction:
     levels: list[tuple[str, int, int]]  # (phase, level at its start, its peak), for timelines
 
 
-def choices(profile: Profile, policies: Mapping[str, str]) -> list[str]:
-    """The option of each unit, in order; units not named are ``none``."""
-    known = set(profile.unit_names)
-    unknown = [n for n in policies if n not in known]
-    if unknown:
-        raise MemfitError(f"no unit named {unknown[0]!r} in the profile; units: {profile.unit_names}")
-    out = []
-    for name in profile.unit_names:
-        option = policies.get(name, "none")
-        if option not in OPTIONS:
-            raise MemfitError(f"unknown policy {option!r} for unit {name!r}; use one of {OPTIONS}")
-        out.append(option)
-    return out
-
-
 def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
-    """Peak bytes and recompute time of the step when each unit runs with its given policy."""
-    chosen = choices(profile, policies)
+    """Peak bytes and recompute time of the step when each unit runs with its given policy
+    (``none``, ``full`` or ``segment:<first>..<last>``; units not named are ``none``)."""
+    roles = roles_of(profile, policies)
+    costs = [unit_costs(profile, j, r) for j, r in enumerate(roles)]
     level = profile.baseline_bytes
     peak, where = level, "start"
     levels = []
-    any_ckpt = any(o != "none" for o in chosen)
+    any_ckpt = any(r.kind != "none" for r in roles)
     for phase in profile.phases:
         if phase.unit is None:
             p, e = phase.peak_bytes, phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
+        elif phase.kind == "forward":
+            p, e = costs[phase.unit].fwd_peak, costs[phase.unit].fwd_end
         else:
-            cost = profile.units[phase.unit].options[chosen[phase.unit]]
-            if phase.kind == "forward":
-                p, e = cost.fwd_peak_bytes, cost.stored_bytes
-            else:
-                p, e = cost.bwd_peak_bytes, cost.bwd_end_bytes
-        levels.append((phase.label, level, level + p))
+            p, e = costs[phase.unit].bwd_peak, costs[phase.unit].bwd_end
+        levels.append((phase.label, int(level), int(level + p)))
         if level + p > peak:
             peak, where = level + p, phase.label
         level += e
-    recompute = sum(u.options[o].recompute_s for u, o in zip(profile.units, chosen, strict=True))
+    recompute = sum(c.recompute_s for c in costs)
     overhead = recompute / profile.step_s if profile.step_s > 0 else 0.0
-    return Prediction(peak, where, recompute, overhead, levels)
+    return Prediction(int(peak), where, recompute, overhead, levels)

@@ -4,25 +4,21 @@ from __future__ import annotations
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
+from memfit.optimizer.baselines import STRATEGIES, Policies
 from memfit.optimizer.ilp import IntModel, solve
-from memfit.optimizer.model import Prediction, predict
+from memfit.optimizer.model import predict
 from memfit.profile import Profile
 from memfit.schedule import Schedule
 
 GRANULARITIES = ("module",)
+STRATEGY_NAMES = ("ilp", *STRATEGIES)
 
 
-def baseline_policies(profile: Profile) -> dict[str, dict[str, str]]:
-    """The schedules people use without a planner: checkpoint nothing, checkpoint everything."""
-    return {
-        "none": dict.fromkeys(profile.unit_names, "none"),
-        "full": dict.fromkeys(profile.unit_names, "full"),
-    }
-
-
-def min_budget_bytes(profile: Profile, *, solver: str = "cpsat") -> int:
-    """The smallest budget ``plan`` accepts for this profile."""
-    model = IntModel.of(profile)
+def min_budget_bytes(
+    profile: Profile, *, solver: str = "cpsat", segments: bool = True, max_segment: int = 8
+) -> int:
+    """The smallest budget ``plan`` accepts for this profile (strategy ``ilp``)."""
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
     sol = solve(model, None, solver=solver, minimize="peak")
     if sol is None:  # pragma: no cover - minimising the peak always has an answer
         raise MemfitError("the solver found no schedule at all")
@@ -33,34 +29,46 @@ def plan(
     profile: Profile,
     budget: str | int,
     *,
+    strategy: str = "ilp",
     solver: str = "cpsat",
     granularity: str = "module",
+    segments: bool = True,
+    max_segment: int = 8,
     time_limit: float | None = None,
 ) -> Schedule:
     """The schedule with the least recompute time whose predicted peak fits ``budget``.
 
-    ``budget`` is bytes or a size such as ``"24GB"`` (binary units). Raises
-    ``InfeasibleBudgetError`` with the smallest workable budget when nothing fits.
+    ``budget`` is bytes or a size such as ``"24GB"`` (binary units). ``strategy`` is ``ilp`` (the
+    optimum, by ``solver`` cpsat, cbc or dp) or a baseline: none, full, every-k, sqrt, first-k,
+    greedy. ``segments`` lets the ILP checkpoint runs of up to ``max_segment`` units as one
+    region when the units form a chain. Raises ``InfeasibleBudgetError`` with the smallest
+    budget that works when nothing fits.
     """
     if granularity not in GRANULARITIES:
         raise MemfitError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
+    if strategy not in STRATEGY_NAMES:
+        raise MemfitError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_NAMES)}")
+    if max_segment < 2:
+        raise MemfitError("max_segment must be at least 2")
     budget_bytes = parse_bytes(budget)
-    model = IntModel.of(profile)
-    sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
-    if sol is None:
-        least = min_budget_bytes(profile, solver=solver)
-        raise InfeasibleBudgetError(
-            f"no schedule fits {format_bytes(budget_bytes)}: the smallest budget that works for this "
-            f"model and input is {format_bytes(least)} ({least} bytes); raise the budget, or lower "
-            "the batch size or sequence length",
-            least,
-        )
-    policies = dict(zip(profile.unit_names, sol.choice, strict=True))
+    if strategy == "ilp":
+        model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+        sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
+        if sol is None:
+            least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
+            raise _infeasible(budget_bytes, least, "")
+        policies = {n: r.policy(profile.unit_names) for n, r in zip(profile.unit_names, sol.roles, strict=True)}
+        status, seconds, used = sol.status, sol.seconds, solver
+    else:
+        found = STRATEGIES[strategy](profile, budget_bytes)
+        if found is None:
+            raise _infeasible(budget_bytes, strategy_min_budget(profile, strategy), f" with strategy {strategy}")
+        policies, status, seconds, used = found, "heuristic", 0.0, strategy
     pred = predict(profile, policies)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise MemfitError(
-            f"internal check failed: the solver's schedule predicts {pred.peak_bytes} bytes, over the "
-            f"budget of {budget_bytes}; please report this with the profile"
+            f"internal check failed: the schedule predicts {pred.peak_bytes} bytes, over the budget of "
+            f"{budget_bytes}; please report this with the profile"
         )
     return Schedule(
         policies=policies,
@@ -68,15 +76,62 @@ def plan(
         predicted_peak_bytes=pred.peak_bytes,
         predicted_recompute_s=pred.recompute_s,
         predicted_overhead=pred.overhead,
-        strategy="ilp",
-        solver=solver,
-        solver_status=sol.status,
-        solve_s=sol.seconds,
+        strategy=strategy,
+        solver=used,
+        solver_status=status,
+        solve_s=seconds,
         fingerprint=dict(profile.fingerprint),
         input_shapes=profile.input_shapes,
-        baselines={name: _summary(predict(profile, pol)) for name, pol in baseline_policies(profile).items()},
+        baselines=baselines(profile, budget_bytes),
     )
 
 
-def _summary(pred: Prediction) -> dict[str, float]:
-    return {"peak_bytes": pred.peak_bytes, "recompute_s": pred.recompute_s, "overhead": pred.overhead}
+def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, float]]:
+    """Every baseline strategy at this budget: its predicted peak, recompute time and overhead
+    (``fits`` 0 when it cannot fit; then the figures are those of its least-memory variant)."""
+    out = {}
+    for name, strategy in STRATEGIES.items():
+        policies = strategy(profile, budget_bytes)
+        fits = policies is not None
+        if policies is None:
+            policies = strategy(profile, 2**62) if name in ("none", "full") else None
+        if policies is None:
+            out[name] = {"fits": 0.0}
+            continue
+        p = predict(profile, policies)
+        out[name] = {"fits": float(fits), "peak_bytes": p.peak_bytes, "recompute_s": p.recompute_s,
+                     "overhead": p.overhead}
+    return out
+
+
+def best_baseline(schedule: Schedule) -> str | None:
+    """The fitting baseline with the least recompute time."""
+    fitting = {k: v for k, v in schedule.baselines.items() if v.get("fits")}
+    return min(fitting, key=lambda k: fitting[k]["recompute_s"], default=None)
+
+
+def strategy_min_budget(profile: Profile, strategy: str) -> int:
+    """The smallest budget a baseline strategy fits (they fit every larger budget too)."""
+    lo = predict(profile, dict.fromkeys(profile.unit_names, "full")).peak_bytes // 2
+    hi = max(predict(profile, {}).peak_bytes, 2 * lo + 1)
+    if STRATEGIES[strategy](profile, hi) is None:
+        hi = predict(profile, dict.fromkeys(profile.unit_names, "full")).peak_bytes
+        hi = max(hi, predict(profile, {}).peak_bytes) * 4
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if STRATEGIES[strategy](profile, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _infeasible(budget: int, least: int, how: str) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        f"no schedule fits {format_bytes(budget)}{how}: the smallest budget that works for this model and input "
+        f"is {format_bytes(least)} ({least} bytes); raise the budget, or lower the batch size or sequence length",
+        least,
+    )
+
+
+__all__ = ["STRATEGY_NAMES", "Policies", "baselines", "best_baseline", "min_budget_bytes", "plan"]

@@ -12,7 +12,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.profile import OPTIONS, OptionCost, Phase, Profile, UnitProfile
-from memfit.profiler.saved import saved_and_input_bytes
+from memfit.profiler.saved import UnitFacts, unit_facts
 from memfit.profiler.step import (
     Inputs,
     LossFn,
@@ -64,7 +64,7 @@ def profile(
         zero_grad(model, opt)
         training_step(model, inp, loss, opt)  # creates the optimizer state: steady state follows
         say("saved-for-backward bytes")
-        saved, in_bytes = saved_and_input_bytes(model, names, inp, loss)
+        facts = unit_facts(model, names, inp, loss)
         memory: dict[str, list[Stretch]] = {}
         times: list[list[Stretch]] = []
         for option in OPTIONS:
@@ -84,7 +84,7 @@ def profile(
         state_bytes = storage_bytes(optimizer_tensors(opt))
     params = list(model.parameters())
     return _assemble(
-        model, names, inp, optimizer, device, memory, times, saved, in_bytes, baseline, state_bytes, params
+        model, names, inp, optimizer, device, memory, times, facts, baseline, state_bytes, params
     )
 
 
@@ -96,8 +96,7 @@ def _assemble(
     device: torch.device,
     memory: dict[str, list[Stretch]],
     times: list[list[Stretch]],
-    saved: list[int],
-    in_bytes: list[int],
+    facts: UnitFacts,
     baseline: int,
     state_bytes: int,
     params: list[nn.Parameter],
@@ -123,7 +122,9 @@ def _assemble(
             options[option] = OptionCost(f.peak, f.end, b.peak, b.end, recompute)
         module = model.get_submodule(name)
         pbytes = storage_bytes(list(module.parameters()))
-        units.append(UnitProfile(name, fwd_s, bwd_s, in_bytes[i], saved[i], pbytes, options))
+        units.append(
+            UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], pbytes, options, facts.outputs[i])
+        )
     phases = []
     for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
         kind, _, idx = s_none.label.partition(":")
@@ -157,6 +158,7 @@ def _assemble(
         fingerprint=model_fingerprint(model, names),
         measured_peak_bytes=measured,
         torch_version=torch.__version__,
+        chain=facts.chain,
     )
 
 

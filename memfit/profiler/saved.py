@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.profiler.marks import UnitMarks
-from memfit.profiler.step import Inputs, LossFn, iter_tensors
+from memfit.profiler.step import Inputs, LossFn, iter_tensors, storage_bytes
 
 
 class _Producers(TorchDispatchMode):
@@ -31,11 +32,18 @@ class _Producers(TorchDispatchMode):
         return out
 
 
-def saved_and_input_bytes(
-    model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn
-) -> tuple[list[int], list[int]]:
-    """Per unit: bytes packed for backward (deduplicated by storage, parameters and buffers
-    excluded, counted for the unit that produced them) and bytes of its tensor inputs."""
+@dataclass(slots=True)
+class UnitFacts:
+    saved: list[int]  # bytes packed for backward, by the unit that produced them
+    inputs: list[int]  # bytes of each unit's tensor inputs
+    outputs: list[int]  # bytes of each unit's tensor outputs
+    chain: bool  # each unit's single tensor output is the next unit's only positional input
+
+
+def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn) -> UnitFacts:
+    """One forward pass, watched: bytes packed for backward (deduplicated by storage, parameters
+    and buffers excluded, counted for the unit that produced them), bytes in and out of each
+    unit, and whether the units form a chain that segments can checkpoint as one region."""
     n = len(unit_names)
     known = WeakIdKeyDictionary()  # storages that exist before the step: parameters, buffers, inputs
     for t in [*model.parameters(), *model.buffers(), *inputs.tensors()]:
@@ -63,18 +71,37 @@ def saved_and_input_bytes(
 
     marks = UnitMarks(model, unit_names, on_mark)
     units = marks.units
+    calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
     handles = [
         u.register_forward_pre_hook(_input_counter(i, input_bytes, model), with_kwargs=True)
         for i, u in enumerate(units)
+    ]
+    handles += [
+        u.register_forward_hook(lambda m, a, k, out: calls.append((a, k, out)), with_kwargs=True) for u in units
     ]
     try:
         with marks, producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_fn(model(*inputs.args, **inputs.kwargs))
         del loss
+        outputs = [storage_bytes(list(iter_tensors(out))) for _, _, out in calls]
+        chain = len(calls) == n and _is_chain(calls)
+        calls.clear()
     finally:
         for h in handles:
             h.remove()
-    return saved_bytes, input_bytes
+    return UnitFacts(saved_bytes, input_bytes, outputs, chain)
+
+
+def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:
+    first_kwargs = calls[0][1]
+    for j, (args, kwargs, out) in enumerate(calls):
+        if not isinstance(out, torch.Tensor) or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return False
+        if kwargs.keys() != first_kwargs.keys() or any(kwargs[k] is not first_kwargs[k] for k in kwargs):
+            return False
+        if j > 0 and args[0] is not calls[j - 1][2]:
+            return False
+    return True
 
 
 def _input_counter(i: int, out: list[int], model: nn.Module) -> Callable[..., None]:

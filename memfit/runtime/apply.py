@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.errors import MemfitError, ScheduleMismatchError
-from memfit.schedule import POLICIES, Schedule, model_fingerprint
+from memfit.schedule import Schedule, model_fingerprint
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, str], type] = {}
 _aten = torch.ops.aten
 _BATCH_NORM_OPS = {
     getattr(_aten, name).default
@@ -44,18 +44,48 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
 
 
 def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
-    """Checkpoint each unit whose policy is not ``none``; every name must be a submodule."""
+    """Checkpoint each unit whose policy is ``full``, and each ``segment:<first>..<last>`` as one
+    region; every name must be a submodule, and a segment's units must all say so, in order."""
     modules = {}
-    for name, policy in policies.items():
-        if policy not in POLICIES:
-            raise MemfitError(f"unknown policy {policy!r} for unit {name!r}; use one of {POLICIES}")
+    for name in policies:
         try:
             modules[name] = model.get_submodule(name)
         except AttributeError:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
-    for name, module in modules.items():
-        if policies[name] != "none":
-            _checkpoint_module(name, module)
+    names = list(policies)
+    plan: list[tuple[str, list[str]]] = []  # (kind, unit names) for each region to checkpoint
+    j = 0
+    while j < len(names):
+        policy = policies[names[j]]
+        if policy == "none":
+            j += 1
+            continue
+        if policy == "full":
+            plan.append(("full", [names[j]]))
+            j += 1
+            continue
+        kind, _, span = policy.partition(":")
+        first, sep, last = span.partition("..")
+        if kind != "segment" or not sep or first != names[j] or last not in names[j + 1:]:
+            raise MemfitError(
+                f"unit {names[j]!r} has the policy {policy!r}; use none, full or segment:<first>..<last> "
+                "naming this unit first and a later unit last"
+            )
+        k = names.index(last)
+        if any(policies[n] != policy for n in names[j : k + 1]):
+            raise MemfitError(f"every unit from {first!r} to {last!r} must have the policy {policy!r}")
+        plan.append(("segment", names[j : k + 1]))
+        j = k + 1
+    for _, members in plan:
+        for name in members:
+            _refuse_checkpointed(name, modules[name])
+    for kind, members in plan:
+        head = modules[members[0]]
+        if kind == "segment":
+            head._memfit_members = [modules[n] for n in members[1:]]
+            for name in members[1:]:
+                _swap(modules[name], "passthrough", _passthrough_forward)
+        _swap(head, kind, _checkpointed_forward)
 
 
 def clear_policies(model: nn.Module) -> None:
@@ -64,13 +94,14 @@ def clear_policies(model: nn.Module) -> None:
         base = getattr(type(module), "_memfit_base", None)
         if base is not None:
             module.__class__ = base
+            module.__dict__.pop("_memfit_members", None)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     return hasattr(type(module), "_memfit_base")
 
 
-def _checkpoint_module(name: str, module: nn.Module) -> None:
+def _refuse_checkpointed(name: str, module: nn.Module) -> None:
     if is_checkpointed(module):
         raise MemfitError(f"unit {name!r} is already checkpointed by memfit; apply a schedule once")
     if type(module).__name__ == "CheckpointWrapper" or getattr(module, "gradient_checkpointing", False):
@@ -78,35 +109,47 @@ def _checkpoint_module(name: str, module: nn.Module) -> None:
             f"unit {name!r} is already checkpointed by another mechanism (checkpoint_wrapper or "
             "Hugging Face gradient_checkpointing); turn that off before applying a memfit schedule"
         )
+
+
+def _swap(module: nn.Module, kind: str, forward: Callable[..., Any]) -> None:
+    """Give ``module`` a subclass of its own class whose forward checkpoints (or passes through).
+    Parameter names, state_dict keys and isinstance() stay as they were."""
     base = type(module)
-    cls = _CLASSES.get(base)
+    cls = _CLASSES.get((base, kind))
     if cls is None:
-        cls = type(
-            f"Checkpointed{base.__name__}",
-            (base,),
-            {"forward": _checkpointed_forward, "_memfit_base": base, "__module__": base.__module__},
-        )
-        _CLASSES[base] = cls
+        prefix = "Passthrough" if kind == "passthrough" else "Checkpointed"
+        cls = type(f"{prefix}{base.__name__}", (base,), {"forward": forward, "_memfit_base": base,
+                                                         "__module__": base.__module__})
+        _CLASSES[base, kind] = cls
     module.__class__ = cls
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    base = type(self)._memfit_base
+    members = [self, *self.__dict__.get("_memfit_members", [])]
 
     def run(*a: Any) -> Any:
-        return base.forward(self, *a, **kwargs)
+        out = type(self)._memfit_base.forward(self, *a, **kwargs)
+        for m in members[1:]:  # a segment: the following units run inside the same region
+            out = type(m)._memfit_base.forward(m, out, **kwargs)
+        return out
 
     # Keyword arguments travel in the closure so that names such as ``context_fn`` or ``debug``
     # in the user's forward cannot collide with checkpoint()'s own keywords.
     return checkpoint(
-        run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_context_fn(self)
+        run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_context_fn(members)
     )
 
 
-def _context_fn(module: nn.Module) -> Callable[[], Any]:
+def _passthrough_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """A segment member after the first: the first already ran it inside the checkpoint."""
+    return x
+
+
+def _context_fn(units: list[nn.Module]) -> Callable[[], Any]:
     has_bn = any(
         isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training
-        for m in module.modules()
+        for unit in units
+        for m in unit.modules()
     )
     if not has_bn:
         from torch.utils.checkpoint import noop_context_fn
