@@ -89,6 +89,7 @@ class Profile:
     fingerprint: dict[str, Any]
     measured_peak_bytes: dict[str, int] = field(default_factory=dict)  # per all-units option
     chain: bool = False  # each unit's output is the next one's only input: segments are possible
+    rng_state_bytes: int = 0  # device bytes of the RNG state a checkpoint keeps (CPU: 5056, CUDA: 0)
     torch_version: str = ""
 
     @property
@@ -176,6 +177,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         measured_peak_bytes={k: measured.int(k) for k in measured.data},
         torch_version=str(data.get("torch_version", "")),
         chain=bool(data.get("chain", False)),
+        rng_state_bytes=int(data.get("rng_state_bytes", 0)),
     )
 
 

@@ -87,18 +87,22 @@ def gpt(
     return model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
 
 
+def _norm(kind: str, channels: int) -> nn.Module:
+    return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(min(8, channels), channels)
+
+
 class ResBlock(nn.Module):
     """A post-activation residual block; a strided 1x1 projection when the shape changes."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
+    def __init__(self, c_in: int, c_out: int, stride: int = 1, norm: str = "batch") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
+        self.bn1 = _norm(norm, c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
+        self.bn2 = _norm(norm, c_out)
         self.short: nn.Module = nn.Identity()
         if stride != 1 or c_in != c_out:
-            self.short = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            self.short = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), _norm(norm, c_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
@@ -107,16 +111,17 @@ class ResBlock(nn.Module):
 
 def cnn(
     batch: int = 16, image: int = 64, widths: tuple[int, ...] | list[int] = (32, 32, 64, 64, 128, 128),
-    classes: int = 10, seed: int = 0,
+    classes: int = 10, norm: str = "batch", seed: int = 0,
 ) -> tuple[nn.Module, tuple[torch.Tensor]]:
-    """A ResNet-style CNN whose blocks differ in size (widths grow, resolution shrinks)."""
+    """A ResNet-style CNN whose blocks differ in size (widths grow, resolution shrinks);
+    ``norm`` is ``batch`` (BatchNorm) or ``group`` (GroupNorm)."""
     torch.manual_seed(seed)
     blocks, c = [], widths[0]
     for i, w in enumerate(widths):
-        blocks.append(ResBlock(c, w, stride=2 if i > 0 and w != c else 1))
+        blocks.append(ResBlock(c, w, stride=2 if i > 0 and w != c else 1, norm=norm))
         c = w
     model = nn.Sequential()
-    stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+    stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), _norm(norm, widths[0]), nn.ReLU())
     model.add_module("stem", stem)
     model.add_module("blocks", nn.Sequential(*blocks))
     model.add_module("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)))

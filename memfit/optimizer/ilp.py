@@ -74,24 +74,26 @@ class IntModel:
                 costs[j, role] = (up(o.fwd_peak_bytes), fe, up(o.bwd_peak_bytes), net[j] - fe)
                 recompute[j, role] = round(o.recompute_s * 1e9)
         if segments and profile.chain:
+            rng = int(profile.rng_state_bytes // q)
             for seg in segment_roles(len(units), max_segment):
                 members = range(seg.first, seg.last + 1)
                 fends = {
                     j: up(units[j].options["full"].stored_bytes)
-                    - (int(units[j - 1].output_bytes // q) if j > seg.first else 0)
+                    - (int((units[j - 1].output_bytes + profile.rng_state_bytes) // q) if j > seg.first else 0)
                     for j in members
                 }
                 for j in members:
                     full, none = units[j].options["full"], units[j].options["none"]
                     if j < seg.last:
-                        back = (up(none.bwd_peak_bytes), net[j] - up(none.stored_bytes))
+                        freed = rng if j == seg.first else 0  # the region's RNG state goes with it
+                        back = (up(none.bwd_peak_bytes), net[j] - up(none.stored_bytes) - freed)
                     else:
                         before = sum(fends.values())
                         kept = sum(up(units[m].options["none"].stored_bytes) for m in range(seg.first, seg.last))
                         remat = up(full.stored_bytes) + kept - before
                         end = sum(net[m] for m in members) - before - sum(
                             net[m] - up(units[m].options["none"].stored_bytes) for m in range(seg.first, seg.last)
-                        )
+                        ) + rng
                         back = (remat + up(full.bwd_peak_bytes), end)
                     costs[j, seg] = (up(full.fwd_peak_bytes), fends[j], *back)
                     recompute[j, seg] = round(full.recompute_s * 1e9)

@@ -8,7 +8,8 @@ a segment member as ``segment:<first unit>..<last unit>``.
 Segment costs are composed from the two measured options: a member runs its forward as if
 checkpointed and its inner outputs are freed at once; at unit k's backward the members before
 k come back as they were without checkpointing, then k recomputes and runs backward; the
-members before k then run backward as kept units.
+members before k then run backward as kept units. A region keeps one RNG state (on the CPU),
+where checkpointing each member alone keeps one each.
 """
 
 from __future__ import annotations
@@ -86,18 +87,19 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
         o = u.options[role.kind]
         return Costs(o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.recompute_s)
     full = u.options["full"]
-    freed_input = profile.units[j - 1].output_bytes if j > role.first else 0
-    fwd = (full.fwd_peak_bytes, full.stored_bytes - freed_input)
+    rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
+    head = j == role.first
+    fwd = (full.fwd_peak_bytes, full.stored_bytes - (0 if head else profile.units[j - 1].output_bytes + rng))
     if j < role.last:
         none = u.options["none"]
-        return Costs(*fwd, none.bwd_peak_bytes, none.bwd_end_bytes, full.recompute_s)
+        return Costs(*fwd, none.bwd_peak_bytes, none.bwd_end_bytes - (rng if head else 0), full.recompute_s)
     back = rematerialised(profile, role)
-    return Costs(*fwd, back + full.bwd_peak_bytes, back + full.bwd_end_bytes, full.recompute_s)
+    return Costs(*fwd, back + full.bwd_peak_bytes, back + full.bwd_end_bytes + rng, full.recompute_s)
 
 
 def rematerialised(profile: Profile, role: Role) -> int:
     """Bytes the members before the last come back with when the segment's backward begins."""
-    total = 0
+    total = profile.rng_state_bytes * (role.last - role.first)
     for m in range(role.first, role.last):
         u = profile.units[m]
         total += u.options["none"].stored_bytes - u.options["full"].stored_bytes + u.output_bytes

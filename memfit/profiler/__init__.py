@@ -125,6 +125,7 @@ def _assemble(
         units.append(
             UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], pbytes, options, facts.outputs[i])
         )
+    _share_outputs(units, facts)
     phases = []
     for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
         kind, _, idx = s_none.label.partition(":")
@@ -158,8 +159,34 @@ def _assemble(
         fingerprint=model_fingerprint(model, names),
         measured_peak_bytes=measured,
         torch_version=torch.__version__,
-        chain=facts.chain,
+        chain=facts.chain and not any(_has_batch_norm(model.get_submodule(n)) for n in names),
+        rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
     )
+
+
+def _has_batch_norm(module: nn.Module) -> bool:
+    """BatchNorm in a checkpointed region keeps its outputs instead of recomputing them (so that
+    running statistics update once); how that interacts with a multi-unit segment is not
+    modelled exactly, so such units are not offered as segments."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in module.modules())
+
+
+def _share_outputs(units: list[UnitProfile], facts: UnitFacts) -> None:
+    """Attribute the freeing of a shared output to the unit whose option decides it.
+
+    When unit j saves its own output (a closing ReLU) and unit j+1 takes it, the output lives
+    until the later of the two backwards to need it. Kept, unit j frees it at the end of its own
+    backward (so measured); checkpointed, nothing of unit j holds it and it goes when unit j+1's
+    backward ends, which the all-checkpointed run books to unit j+1 whatever unit j does. Moving
+    that free to the start of unit j's checkpointed backward makes mixed schedules add up.
+    """
+    for j in range(len(units) - 1):
+        if facts.keeps_output[j]:
+            out = facts.outputs[j]
+            nxt, cur = units[j + 1].options["full"], units[j].options["full"]
+            nxt.bwd_end_bytes += out
+            cur.bwd_peak_bytes -= out
+            cur.bwd_end_bytes -= out
 
 
 def _cumulative(run: list[Stretch]) -> list[Stretch]:

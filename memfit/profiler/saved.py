@@ -38,6 +38,7 @@ class UnitFacts:
     inputs: list[int]  # bytes of each unit's tensor inputs
     outputs: list[int]  # bytes of each unit's tensor outputs
     chain: bool  # each unit's single tensor output is the next unit's only positional input
+    keeps_output: list[bool]  # the unit saves its own output for backward and the next unit takes it
 
 
 def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn) -> UnitFacts:
@@ -60,8 +61,12 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
         elif kind == "fwd_end":
             producers.current = None
 
+    packed_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> units that saved it
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
+        if producers.current is not None:
+            packed_by.setdefault(st, set()).add(producers.current)
         if st not in known and st not in seen:
             seen[st] = True
             owner = producers.owner.get(st)
@@ -85,11 +90,17 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
         del loss
         outputs = [storage_bytes(list(iter_tensors(out))) for _, _, out in calls]
         chain = len(calls) == n and _is_chain(calls)
+        keeps = [False] * n
+        for j in range(min(n, len(calls)) - 1):
+            out = next(iter_tensors(calls[j][2]), None)
+            taken = {t.untyped_storage() for t in iter_tensors((calls[j + 1][0], calls[j + 1][1]))}
+            if out is not None and out.untyped_storage() in taken:
+                keeps[j] = j in packed_by.get(out.untyped_storage(), set())
         calls.clear()
     finally:
         for h in handles:
             h.remove()
-    return UnitFacts(saved_bytes, input_bytes, outputs, chain)
+    return UnitFacts(saved_bytes, input_bytes, outputs, chain, keeps)
 
 
 def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:
