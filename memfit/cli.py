@@ -16,6 +16,7 @@ examples:
   memfit plan --budget 200MB                      # the built-in GPT scenario: profile, plan, write schedule.json
   memfit plan --budget 24GB --scenario hf-llama    # another built-in scenario (memfit scenarios lists them)
   memfit plan --budget 8GiB --model mypkg.models:build --input-shape 8x3x224x224
+  memfit plan --budget 200MB --strategy every-k     # a baseline instead of the optimum
   memfit profile -o profile.json && memfit plan --profile profile.json --budget 300MB
   memfit validate --schedule schedule.json         # measure the plan: peak, slowdown, gradients
   memfit show schedule.json
@@ -68,7 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", required=True, help="memory budget for the whole step, e.g. 24GB, 1536MB")
     plan.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
     _source_args(plan)
-    plan.add_argument("--solver", choices=["cpsat", "cbc"], default="cpsat", help="integer-program backend")
+    plan.add_argument("--strategy", choices=["ilp", "none", "full", "every-k", "sqrt", "first-k", "greedy"],
+                      default="ilp", help="ilp (the optimum) or a baseline to use instead (default: %(default)s)")
+    plan.add_argument("--solver", choices=["cpsat", "cbc", "dp"], default="cpsat",
+                      help="ILP backend: OR-Tools CP-SAT, PuLP/CBC, or the exact chain DP (default: %(default)s)")
+    plan.add_argument("--max-segment", type=int, default=8,
+                      help="longest run of units checkpointed as one region, on chains (default: %(default)s)")
+    plan.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
     plan.add_argument("--time-limit", type=float, help="seconds the solver may take (default: no limit)")
     plan.add_argument("-o", "--output", default="schedule.json", help="schedule file to write (default: %(default)s)")
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
@@ -180,7 +187,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.profile and (args.scenario or args.model):
         raise MemfitError("give either --profile or a model (--scenario/--model), not both")
     prof = Profile.load(args.profile) if args.profile else _profile(args)
-    schedule = plan(prof, budget, solver=args.solver, time_limit=args.time_limit)
+    schedule = plan(prof, budget, strategy=args.strategy, solver=args.solver, time_limit=args.time_limit,
+                    segments=not args.no_segments, max_segment=args.max_segment)
     schedule.save(args.output)
     if args.json:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))

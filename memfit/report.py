@@ -6,11 +6,20 @@ from collections.abc import Sequence
 
 from memfit.budget import format_bytes
 from memfit.optimizer.model import predict
+from memfit.optimizer.planner import best_baseline
+from memfit.optimizer.roles import roles_of, unit_costs
 from memfit.profile import Profile
 from memfit.runtime.validate import Validation
 from memfit.schedule import Schedule
 
-BASELINE_NAMES = {"none": "checkpoint nothing", "full": "checkpoint every unit"}
+BASELINE_NAMES = {
+    "none": "checkpoint nothing",
+    "full": "checkpoint every unit",
+    "every-k": "every k-th unit",
+    "sqrt": "sqrt(N) segments",
+    "first-k": "first k units",
+    "greedy": "greedy by bytes/second",
+}
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] | None = None) -> str:
@@ -38,10 +47,11 @@ def _pct(x: float) -> str:
 def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     """The units with their policies, then the plan beside the baselines."""
     if profile is not None:
-        rows = []
+        roles = roles_of(profile, schedule.policies)
+        rows: list[list[str]] = []
         for u, policy in zip(profile.units, schedule.policies.values(), strict=True):
-            cost = u.options[policy]
-            rows.append([u.name, policy, format_bytes(u.saved_bytes), format_bytes(cost.stored_bytes),
+            cost = unit_costs(profile, len(rows), roles[len(rows)])
+            rows.append([u.name, policy, format_bytes(u.saved_bytes), format_bytes(cost.fwd_end),
                          _ms(cost.recompute_s)])
         head = ["unit", "policy", "saved for bwd", "kept to bwd", "recompute"]
         out = [table(head, rows, [False, False, True, True, True])]
@@ -49,17 +59,27 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         out = [table(["unit", "policy"], [[n, p] for n, p in schedule.policies.items()], [False, False])]
     out.append("")
     budget = schedule.budget_bytes
+    best = best_baseline(schedule)
     summary = [[f"memfit plan ({schedule.strategy})", format_bytes(schedule.predicted_peak_bytes),
                 "yes", _pct(schedule.predicted_overhead)]]
     for key, figures in schedule.baselines.items():
-        peak = int(figures["peak_bytes"])
-        summary.append([BASELINE_NAMES.get(key, key), format_bytes(peak), "yes" if peak <= budget else "no",
+        name = BASELINE_NAMES.get(key, key) + ("  <- best baseline" if key == best else "")
+        if "peak_bytes" not in figures:
+            summary.append([name, "-", "no", "-"])
+            continue
+        summary.append([name, format_bytes(int(figures["peak_bytes"])), "yes" if figures["fits"] else "no",
                         _pct(figures["overhead"])])
     out.append(table(["strategy", "predicted peak", "fits", "slowdown"], summary, [False, True, False, True]))
+    if best is not None and schedule.strategy == "ilp":
+        theirs = schedule.baselines[best]["recompute_s"]
+        ratio = schedule.predicted_recompute_s / theirs if theirs > 0 else 1.0
+        out.append(f"recompute time of this plan / best baseline ({best}): {ratio:.2f}")
     used = sum(p != "none" for p in schedule.policies.values())
+    segments = len({p for p in schedule.policies.values() if p.startswith("segment:")})
     out.append("")
     out.append(
-        f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed; "
+        f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed"
+        f"{f' ({segments} segments)' if segments else ''}; "
         f"solver {schedule.solver} ({schedule.solver_status}) in {schedule.solve_s:.2f} s"
     )
     if profile is not None:

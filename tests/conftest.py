@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.profile import OptionCost, Phase, Profile, UnitProfile
+from memfit.optimizer.synthetic import random_profile  # noqa: F401  (tests import it from here)
+from memfit.profile import Profile
 from memfit.zoo import gpt
 
 
@@ -60,35 +59,3 @@ def kw_net(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 def gpt_profile() -> Profile:
     model, batch = tiny_gpt()
     return memfit.profile(model, batch, repeat=1)
-
-
-def random_profile(n: int, seed: int, *, chain: bool = True) -> Profile:
-    """A synthetic chain profile with integer bytes, for solver checks against brute force. As in
-    a real step, each unit's net change (its gradients) is the same whether it is checkpointed."""
-    r = random.Random(seed)
-    units, phases = [], [Phase("pre", None, "remainder", r.randint(0, 50), r.randint(0, 50), r.randint(50, 60))]
-    for i in range(n):
-        a = r.randint(10, 100)
-        s = r.randint(1, a)
-        grads = r.randint(0, 10)
-        units.append(
-            UnitProfile(
-                f"u{i}", r.uniform(0.001, 0.01), 0.01, s, a, grads,
-                {
-                    "none": OptionCost(a + r.randint(0, 30), a, r.randint(0, 40), grads - a, 0.0),
-                    "full": OptionCost(s + r.randint(0, 30), s, a + r.randint(0, 40), grads - s,
-                                       r.randint(1, 1000) * 1e-6),
-                },
-                output_bytes=r.randint(1, s),
-            )
-        )
-        phases.append(Phase(f"forward u{i}", i, "forward"))
-        phases.append(Phase(f"gap{i}", None, "remainder", r.randint(0, 5), 0, 0))
-    phases.append(Phase("head", None, "remainder", r.randint(0, 80), r.randint(-10, 10), r.randint(-10, 10)))
-    for i in reversed(range(n)):
-        phases.append(Phase(f"backward u{i}", i, "backward"))
-    phases.append(Phase("step", None, "remainder", r.randint(0, 80), 0, 0))
-    phases[0].ckpt_end_bytes = max(phases[0].ckpt_end_bytes, phases[0].end_bytes)
-    return Profile("Synthetic", "cpu", "adamw", "", 100, 0, 0, 0, 0, 0, 0.1, units, phases,
-                   {"model_class": "Synthetic", "units": [u.name for u in units], "params_sha256": "0"},
-                   chain=chain)

@@ -134,3 +134,23 @@ def test_bad_solver_strategy_and_granularity(gpt_profile):
         memfit.plan(gpt_profile, "1GB", strategy="magic")
     with pytest.raises(memfit.MemfitError, match="granularity"):
         memfit.plan(gpt_profile, "1GB", granularity="op")
+
+
+def test_timeline_that_is_not_a_chain():
+    """Units whose backwards do not run in reverse order (two towers, say) use the general
+    formulation with a level per phase; the DP refuses them."""
+    prof = random_profile(8, 11, chain=False)
+    bwd = [k for k, p in enumerate(prof.phases) if p.kind == "backward"]
+    prof.phases[bwd[0]], prof.phases[bwd[1]] = prof.phases[bwd[1]], prof.phases[bwd[0]]
+    from memfit.optimizer.ilp import chain_layout
+
+    assert chain_layout(IntModel.of(prof)) is None
+    hi = memfit.predict(prof, {}).peak_bytes
+    _, lo = brute_force(prof, hi, 1)
+    assert min_budget_bytes(prof) == lo
+    for budget in (lo, (lo + hi) // 2, hi):
+        expected, _ = brute_force(prof, budget, 1)
+        for solver in ("cpsat", "cbc"):
+            assert memfit.plan(prof, budget, solver=solver).predicted_recompute_s == pytest.approx(expected)
+    with pytest.raises(memfit.MemfitError, match="chain"):
+        memfit.plan(prof, hi, solver="dp")

@@ -10,46 +10,17 @@ States that keep more bytes at a higher cost are dropped (Pareto front), which k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memfit.errors import MemfitError
-from memfit.optimizer.ilp import IntModel
+from memfit.optimizer.ilp import IntModel, Layout, chain_layout
 from memfit.optimizer.roles import NONE, Role
-
-
-@dataclass(slots=True)
-class _Layout:
-    fwd: list[int]  # phase index of each unit's forward
-    bwd: list[int]  # phase index of each unit's backward
-    after_fwd: list[list[int]]  # remainder phases after unit j's forward, before the next unit phase
-    after_bwd: list[list[int]]  # remainder phases after unit j's backward, before the next unit phase
-    pre: list[int]  # remainder phases before the first forward
-
-
-def _layout(model: IntModel) -> _Layout:
-    n = model.n
-    order = [(p.kind, p.unit) for p in model.phases if p.unit is not None]
-    expected = [("forward", j) for j in range(n)] + [("backward", j) for j in reversed(range(n))]
-    if order != expected:
-        raise MemfitError("the dp solver needs a chain: units whose forwards run in order and backwards in "
-                          "reverse; use --solver cpsat")
-    lay = _Layout([0] * n, [0] * n, [[] for _ in range(n)], [[] for _ in range(n)], [])
-    current: list[int] = lay.pre
-    for t, p in enumerate(model.phases):
-        if p.unit is None:
-            current.append(t)
-        elif p.kind == "forward":
-            lay.fwd[p.unit] = t
-            current = lay.after_fwd[p.unit]
-        else:
-            lay.bwd[p.unit] = t
-            current = lay.after_bwd[p.unit]
-    return lay
 
 
 def solve_dp(model: IntModel, cap: int | None, minimize: str) -> tuple[list[Role], str, int] | None:
     """Same contract as the MIP backends: (roles, "optimal", objective) or None if nothing fits."""
-    lay = _layout(model)
+    lay = chain_layout(model)
+    if lay is None:
+        raise MemfitError("the dp solver needs a chain: units whose forwards run in order and backwards in "
+                          "reverse; use --solver cpsat")
     best = None
     for any_ckpt in (False, True):
         found = _run(model, lay, cap, minimize, any_ckpt)
@@ -61,7 +32,7 @@ def solve_dp(model: IntModel, cap: int | None, minimize: str) -> tuple[list[Role
 
 
 def _run(
-    model: IntModel, lay: _Layout, cap: int | None, minimize: str, any_ckpt: bool
+    model: IntModel, lay: Layout, cap: int | None, minimize: str, any_ckpt: bool
 ) -> tuple[list[Role], int] | None:
     n = model.n
     by_peak = minimize == "peak"

@@ -102,6 +102,38 @@ class IntModel:
 
 
 @dataclass(slots=True)
+class Layout:
+    """Where each phase sits in a step whose units run forward in order and backward in reverse."""
+
+    fwd: list[int]  # phase index of each unit's forward
+    bwd: list[int]  # phase index of each unit's backward
+    after_fwd: list[list[int]]  # remainder phases after unit j's forward, before the next unit phase
+    after_bwd: list[list[int]]  # remainder phases after unit j's backward, before the next unit phase
+    pre: list[int]  # remainder phases before the first forward
+
+
+def chain_layout(model: IntModel) -> Layout | None:
+    n = model.n
+    order = [(p.kind, p.unit) for p in model.phases if p.unit is not None]
+    expected = [("forward", j) for j in range(n)] + [("backward", j) for j in reversed(range(n))]
+    if order != expected:
+        return None
+    lay = Layout([0] * n, [0] * n, [[] for _ in range(n)], [[] for _ in range(n)], [])
+    current: list[int] = lay.pre
+    for t, p in enumerate(model.phases):
+        if p.unit is None:
+            current.append(t)
+        elif p.kind == "forward":
+            lay.fwd[p.unit] = t
+            current = lay.after_fwd[p.unit]
+        else:
+            lay.bwd[p.unit] = t
+            current = lay.after_bwd[p.unit]
+    return lay
+
+
+
+@dataclass(slots=True)
 class Solution:
     roles: list[Role]  # per unit
     status: str  # "optimal" or "feasible" (time limit reached with an answer)
@@ -142,7 +174,7 @@ def _segments(model: IntModel) -> list[Role]:
 def _solve_mip(
     model: IntModel, cap: int | None, minimize: str, time_limit: float | None, solver: str
 ) -> tuple[list[Role], str, int] | None:
-    """CP-SAT and CBC share this formulation; ``_Backend`` hides their spelling."""
+    """CP-SAT and CBC share this formulation; ``_CpSat`` and ``_Cbc`` hide their spelling."""
     b = _CpSat() if solver == "cpsat" else _Cbc()
     x = [{NONE: b.boolean(f"n{j}"), FULL: b.boolean(f"f{j}")} for j in range(model.n)]
     for seg in _segments(model):
@@ -158,24 +190,17 @@ def _solve_mip(
     b.add_le(b.expr([(1, any_ckpt)] + [(-1, v) for v in checkpointed]), 0)
     big = model.baseline + sum(abs(v) for c in model.costs.values() for v in c) + sum(
         abs(p.peak) + abs(p.end) + abs(p.ckpt_end) for p in model.phases) + 1
+    lay = chain_layout(model)
+    if lay is not None:
+        peaks = _anchored_peaks(b, model, x, any_ckpt, lay, big)
+    else:
+        peaks = _chained_peaks(b, model, x, any_ckpt, big)
     peak_var = b.integer(-big, big, "peak") if minimize == "peak" else None
-    level = b.expr([], model.baseline)
-    for k, ph in enumerate(model.phases):
-        if ph.unit is None:
-            peak_expr = level + ph.peak
-            end_expr = level + ph.end + b.expr([(ph.ckpt_end - ph.end, any_ckpt)])
-        else:
-            pi, ei = (0, 1) if ph.kind == "forward" else (2, 3)
-            terms = x[ph.unit].items()
-            peak_expr = level + b.expr([(model.costs[ph.unit, r][pi], v) for r, v in terms])
-            end_expr = level + b.expr([(model.costs[ph.unit, r][ei], v) for r, v in terms])
+    for e in peaks:
         if peak_var is not None:
-            b.add_le(peak_expr - peak_var, 0)
+            b.add_le(e - peak_var, 0)
         elif cap is not None:
-            b.add_le(peak_expr, cap)
-        nxt = b.integer(-big, big, f"L{k}")
-        b.add_le(end_expr - nxt, 0)  # the level may only be over-estimated, never under
-        level = b.expr([(1, nxt)])
+            b.add_le(e, cap)
     if peak_var is not None:
         b.minimize(b.expr([(1, peak_var)]))
     else:
@@ -186,6 +211,67 @@ def _solve_mip(
     status, objective = outcome
     roles = [next(r for r, v in x[j].items() if b.value(v)) for j in range(model.n)]
     return roles, status, objective
+
+
+def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: ignore[no-untyped-def]
+    """Any timeline: a level variable after every phase (level after = level before + end)."""
+    peaks = []
+    level = b.expr([], model.baseline)
+    for k, ph in enumerate(model.phases):
+        if ph.unit is None:
+            peaks.append(level + ph.peak)
+            end_expr = level + ph.end + b.expr([(ph.ckpt_end - ph.end, any_ckpt)])
+        else:
+            pi, ei = (0, 1) if ph.kind == "forward" else (2, 3)
+            terms = x[ph.unit].items()
+            peaks.append(level + b.expr([(model.costs[ph.unit, r][pi], v) for r, v in terms]))
+            end_expr = level + b.expr([(model.costs[ph.unit, r][ei], v) for r, v in terms])
+        nxt = b.integer(-big, big, f"L{k}")
+        b.add_le(end_expr - nxt, 0)  # the level may only be over-estimated, never under
+        level = b.expr([(1, nxt)])
+    return peaks
+
+
+def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> list:  # type: ignore[no-untyped-def]
+    """A chain: one variable per unit, the bytes the forward has kept so far (P). Since a unit's
+    net change does not depend on its role, every phase's level is a constant plus one P plus
+    the unit's own terms, as in the DP; far fewer and smaller constraints than the chained form."""
+    n = model.n
+    r0, r1 = [0], [0]  # remainder bytes added before each phase, without / with checkpointing
+    for p in model.phases:
+        r0.append(r0[-1] + (p.end if p.unit is None else 0))
+        r1.append(r1[-1] + (p.ckpt_end if p.unit is None else 0))
+    netsuf = [0] * (n + 1)
+    for j in reversed(range(n)):
+        netsuf[j] = netsuf[j + 1] + model.net[j]
+
+    def at(t: int, const: int):  # type: ignore[no-untyped-def]
+        return b.expr([(r1[t] - r0[t], any_ckpt)], model.baseline + r0[t] + const)
+
+    def unit(j: int, idx: int, inside: bool = False):  # type: ignore[no-untyped-def]
+        return b.expr([(model.costs[j, r][idx] + (_inside(model, j, r) if inside else 0), v) for r, v in x[j].items()])
+
+    kept = [b.expr([], 0)]
+    for j in range(n):
+        v = b.integer(-big, big, f"P{j}")
+        b.add_le(kept[j] + unit(j, 1) - v, 0)  # may only be over-estimated
+        kept.append(b.expr([(1, v)]))
+    peaks = [at(t, model.phases[t].peak) for t in lay.pre]
+    for j in range(n):
+        peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, 0))
+        peaks += [at(t, model.phases[t].peak) + kept[j + 1] for t in lay.after_fwd[j]]
+        peaks.append(at(lay.bwd[j], netsuf[j + 1]) + kept[j + 1] + unit(j, 2, inside=True))
+        peaks += [at(t, netsuf[j + 1] + model.phases[t].peak) + kept[j + 1] + unit(j, 3, inside=True)
+                  for t in lay.after_bwd[j]]
+    return peaks
+
+
+def _inside(model: IntModel, j: int, role: Role) -> int:
+    """For a segment member, what the members after it in the region add beyond their nets by
+    the time its backward begins (zero for a single unit)."""
+    if role.kind != SEGMENT:
+        return 0
+    return sum(model.costs[m, role][1] + model.costs[m, role][3] - model.net[m] for m in range(j + 1, role.last + 1))
 
 
 class _CpSat:

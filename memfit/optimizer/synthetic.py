@@ -1,0 +1,50 @@
+"""Synthetic chain profiles: random but physically consistent, for solver tests and benchmarks."""
+
+from __future__ import annotations
+
+import random
+
+from memfit.profile import OptionCost, Phase, Profile, UnitProfile
+
+
+def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1) -> Profile:
+    """A synthetic chain profile with integer bytes (times ``scale``), for solver checks against
+    brute force and for timing the solvers. As in a real step, each unit's net change (its
+    gradients) is the same whether it is checkpointed."""
+    r = random.Random(seed)
+    units, phases = [], [Phase("pre", None, "remainder", r.randint(0, 50), r.randint(0, 50), r.randint(50, 60))]
+    for i in range(n):
+        a = r.randint(10, 100)
+        s = r.randint(1, a)
+        grads = r.randint(0, 10)
+        units.append(
+            UnitProfile(
+                f"u{i}", r.uniform(0.001, 0.01), 0.01, s, a, grads,
+                {
+                    "none": OptionCost(a + r.randint(0, 30), a, r.randint(0, 40), grads - a, 0.0),
+                    "full": OptionCost(s + r.randint(0, 30), s, a + r.randint(0, 40), grads - s,
+                                       r.randint(1, 1000) * 1e-6),
+                },
+                output_bytes=r.randint(1, s),
+            )
+        )
+        phases.append(Phase(f"forward u{i}", i, "forward"))
+        phases.append(Phase(f"gap{i}", None, "remainder", r.randint(0, 5), 0, 0))
+    phases.append(Phase("head", None, "remainder", r.randint(0, 80), r.randint(-10, 10), r.randint(-10, 10)))
+    for i in reversed(range(n)):
+        phases.append(Phase(f"backward u{i}", i, "backward"))
+    phases.append(Phase("step", None, "remainder", r.randint(0, 80), 0, 0))
+    phases[0].ckpt_end_bytes = max(phases[0].ckpt_end_bytes, phases[0].end_bytes)
+    if scale != 1:
+        for ph in phases:
+            ph.peak_bytes, ph.end_bytes, ph.ckpt_end_bytes = (v * scale for v in (ph.peak_bytes, ph.end_bytes,
+                                                                                  ph.ckpt_end_bytes))
+        for u in units:
+            u.input_bytes, u.saved_bytes, u.output_bytes = (v * scale for v in (u.input_bytes, u.saved_bytes,
+                                                                                u.output_bytes))
+            for o in u.options.values():
+                o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes = (
+                    v * scale for v in (o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes))
+    return Profile("Synthetic", "cpu", "adamw", "", 100 * scale, 0, 0, 0, 0, 0, 0.1, units, phases,
+                   {"model_class": "Synthetic", "units": [u.name for u in units], "params_sha256": "0"},
+                   chain=chain)

@@ -1,0 +1,78 @@
+"""Baseline strategies: what each one picks, and that its prediction holds when measured."""
+
+import copy
+
+import pytest
+
+import memfit
+from memfit.optimizer.baselines import STRATEGIES
+from memfit.optimizer.planner import strategy_min_budget
+from memfit.runtime.validate import measure_steps
+
+from .conftest import random_profile, tiny_gpt
+
+
+def test_strategies_follow_their_rules():
+    prof = random_profile(9, 7)
+    names = prof.unit_names
+    full = memfit.predict(prof, dict.fromkeys(names, "full")).peak_bytes
+    none = memfit.predict(prof, {}).peak_bytes
+    budget = (full + none) // 2
+    assert STRATEGIES["none"](prof, budget) is None
+    assert STRATEGIES["full"](prof, budget) == dict.fromkeys(names, "full")
+    first_k = STRATEGIES["first-k"](prof, budget)
+    k = sum(p == "full" for p in first_k.values())
+    assert list(first_k.values()) == ["full"] * k + ["none"] * (len(names) - k)
+    shorter = {n: "full" if j < k - 1 else "none" for j, n in enumerate(names)}
+    assert memfit.predict(prof, shorter).peak_bytes > budget  # k is the smallest that fits
+    every = STRATEGIES["every-k"](prof, budget)
+    step = next(j for j, n in enumerate(names) if every[n] == "full") + 1
+    assert all((every[n] == "full") == ((j + 1) % step == 0) for j, n in enumerate(names))
+    sqrt = STRATEGIES["sqrt"](prof, 10**12)
+    assert {p.split(":")[0] for p in sqrt.values()} == {"segment"}
+    assert len(set(sqrt.values())) == 3  # nine units in three segments of three
+    for name, strategy in STRATEGIES.items():
+        found = strategy(prof, budget)
+        if found is not None:
+            assert memfit.predict(prof, found).peak_bytes <= budget, name
+
+
+def test_ilp_never_worse_than_a_fitting_baseline():
+    for seed in range(6):
+        prof = random_profile(10, 50 + seed)
+        lo = memfit.min_budget_bytes(prof)
+        hi = memfit.predict(prof, {}).peak_bytes
+        for frac in (0.1, 0.3, 0.6, 0.9):
+            sched = memfit.plan(prof, int(lo + frac * (hi - lo)))
+            for name, figures in sched.baselines.items():
+                if figures["fits"]:
+                    assert sched.predicted_recompute_s <= figures["recompute_s"] + 1e-12, name
+
+
+def test_strategy_that_cannot_fit_says_its_minimum():
+    prof = random_profile(8, 3)
+    least = strategy_min_budget(prof, "first-k")
+    assert memfit.plan(prof, least, strategy="first-k").predicted_peak_bytes <= least
+    with pytest.raises(memfit.InfeasibleBudgetError, match="strategy first-k") as info:
+        memfit.plan(prof, least - 1, strategy="first-k")
+    assert info.value.min_budget_bytes == least
+
+
+def test_baselines_predicted_equals_measured():
+    model, inputs = tiny_gpt()
+    prof = memfit.profile(model, inputs, repeat=1)
+    budget = (memfit.min_budget_bytes(prof) + memfit.predict(prof, {}).peak_bytes) // 2
+    seen = set()
+    for name in STRATEGIES:
+        try:
+            sched = memfit.plan(prof, 2**40 if name == "none" else budget, strategy=name)
+        except memfit.InfeasibleBudgetError:
+            continue
+        key = tuple(sched.policies.values())
+        if key in seen:
+            continue
+        seen.add(key)
+        twin = memfit.apply(copy.deepcopy(model), sched)
+        measured = measure_steps(twin, inputs).peak_bytes
+        assert measured <= sched.predicted_peak_bytes <= measured * 1.03, name
+    assert len(seen) >= 4
