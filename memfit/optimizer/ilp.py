@@ -22,6 +22,10 @@ SOLVERS = ("cpsat", "cbc", "dp")
 _RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
 
 
+class SolverTimeout(MemfitError):
+    """The time limit passed before the solver found any answer."""
+
+
 @dataclass(slots=True)
 class IntPhase:
     unit: int | None
@@ -179,15 +183,19 @@ def _solve_mip(
     x = [{NONE: b.boolean(f"n{j}"), FULL: b.boolean(f"f{j}")} for j in range(model.n)]
     for seg in _segments(model):
         var = b.boolean(f"s{seg.first}_{seg.last}")
+        b.hint(var, 0)
         for j in range(seg.first, seg.last + 1):
             x[j][seg] = var
     for j in range(model.n):
         b.add_eq(list(x[j].values()), 1)
+        b.hint(x[j][FULL], 1)  # checkpointing every unit usually fits: a first answer to improve
+        b.hint(x[j][NONE], 0)
     any_ckpt = b.boolean("any_ckpt")  # some unit is checkpointed: exactly the OR of the roles
     checkpointed = [var for j in range(model.n) for role, var in x[j].items() if role != NONE]
     for var in checkpointed:
         b.add_implies(var, any_ckpt)
     b.add_le(b.expr([(1, any_ckpt)] + [(-1, v) for v in checkpointed]), 0)
+    b.hint(any_ckpt, 1)
     big = model.baseline + sum(abs(v) for c in model.costs.values() for v in c) + sum(
         abs(p.peak) + abs(p.end) + abs(p.ckpt_end) for p in model.phases) + 1
     lay = chain_layout(model)
@@ -252,9 +260,12 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
         return b.expr([(model.costs[j, r][idx] + (_inside(model, j, r) if inside else 0), v) for r, v in x[j].items()])
 
     kept = [b.expr([], 0)]
+    hinted = 0
     for j in range(n):
         v = b.integer(-big, big, f"P{j}")
         b.add_le(kept[j] + unit(j, 1) - v, 0)  # may only be over-estimated
+        hinted += model.costs[j, FULL][1]
+        b.hint(v, hinted)  # its value when every unit is checkpointed (the hinted roles)
         kept.append(b.expr([(1, v)]))
     peaks = [at(t, model.phases[t].peak) for t in lay.pre]
     for j in range(n):
@@ -300,6 +311,9 @@ class _CpSat:
     def add_implies(self, a, b) -> None:  # type: ignore[no-untyped-def]
         self.m.AddImplication(a, b)
 
+    def hint(self, var, value: int) -> None:  # type: ignore[no-untyped-def]
+        self.m.AddHint(var, value)
+
     def minimize(self, e) -> None:  # type: ignore[no-untyped-def]
         self.m.Minimize(e)
 
@@ -311,10 +325,14 @@ class _CpSat:
             p.max_time_in_seconds = float(time_limit)
         status = self.s.Solve(self.m)
         if status == self.cp.UNKNOWN:
-            raise MemfitError("the solver found no answer within the time limit; raise --time-limit")
+            raise SolverTimeout("the solver found no answer within the time limit; raise --time-limit")
         if status not in (self.cp.OPTIMAL, self.cp.FEASIBLE):
             return None
-        return ("optimal" if status == self.cp.OPTIMAL else "feasible"), round(self.s.ObjectiveValue())
+        value = self.s.ObjectiveValue()
+        if status == self.cp.OPTIMAL:
+            return "optimal", round(value)
+        gap = (value - self.s.BestObjectiveBound()) / value if value else 0.0
+        return f"feasible (time limit; within {gap:.1%} of optimal)", round(value)
 
     def value(self, v) -> bool:  # type: ignore[no-untyped-def]
         return bool(self.s.Value(v))
@@ -349,6 +367,9 @@ class _Cbc:
     def add_implies(self, a, b) -> None:  # type: ignore[no-untyped-def]
         self.prob += b >= a
 
+    def hint(self, var, value: int) -> None:  # type: ignore[no-untyped-def]
+        pass  # CBC finds a first answer by itself quickly
+
     def minimize(self, e) -> None:  # type: ignore[no-untyped-def]
         self.prob.setObjective(e)
 
@@ -358,7 +379,7 @@ class _Cbc:
         self.prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
         if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             if pulp.LpStatus[self.prob.status] == "Not Solved":
-                raise MemfitError("the solver found no answer within the time limit; raise --time-limit")
+                raise SolverTimeout("the solver found no answer within the time limit; raise --time-limit")
             return None
         optimal = self.prob.sol_status == pulp.LpSolutionOptimal
         return ("optimal" if optimal else "feasible"), round(pulp.value(self.prob.objective))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
 from memfit.optimizer.baselines import STRATEGIES, Policies
-from memfit.optimizer.ilp import IntModel, solve
+from memfit.optimizer.ilp import IntModel, SolverTimeout, solve
 from memfit.optimizer.model import predict
 from memfit.profile import Profile
 from memfit.schedule import Schedule
@@ -53,7 +53,10 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if strategy == "ilp":
         model = IntModel.of(profile, segments=segments, max_segment=max_segment)
-        sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
+        try:
+            sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
+        except SolverTimeout:
+            return _best_baseline_instead(profile, budget_bytes, solver)
         if sol is None:
             least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
             raise _infeasible(budget_bytes, least, "")
@@ -84,6 +87,20 @@ def plan(
         input_shapes=profile.input_shapes,
         baselines=baselines(profile, budget_bytes),
     )
+
+
+def _best_baseline_instead(profile: Profile, budget_bytes: int, solver: str) -> Schedule:
+    """The time limit passed with no ILP answer: the cheapest baseline that fits, said so."""
+    fitting = {k: v for k, v in baselines(profile, budget_bytes).items() if v.get("fits")}
+    if not fitting:
+        raise SolverTimeout(
+            f"the {solver} solver found no answer within the time limit and no baseline fits "
+            f"{format_bytes(budget_bytes)}; raise --time-limit"
+        )
+    best = min(fitting, key=lambda k: fitting[k]["recompute_s"])
+    schedule = plan(profile, budget_bytes, strategy=best)
+    schedule.solver_status = f"time limit: no {solver} answer, best baseline ({best}) used"
+    return schedule
 
 
 def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, float]]:
