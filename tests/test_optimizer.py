@@ -154,3 +154,15 @@ def test_timeline_that_is_not_a_chain():
             assert memfit.plan(prof, budget, solver=solver).predicted_recompute_s == pytest.approx(expected)
     with pytest.raises(memfit.MemfitError, match="chain"):
         memfit.plan(prof, hi, solver="dp")
+
+
+def test_time_limit_without_an_answer_falls_back_to_a_baseline():
+    prof = random_profile(300, 1, scale=2**20)
+    hi = memfit.predict(prof, {}).peak_bytes
+    budget = memfit.predict(prof, dict.fromkeys(prof.unit_names, "full")).peak_bytes
+    budget = max(budget, hi // 2)
+    sched = memfit.plan(prof, budget, time_limit=0.001)
+    assert sched.predicted_peak_bytes <= budget
+    if sched.strategy != "ilp":  # the usual case: CP-SAT has not even presolved in 1 ms
+        assert sched.solver_status.startswith("time limit: no cpsat answer")
+        assert sched.baselines[sched.strategy]["fits"]

@@ -2,9 +2,11 @@
 
 It walks the units in order, choosing a block at a time (a unit kept, a unit checkpointed, or
 a segment of units checkpointed together), over one state: the bytes the forward has kept so
-far (in the model's quantum, so memory is discretised exactly as the ILP sees it). Because a
-unit's net change over the step does not depend on its role, the level at any backward phase
-of a block is known as soon as the block is chosen, so every constraint is checked on the way.
+far (in the model's quantum, so memory is discretised exactly as the ILP sees it). Each unit is
+given one net change over the step whatever its role (the largest; physically they are equal,
+its gradients), so the level at any backward phase of a block is known as soon as the block is
+chosen and every constraint is checked on the way. Where a profile's nets differ by role, the
+DP is the more cautious of the solvers.
 States that keep more bytes at a higher cost are dropped (Pareto front), which keeps it exact.
 """
 
@@ -77,7 +79,9 @@ def _run(
                         w = max([w, *(level(t, pf) + model.phases[t].peak for t in lay.after_fwd[j])])
                 ub = netsuf[last + 1] + pf  # unit bytes as the block's backward begins
                 for j in reversed(members):
-                    _, _, bp, be = model.costs[j, role]
+                    _, fe, bp, be = model.costs[j, role]
+                    if role.kind != "segment":  # one net per unit, the largest over its roles
+                        be = model.net[j] - fe
                     w = max(w, level(lay.bwd[j], ub) + bp)
                     ub += be
                     if j > 0:

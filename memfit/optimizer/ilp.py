@@ -2,10 +2,9 @@
 
 Every solver (OR-Tools CP-SAT, PuLP with CBC, and the chain DP in dp.py) works on the same
 integer data, ``IntModel``: bytes divided by a quantum and rounded so that whatever fits the
-scaled model fits the real one, and recompute time in whole nanoseconds. Each unit's net
-change over the step (what stays after its backward: its gradients) is made the same for every
-role, as it is physically; levels are chained variables (level after phase k = level before it
-+ the phase's end), which keeps the model linear in size.
+scaled model fits the real one, and recompute time in whole nanoseconds. Levels are sums
+carried by a few variables, which keeps the model linear in size. A segment's members are
+given the net change of their block as the largest of its units' (what stays after backward).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ class IntModel:
     roles: list[list[Role]]  # the roles each unit may take
     costs: dict[tuple[int, Role], tuple[int, int, int, int]]  # (fwd peak, fwd end, bwd peak, bwd end)
     recompute_ns: dict[tuple[int, Role], int]
-    net: list[int]  # each unit's level change over the whole step, whatever its role
+    net: list[int]  # each unit's largest level change over the whole step, over its roles
 
     @property
     def n(self) -> int:
@@ -74,8 +73,7 @@ class IntModel:
         for j, u in enumerate(units):
             for role in (NONE, FULL):
                 o = u.options[role.kind]
-                fe = up(o.stored_bytes)
-                costs[j, role] = (up(o.fwd_peak_bytes), fe, up(o.bwd_peak_bytes), net[j] - fe)
+                costs[j, role] = (up(o.fwd_peak_bytes), up(o.stored_bytes), up(o.bwd_peak_bytes), up(o.bwd_end_bytes))
                 recompute[j, role] = round(o.recompute_s * 1e9)
         if segments and profile.chain:
             rng = int(profile.rng_state_bytes // q)
@@ -241,48 +239,43 @@ def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: 
 
 
 def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> list:  # type: ignore[no-untyped-def]
-    """A chain: one variable per unit, the bytes the forward has kept so far (P). Since a unit's
-    net change does not depend on its role, every phase's level is a constant plus one P plus
-    the unit's own terms, as in the DP; far fewer and smaller constraints than the chained form."""
+    """A chain: two variables per unit, the bytes the forward has kept so far (P) and the net
+    change of the units after it (Q). Every phase's level is a constant plus one P, one Q and
+    the unit's own terms: far fewer and smaller constraints than a level per phase."""
     n = model.n
     r0, r1 = [0], [0]  # remainder bytes added before each phase, without / with checkpointing
     for p in model.phases:
         r0.append(r0[-1] + (p.end if p.unit is None else 0))
         r1.append(r1[-1] + (p.ckpt_end if p.unit is None else 0))
-    netsuf = [0] * (n + 1)
-    for j in reversed(range(n)):
-        netsuf[j] = netsuf[j + 1] + model.net[j]
 
     def at(t: int, const: int):  # type: ignore[no-untyped-def]
         return b.expr([(r1[t] - r0[t], any_ckpt)], model.baseline + r0[t] + const)
 
-    def unit(j: int, idx: int, inside: bool = False):  # type: ignore[no-untyped-def]
-        return b.expr([(model.costs[j, r][idx] + (_inside(model, j, r) if inside else 0), v) for r, v in x[j].items()])
+    def unit(j: int, idx: int):  # type: ignore[no-untyped-def]
+        return b.expr([(model.costs[j, r][idx], v) for r, v in x[j].items()])
 
-    kept = [b.expr([], 0)]
+    def net(j: int):  # type: ignore[no-untyped-def]
+        return b.expr([(model.costs[j, r][1] + model.costs[j, r][3], v) for r, v in x[j].items()])
+
+    kept, after = [b.expr([], 0)], [b.expr([], 0)] * (n + 1)
     hinted = 0
-    for j in range(n):
+    for j in range(n):  # may only be over-estimated, as every level
         v = b.integer(-big, big, f"P{j}")
-        b.add_le(kept[j] + unit(j, 1) - v, 0)  # may only be over-estimated
+        b.add_le(kept[j] + unit(j, 1) - v, 0)
         hinted += model.costs[j, FULL][1]
         b.hint(v, hinted)  # its value when every unit is checkpointed (the hinted roles)
         kept.append(b.expr([(1, v)]))
+    for j in reversed(range(n)):
+        v = b.integer(-big, big, f"Q{j}")
+        b.add_le(after[j + 1] + net(j) - v, 0)
+        after[j] = b.expr([(1, v)])
     peaks = [at(t, model.phases[t].peak) for t in lay.pre]
     for j in range(n):
         peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, 0))
         peaks += [at(t, model.phases[t].peak) + kept[j + 1] for t in lay.after_fwd[j]]
-        peaks.append(at(lay.bwd[j], netsuf[j + 1]) + kept[j + 1] + unit(j, 2, inside=True))
-        peaks += [at(t, netsuf[j + 1] + model.phases[t].peak) + kept[j + 1] + unit(j, 3, inside=True)
-                  for t in lay.after_bwd[j]]
+        peaks.append(at(lay.bwd[j], 0) + kept[j + 1] + after[j + 1] + unit(j, 2))
+        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + after[j + 1] + unit(j, 3) for t in lay.after_bwd[j]]
     return peaks
-
-
-def _inside(model: IntModel, j: int, role: Role) -> int:
-    """For a segment member, what the members after it in the region add beyond their nets by
-    the time its backward begins (zero for a single unit)."""
-    if role.kind != SEGMENT:
-        return 0
-    return sum(model.costs[m, role][1] + model.costs[m, role][3] - model.net[m] for m in range(j + 1, role.last + 1))
 
 
 class _CpSat:
