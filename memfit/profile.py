@@ -89,6 +89,7 @@ class Profile:
     fingerprint: dict[str, Any]
     measured_peak_bytes: dict[str, int] = field(default_factory=dict)  # per all-units option
     chain: bool = False  # each unit's output is the next one's only input: segments are possible
+    recompute_factor: float = 1.0  # measured recompute time / first forward time, all units
     rng_state_bytes: int = 0  # device bytes of the RNG state a checkpoint keeps (CPU: 5056, CUDA: 0)
     torch_version: str = ""
 
@@ -178,6 +179,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         torch_version=str(data.get("torch_version", "")),
         chain=bool(data.get("chain", False)),
         rng_state_bytes=int(data.get("rng_state_bytes", 0)),
+        recompute_factor=float(data.get("recompute_factor", 1.0)),
     )
 
 

@@ -67,6 +67,7 @@ def profile(
         facts = unit_facts(model, names, inp, loss)
         memory: dict[str, list[Stretch]] = {}
         times: list[list[Stretch]] = []
+        full_times: list[list[Stretch]] = []
         for option in OPTIONS:
             say(f"memory with every unit {option}")
             with _all_units(model, names, option):
@@ -74,9 +75,11 @@ def profile(
                 training_step(model, inp, loss, opt)  # warm-up in this configuration
                 memory[option] = stretches(recorded_step(model, names, inp, loss, opt, device, "memory"))
         check_same_shape(memory["none"], memory["full"], "every unit was checkpointed")
-        for r in range(repeat):
+        for r in range(repeat):  # plain and all-checkpointed steps in alternation
             say(f"timing {r + 1}/{repeat}")
             times.append(stretches(recorded_step(model, names, inp, loss, opt, device, "time")))
+            with _all_units(model, names, "full"):
+                full_times.append(stretches(recorded_step(model, names, inp, loss, opt, device, "time")))
         zero_grad(model, opt)
         baseline = storage_bytes(
             [*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()]
@@ -84,7 +87,8 @@ def profile(
         state_bytes = storage_bytes(optimizer_tensors(opt))
     params = list(model.parameters())
     return _assemble(
-        model, names, inp, optimizer, device, memory, times, facts, baseline, state_bytes, params
+        model, names, inp, optimizer, device, memory, times, facts, baseline, state_bytes, params,
+        _recompute_factor(times, full_times),
     )
 
 
@@ -100,6 +104,7 @@ def _assemble(
     baseline: int,
     state_bytes: int,
     params: list[nn.Parameter],
+    factor: float,
 ) -> Profile:
     def median_time(k: int) -> float:
         return statistics.median(run[k].seconds for run in times)
@@ -117,8 +122,9 @@ def _assemble(
         options = {}
         for option in OPTIONS:
             f, b = memory[option][fk], memory[option][bk]
-            # A checkpointed unit runs its forward once more, inside its backward.
-            recompute = 0.0 if option == "none" else fwd_s
+            # A checkpointed unit runs its forward once more, inside its backward, at the cost
+            # measured for all units together (see _recompute_factor).
+            recompute = 0.0 if option == "none" else fwd_s * factor
             options[option] = OptionCost(f.peak, f.end, b.peak, b.end, recompute)
         module = model.get_submodule(name)
         pbytes = storage_bytes(list(module.parameters()))
@@ -159,6 +165,7 @@ def _assemble(
         fingerprint=model_fingerprint(model, names),
         measured_peak_bytes=measured,
         torch_version=torch.__version__,
+        recompute_factor=factor,
         chain=facts.chain and not any(_has_batch_norm(model.get_submodule(n)) for n in names),
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
     )
@@ -169,6 +176,22 @@ def _has_batch_norm(module: nn.Module) -> bool:
     running statistics update once); how that interacts with a multi-unit segment is not
     modelled exactly, so such units are not offered as segments."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in module.modules())
+
+
+def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> float:
+    """Measured extra time of the all-checkpointed step over the units' own forward time.
+
+    Recomputing a forward inside backward is not exactly as dear as the first forward (no
+    tensors are saved in the first pass, memory is reused, hooks and RNG handling add a little);
+    the per-step ratio, median over adjacent plain/checkpointed pairs, scales each unit's
+    forward time into its recompute time. Kept within [0.25, 2] against timing noise.
+    """
+    ratios = []
+    for a, b in zip(plain, full, strict=True):
+        forward = sum(s.seconds for s in a if s.label.startswith("fwd:"))
+        if forward > 0:
+            ratios.append((sum(s.seconds for s in b) - sum(s.seconds for s in a)) / forward)
+    return min(2.0, max(0.25, statistics.median(ratios))) if ratios else 1.0
 
 
 def _share_outputs(units: list[UnitProfile], facts: UnitFacts) -> None:
