@@ -49,8 +49,8 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if profile is not None:
         roles = roles_of(profile, schedule.policies)
         rows: list[list[str]] = []
-        for u, policy in zip(profile.units, schedule.policies.values(), strict=True):
-            cost = unit_costs(profile, len(rows), roles[len(rows)])
+        for j, (u, policy) in enumerate(zip(profile.units, schedule.policies.values(), strict=True)):
+            cost = unit_costs(profile, j, roles[j])
             rows.append([u.name, policy, format_bytes(u.saved_bytes), format_bytes(cost.fwd_end),
                          _ms(cost.recompute_s)])
         head = ["unit", "policy", "saved for bwd", "kept to bwd", "recompute"]

@@ -24,8 +24,10 @@ def _fits(profile: Profile, policies: Policies, budget: int) -> bool:
 
 
 def _cheapest(profile: Profile, candidates: list[Policies], budget: int) -> Policies | None:
-    fitting = [p for p in candidates if _fits(profile, p, budget)]
-    return min(fitting, key=lambda p: predict(profile, p).recompute_s, default=None)
+    """The candidate with the least recompute among those that fit (each predicted once)."""
+    fitting = [(pred.recompute_s, i) for i, pred in enumerate(predict(profile, p) for p in candidates)
+               if pred.peak_bytes <= budget]
+    return candidates[min(fitting)[1]] if fitting else None
 
 
 def none(profile: Profile, budget: int) -> Policies | None:

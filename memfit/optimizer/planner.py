@@ -91,13 +91,12 @@ def plan(
 
 def _best_baseline_instead(profile: Profile, budget_bytes: int, solver: str) -> Schedule:
     """The time limit passed with no ILP answer: the cheapest baseline that fits, said so."""
-    fitting = {k: v for k, v in baselines(profile, budget_bytes).items() if v.get("fits")}
-    if not fitting:
+    best = _cheapest_fitting(baselines(profile, budget_bytes))
+    if best is None:
         raise SolverTimeout(
             f"the {solver} solver found no answer within the time limit and no baseline fits "
             f"{format_bytes(budget_bytes)}; raise --time-limit"
         )
-    best = min(fitting, key=lambda k: fitting[k]["recompute_s"])
     schedule = plan(profile, budget_bytes, strategy=best)
     schedule.solver_status = f"time limit: no {solver} answer, best baseline ({best}) used"
     return schedule
@@ -123,7 +122,11 @@ def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, float]
 
 def best_baseline(schedule: Schedule) -> str | None:
     """The fitting baseline with the least recompute time."""
-    fitting = {k: v for k, v in schedule.baselines.items() if v.get("fits")}
+    return _cheapest_fitting(schedule.baselines)
+
+
+def _cheapest_fitting(figures: dict[str, dict[str, float]]) -> str | None:
+    fitting = {k: v for k, v in figures.items() if v.get("fits")}
     return min(fitting, key=lambda k: fitting[k]["recompute_s"], default=None)
 
 

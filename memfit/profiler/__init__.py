@@ -17,6 +17,7 @@ from memfit.profiler.step import (
     Inputs,
     LossFn,
     default_loss,
+    device_of,
     make_optimizer,
     optimizer_tensors,
     storage_bytes,
@@ -56,7 +57,7 @@ def profile(
     names = find_units(model, units)
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")
-    device = _device_of(model)
+    device = device_of(model)
     with _left_as_found(model):
         model.train()
         opt = make_optimizer(optimizer, model.parameters())
@@ -235,12 +236,6 @@ def _remainder_label(label: str, names: list[str]) -> str:
     if kind == "step":
         return "optimizer step"
     return label
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for t in [*model.parameters(), *model.buffers()]:
-        return t.device
-    return torch.device("cpu")
 
 
 @contextmanager

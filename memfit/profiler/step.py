@@ -122,6 +122,13 @@ def training_step(
     return float(loss.detach())
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters (or buffers) live; the CPU for a model with neither."""
+    for t in [*model.parameters(), *model.buffers()]:
+        return t.device
+    return torch.device("cpu")
+
+
 def zero_grad(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)

@@ -15,6 +15,7 @@ from memfit.profiler.step import (
     Inputs,
     LossFn,
     default_loss,
+    device_of,
     make_optimizer,
     optimizer_tensors,
     storage_bytes,
@@ -73,7 +74,7 @@ def measure_steps(
     last step's. The optimizer has learning rate 0, so every step sees the same weights."""
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
-    device = _device(model)
+    device = device_of(model)
     opt = make_optimizer(optimizer, model.parameters())
     model.train()
     torch.manual_seed(seed)
@@ -103,7 +104,7 @@ def step_times(
     machine's speed falls on both alike and cancels in each pair's ratio."""
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
-    device = _device(model)
+    device = device_of(model)
     opt = make_optimizer(optimizer, model.parameters())
     model.train()
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -123,10 +124,6 @@ def step_times(
                 clear_policies(model)
     ratios = [b / a for a, b in zip(times[False], times[True], strict=True)]
     return statistics.median(times[False]), statistics.median(times[True]), statistics.median(ratios)
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(iter(model.parameters())).device
 
 
 def _sync(device: torch.device) -> None:
