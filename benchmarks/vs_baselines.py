@@ -17,9 +17,10 @@ import copy
 
 import memfit
 from memfit.optimizer.planner import STRATEGY_NAMES
+from memfit.profiler.timing import step_times
 from memfit.report import table
 from memfit.runtime.apply import set_policies
-from memfit.runtime.validate import measure_steps, step_times
+from memfit.runtime.validate import measure_steps
 from memfit.scenarios import load_scenario
 
 

@@ -150,7 +150,7 @@ def _profile(args: argparse.Namespace) -> Any:
 
     sc, model, inputs = _build(args)
     optimizer = None if sc.optimizer == "none" else sc.optimizer
-    with tqdm(total=4 + args.repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
+    with tqdm(total=5 + args.repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
         started = []
 
         def progress(message: str) -> None:  # called as each pass begins

@@ -116,3 +116,29 @@ def test_units_off_the_gradient_path_are_refused():
 
     with pytest.raises(memfit.MemfitError, match="backward"):
         memfit.profile(Side(), torch.randn(2, 4), repeat=1)
+
+
+def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
+    """The recompute times add up so that predicting 'every unit checkpointed' gives the median
+    ratio of adjacent plain and all-checkpointed steps, and units share it by forward time."""
+    from memfit.profiler import _recompute_factor
+    from memfit.profiler.timeline import Stretch
+    from memfit.profiler.timing import alternate
+
+    def run(fwd: list[float], bwd: list[float], rest: float) -> list[Stretch]:
+        marks = [Stretch(f"fwd:{i}", 0, 0, t) for i, t in enumerate(fwd)]
+        marks += [Stretch(f"bwd:{i}", 0, 0, t) for i, t in enumerate(bwd)]
+        return [*marks, Stretch("step", 0, 0, rest)]
+
+    # machine speed drifts by 2x between rounds; within a pair the all-checkpointed step costs 1.3x
+    plain = [run([1.0 * s, 3.0 * s], [2.0 * s, 6.0 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
+    full = [run([1.0 * s, 3.0 * s], [3.05 * s, 9.15 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
+    factor = _recompute_factor(plain, full)
+    step, forward = 14.0 * 1.5, 4.0 * 1.5  # medians
+    assert factor * forward / step == pytest.approx(0.3)
+
+    # alternate: ABBA order after a warm-up round that is not returned
+    order: list[bool] = []
+    a, b = alternate(lambda flag: order.append(flag) or len(order), 2)
+    assert order == [False, True, True, False, False, True]
+    assert (a, b) == ([4, 5], [3, 6])

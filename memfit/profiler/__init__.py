@@ -25,6 +25,7 @@ from memfit.profiler.step import (
     zero_grad,
 )
 from memfit.profiler.timeline import Stretch, check_same_shape, recorded_step, stretches
+from memfit.profiler.timing import alternate, median_ratio
 from memfit.runtime.apply import clear_policies, is_checkpointed, set_policies
 from memfit.schedule import model_fingerprint
 from memfit.units import find_units
@@ -67,8 +68,6 @@ def profile(
         say("saved-for-backward bytes")
         facts = unit_facts(model, names, inp, loss)
         memory: dict[str, list[Stretch]] = {}
-        times: list[list[Stretch]] = []
-        full_times: list[list[Stretch]] = []
         for option in OPTIONS:
             say(f"memory with every unit {option}")
             with _all_units(model, names, option):
@@ -76,11 +75,15 @@ def profile(
                 training_step(model, inp, loss, opt)  # warm-up in this configuration
                 memory[option] = stretches(recorded_step(model, names, inp, loss, opt, device, "memory"))
         check_same_shape(memory["none"], memory["full"], "every unit was checkpointed")
-        for r in range(repeat):  # plain and all-checkpointed steps in alternation
-            say(f"timing {r + 1}/{repeat}")
-            times.append(stretches(recorded_step(model, names, inp, loss, opt, device, "time")))
-            with _all_units(model, names, "full"):
-                full_times.append(stretches(recorded_step(model, names, inp, loss, opt, device, "time")))
+        rounds = iter(range(repeat + 1))
+
+        def timed(full: bool) -> list[Stretch]:
+            if not full:
+                say(f"timing {next(rounds) + 1}/{repeat + 1} (plain and checkpointed)")
+            with _all_units(model, names, "full" if full else "none"):
+                return stretches(recorded_step(model, names, inp, loss, opt, device, "time"))
+
+        times, full_times = alternate(timed, repeat)
         zero_grad(model, opt)
         baseline = storage_bytes(
             [*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()]
@@ -146,7 +149,7 @@ def _assemble(
             peak, end, ckpt_end = max(s_none.peak, s_full.peak), s_none.end, max(s_none.end, s_full.end)
             label = _remainder_label(s_none.label, names)
             phases.append(Phase(label, None, "remainder", peak, end, ckpt_end))
-    step_s = statistics.median(sum(s.seconds for s in run) for run in times)
+    step_s = statistics.median(_seconds(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
     measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in OPTIONS}
     return Profile(
@@ -180,19 +183,26 @@ def _has_batch_norm(module: nn.Module) -> bool:
 
 
 def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> float:
-    """Measured extra time of the all-checkpointed step over the units' own forward time.
+    """Recompute time of the units over their own forward time, such that checkpointing every
+    unit costs the overhead measured for it.
 
     Recomputing a forward inside backward is not exactly as dear as the first forward (no
-    tensors are saved in the first pass, memory is reused, hooks and RNG handling add a little);
-    the per-step ratio, median over adjacent plain/checkpointed pairs, scales each unit's
-    forward time into its recompute time. Kept within [0.25, 2] against timing noise.
+    tensors are saved, memory is reused, hooks and RNG handling add a little), so the forward
+    times scaled by this factor become the recompute times. The overhead is the median ratio of
+    adjacent plain and all-checkpointed steps, as ``validate`` measures a plan; the units' marks
+    give each unit's share. Kept within [0.25, 2].
     """
-    ratios = []
-    for a, b in zip(plain, full, strict=True):
-        forward = sum(s.seconds for s in a if s.label.startswith("fwd:"))
-        if forward > 0:
-            ratios.append((sum(s.seconds for s in b) - sum(s.seconds for s in a)) / forward)
-    return min(2.0, max(0.25, statistics.median(ratios))) if ratios else 1.0
+    forward = sum(statistics.median(run[k].seconds for run in plain)
+                  for k, s in enumerate(plain[0]) if s.label.startswith("fwd:"))
+    if forward <= 0:
+        return 1.0
+    overhead = median_ratio([_seconds(r) for r in plain], [_seconds(r) for r in full]) - 1.0
+    step_s = statistics.median(_seconds(r) for r in plain)
+    return min(2.0, max(0.25, overhead * step_s / forward))
+
+
+def _seconds(run: list[Stretch]) -> float:
+    return sum(s.seconds for s in run)
 
 
 def _share_outputs(units: list[UnitProfile], facts: UnitFacts) -> None:

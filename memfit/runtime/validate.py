@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +20,8 @@ from memfit.profiler.step import (
     training_step,
     zero_grad,
 )
-from memfit.runtime.apply import apply, clear_policies, set_policies
+from memfit.profiler.timing import step_times
+from memfit.runtime.apply import apply, clear_policies
 from memfit.runtime.memory import memory_recorder
 from memfit.schedule import Schedule
 
@@ -93,42 +92,6 @@ def measure_steps(
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level)
-
-
-def step_times(
-    model: nn.Module, inputs: Any, policies: dict[str, str], *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "adamw", steps: int = 5,
-) -> tuple[float, float, float]:
-    """Median step time of the plain model and of the scheduled one, and the median ratio of
-    scheduled to plain over adjacent pairs: the two run in alternation, so that drift in the
-    machine's speed falls on both alike and cancels in each pair's ratio."""
-    inp = Inputs.of(inputs)
-    loss = loss_fn or default_loss
-    device = device_of(model)
-    opt = make_optimizer(optimizer, model.parameters())
-    model.train()
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for i in range(steps + 1):
-        for scheduled in (False, True) if i % 2 == 0 else (True, False):
-            if scheduled:
-                set_policies(model, policies)
-            try:
-                zero_grad(model, opt)
-                _sync(device)
-                t0 = time.perf_counter()
-                training_step(model, inp, loss, opt)
-                _sync(device)
-                if i > 0:  # the first round warms up
-                    times[scheduled].append(time.perf_counter() - t0)
-            finally:
-                clear_policies(model)
-    ratios = [b / a for a, b in zip(times[False], times[True], strict=True)]
-    return statistics.median(times[False]), statistics.median(times[True]), statistics.median(ratios)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def validate(
