@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each model per budget")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps when profiling")
     args = parser.parse_args()
+    memfit.keep_freed_cpu_memory()  # as the memfit command does: steady, additive CPU step times
     rows, worst_mem, worst_time = [], 0.0, 0.0
     for name in args.scenarios:
         sc = load_scenario(name)

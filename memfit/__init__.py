@@ -22,6 +22,7 @@ from memfit.profile import Profile
 from memfit.profiler import profile
 from memfit.profiler.step import default_loss
 from memfit.runtime.apply import apply
+from memfit.runtime.memory import keep_freed_cpu_memory
 from memfit.runtime.validate import Validation, validate
 from memfit.schedule import Schedule, load_schedule
 
@@ -39,6 +40,7 @@ __all__ = [
     "apply",
     "default_loss",
     "format_bytes",
+    "keep_freed_cpu_memory",
     "load_schedule",
     "min_budget_bytes",
     "parse_bytes",
