@@ -2,10 +2,13 @@
 smallest feasible peak and the un-checkpointed one.
 
     python benchmarks/fidelity.py                          # every built-in scenario, 5 budgets
-    python benchmarks/fidelity.py gpt-small --budgets 5 --steps 10
+    python benchmarks/fidelity.py gpt-small --budgets 5 --repeat 10 --steps 20
 
-Prints one row per (scenario, budget) and a summary; the slowdown is measured with plain and
-scheduled steps in alternation (memfit.runtime.validate.step_times).
+Prints one row per (scenario, budget) and a summary. Peaks, losses, gradients and buffers come
+from memfit.validate; the slowdowns of all of a scenario's plans are measured in one series of
+rounds (plain step, then each plan's step, order reversing every round), each plan's step
+against the plain step of its round (memfit.profiler.timing.step_times). The plan with nothing
+checkpointed is timed too: its "slowdown" shows the measurement's own noise.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 import memfit
+from memfit.profiler.timing import step_times
 from memfit.report import table
 from memfit.scenarios import builtin_names, load_scenario
 
@@ -22,9 +28,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="*", default=builtin_names())
     parser.add_argument("--budgets", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps of each model per budget")
-    parser.add_argument("--repeat", type=int, default=5, help="timed steps when profiling")
+    parser.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each plan per round)")
+    parser.add_argument("--repeat", type=int, default=10, help="timed pairs when profiling")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     memfit.keep_freed_cpu_memory()  # as the memfit command does: steady, additive CPU step times
     rows, worst_mem, worst_time = [], 0.0, 0.0
     for name in args.scenarios:
@@ -35,18 +44,19 @@ def main() -> None:
         prof = memfit.profile(model, inputs, units=sc.units, optimizer=opt, repeat=args.repeat)
         prof_s = time.perf_counter() - t0
         lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
-        for k in range(args.budgets):
-            budget = int(lo + (hi - lo) * k / max(1, args.budgets - 1))
-            sched = memfit.plan(prof, budget)
-            v = memfit.validate(model, inputs, sched, optimizer=opt, steps=args.steps)
+        budgets = [int(lo + (hi - lo) * k / max(1, args.budgets - 1)) for k in range(args.budgets)]
+        plans = [memfit.plan(prof, b) for b in budgets]
+        checks = [memfit.validate(model, inputs, p, optimizer=opt, steps=0) for p in plans]
+        # every plan timed in one series with shared plain steps (see memfit.profiler.timing)
+        _, ratios = step_times(model, inputs, [p.policies for p in plans], optimizer=opt, steps=args.steps)
+        for budget, sched, v, ratio in zip(budgets, plans, checks, ratios, strict=True):
             worst_mem = max(worst_mem, abs(v.error))
-            if sched.checkpointed:
-                worst_time = max(worst_time, abs(v.predicted_overhead - v.measured_overhead))
+            worst_time = max(worst_time, abs(sched.predicted_overhead - (ratio - 1)))
             rows.append([
                 name, memfit.format_bytes(budget), memfit.format_bytes(v.predicted_peak_bytes),
                 memfit.format_bytes(v.measured_peak_bytes), f"{v.error * 100:+.3f}%", "yes" if v.fits else "NO",
                 f"{len(sched.checkpointed)}/{len(sched.policies)}",
-                f"{v.predicted_overhead * 100:+.1f}%", f"{v.measured_overhead * 100:+.1f}%",
+                f"{sched.predicted_overhead * 100:+.1f}%", f"{(ratio - 1) * 100:+.1f}%",
                 "yes" if v.grads_equal and v.losses_equal and v.buffers_equal else "NO",
             ])
         print(f"{name}: profiled in {prof_s:.1f} s, step {prof.step_s * 1e3:.0f} ms", flush=True)

@@ -61,7 +61,7 @@ def scenario_rows(name: str, budgets: int, steps: int) -> list[list[str]]:
             twin = copy.deepcopy(model)
             set_policies(twin, policies)
             peak = measure_steps(twin, inputs, optimizer=opt).peak_bytes
-            _, _, ratio = step_times(model, inputs, policies, optimizer=opt, steps=steps)
+            _, (ratio,) = step_times(model, inputs, [policies], optimizer=opt, steps=steps)
             measured[key] = (peak, ratio - 1.0)
         return measured[key]
 

@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                   "equal gradients; exits 1 if the peak exceeds the budget or results differ")
     val.add_argument("--schedule", required=True, help="a schedule JSON from `memfit plan`")
     _source_args(val)
-    val.add_argument("--steps", type=int, default=5, help="timed steps of each model (default: %(default)s)")
+    val.add_argument("--steps", type=int, default=5,
+                     help="timed rounds, one plain and one scheduled step counted in each (default: %(default)s)")
     val.add_argument("--json", action="store_true", help="print the result as JSON")
     val.set_defaults(func=cmd_validate)
 
@@ -110,7 +111,7 @@ def _source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum", "none"],
                    help="optimizer whose state and step count (default: the scenario's, else adamw)")
     g.add_argument("--repeat", type=int, default=5,
-                   help="timed pairs of plain and all-checkpointed steps when profiling (default: %(default)s)")
+                   help="timed rounds of plain and all-checkpointed steps when profiling (default: %(default)s)")
 
 
 def _scenario(args: argparse.Namespace) -> Any:
@@ -154,7 +155,7 @@ def _profile(args: argparse.Namespace) -> Any:
 
     sc, model, inputs = _build(args)
     optimizer = None if sc.optimizer == "none" else sc.optimizer
-    with tqdm(total=5 + args.repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
+    with tqdm(total=4 + args.repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
         started = []
 
         def progress(message: str) -> None:  # called as each pass begins
@@ -208,6 +209,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from memfit.runtime.validate import validate
     from memfit.schedule import load_schedule
 
+    if args.steps < 1:
+        raise MemfitError("--steps must be at least 1 (timed rounds of the plain and the scheduled step)")
     schedule = load_schedule(args.schedule)
     sc, model, inputs = _build(args)
     optimizer = None if sc.optimizer == "none" else sc.optimizer

@@ -70,6 +70,7 @@ def test_plan_table_json_and_file(workdir):
         (["plan", "--model", "no_such_module:f", "--budget", "1GB"], "cannot import"),
         (["show", "missing.json"], "no such file"),
         (["validate", "--schedule", "missing.json"], "no such file"),
+        (["validate", "--schedule", "missing.json", "--steps", "0"], "--steps must be at least 1"),
     ],
 )
 def test_user_mistakes_exit_2_without_output(workdir, args, message):

@@ -137,11 +137,11 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     step, forward = 14.0 * 1.5, 4.0 * 1.5  # medians
     assert factor * forward / step == pytest.approx(0.3)
 
-    # alternate: ABBA order after a warm-up round that is not returned
-    order: list[bool] = []
-    a, b = alternate(lambda flag: order.append(flag) or len(order), 2)
-    assert order == [False, True, True, False, False, True]
-    assert (a, b) == ([4, 5], [3, 6])
+    # alternate: each configuration twice in a row, the second counted; the order reverses
+    order: list[int] = []
+    a, b = alternate(lambda k: order.append(k) or len(order), 2, 2)
+    assert order == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert (a, b) == ([2, 8], [4, 6])
 
 
 def test_keep_freed_cpu_memory_keeps_freed_blocks():

@@ -75,15 +75,15 @@ def profile(
                 training_step(model, inp, loss, opt)  # warm-up in this configuration
                 memory[option] = stretches(recorded_step(model, names, inp, loss, opt, device, "memory"))
         check_same_shape(memory["none"], memory["full"], "every unit was checkpointed")
-        rounds = iter(range(repeat + 1))
+        calls = iter(range(4 * repeat))  # four steps a round: two plain, two checkpointed
 
-        def timed(full: bool) -> list[Stretch]:
-            if not full:
-                say(f"timing {next(rounds) + 1}/{repeat + 1} (plain and checkpointed)")
+        def timed(full: int) -> list[Stretch]:
+            if (call := next(calls)) % 4 == 0:
+                say(f"timing {call // 4 + 1}/{repeat} (plain and checkpointed)")
             with _all_units(model, names, "full" if full else "none"):
                 return stretches(recorded_step(model, names, inp, loss, opt, device, "time"))
 
-        times, full_times = alternate(timed, repeat)
+        times, full_times = alternate(timed, 2, repeat)
         zero_grad(model, opt)
         baseline = storage_bytes(
             [*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()]

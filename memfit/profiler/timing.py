@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -16,39 +17,57 @@ from memfit.runtime.apply import clear_policies, set_policies
 T = TypeVar("T")
 
 
-def alternate(run: Callable[[bool], T], steps: int) -> tuple[list[T], list[T]]:
-    """Results of ``run(False)`` and ``run(True)`` over ``steps`` rounds in alternation (ABBA
-    order), after one warm-up round that is left out. On a shared machine one step's time swings
-    by ±10%, and drift falls on adjacent steps alike, so only their ratio is steady."""
-    out: dict[bool, list[T]] = {False: [], True: []}
-    for i in range(steps + 1):
-        for flag in (False, True) if i % 2 == 0 else (True, False):
-            result = run(flag)
-            if i > 0:
-                out[flag].append(result)
-    return out[False], out[True]
+def alternate(run: Callable[[int], T], n: int, steps: int) -> list[list[T]]:
+    """Results of ``run(0)`` … ``run(n - 1)`` over ``steps`` rounds.
+
+    Within a round each configuration runs twice in a row and only the second step counts: a
+    training loop runs one configuration step after step, and a step that follows another
+    configuration's was measured 3-6% slower (the allocator and caches hold the other's
+    layout), more so for the plain step, so mixed neighbours understate the slowdown. The order
+    reverses every round (0 1 2, 2 1 0, …) so that drift in the machine's speed, which swings a
+    step by ±10% over seconds, falls on every configuration alike; only ratios within a round
+    are steady."""
+    out: list[list[T]] = [[] for _ in range(n)]
+    for i in range(steps):
+        for k in range(n) if i % 2 == 0 else reversed(range(n)):
+            run(k)  # settles the allocator and caches into this configuration
+            out[k].append(_without_gc(run, k))
+    return out
+
+
+def _without_gc(run: Callable[[int], T], k: int) -> T:
+    """``run(k)`` with Python's cyclic garbage collector held off, as ``timeit`` does: its full
+    collections come every so many allocations, so in a fixed order of steps they land on the
+    same configuration round after round and bias its time."""
+    gc.collect()
+    gc.disable()
+    try:
+        return run(k)
+    finally:
+        gc.enable()
 
 
 def median_ratio(plain: list[float], other: list[float]) -> float:
-    """Median over adjacent pairs of other / plain."""
+    """Median over rounds of other / plain."""
     return statistics.median(b / a for a, b in zip(plain, other, strict=True))
 
 
 def step_times(
-    model: nn.Module, inputs: Any, policies: dict[str, str], *, loss_fn: LossFn | None = None,
+    model: nn.Module, inputs: Any, schedules: list[dict[str, str]], *, loss_fn: LossFn | None = None,
     optimizer: str | None = "adamw", steps: int = 5,
-) -> tuple[float, float, float]:
-    """Median step time of the plain model and of the scheduled one, and the median ratio of
-    scheduled to plain over adjacent pairs (see ``alternate``)."""
+) -> tuple[float, list[float]]:
+    """Median step time of the plain model, and the median ratio of each schedule's step time to
+    the plain step's in the same round (see ``alternate``): timing several schedules in one
+    series lets them share the plain steps and the machine's drift."""
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
     device = device_of(model)
     opt = make_optimizer(optimizer, model.parameters())
     model.train()
+    configs = [{}, *schedules]
 
-    def timed(scheduled: bool) -> float:
-        if scheduled:
-            set_policies(model, policies)
+    def timed(k: int) -> float:
+        set_policies(model, configs[k])
         try:
             zero_grad(model, opt)
             _sync(device)
@@ -59,8 +78,8 @@ def step_times(
         finally:
             clear_policies(model)
 
-    plain, sched = alternate(timed, steps)
-    return statistics.median(plain), statistics.median(sched), median_ratio(plain, sched)
+    plain, *others = alternate(timed, len(configs), steps)
+    return statistics.median(plain), [median_ratio(plain, t) for t in others]
 
 
 def _sync(device: torch.device) -> None:
