@@ -40,7 +40,7 @@ def profile(
     loss_fn: LossFn | None = None,
     units: str | list[str] = "auto",
     optimizer: str | None = "adamw",
-    repeat: int = 3,
+    repeat: int = 5,
     progress: Progress | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
