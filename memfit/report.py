@@ -76,10 +76,10 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         out.append(f"recompute time of this plan / best baseline ({best}): {ratio:.2f}")
     used = sum(p != "none" for p in schedule.policies.values())
     segments = len({p for p in schedule.policies.values() if p.startswith("segment:")})
+    in_segments = f" ({segments} segment{'s' if segments > 1 else ''})" if segments else ""
     out.append("")
     out.append(
-        f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed"
-        f"{f' ({segments} segments)' if segments else ''}; "
+        f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed{in_segments}; "
         f"solver {schedule.solver} ({schedule.solver_status}) in {schedule.solve_s:.2f} s"
     )
     if profile is not None:
