@@ -6,8 +6,9 @@ smallest feasible peak and the un-checkpointed one.
 
 Prints one row per (scenario, budget) and a summary. Peaks, losses, gradients and buffers come
 from memfit.validate; the slowdowns of all of a scenario's plans are measured in one series of
-rounds (plain step, then each plan's step, order reversing every round), each plan's step
-against the plain step of its round (memfit.profiler.timing.step_times). The plan with nothing
+rounds (plain, then each plan, each counted step following one of its own; the order reverses
+every round), each plan's step against the plain step of its round
+(memfit.profiler.timing.step_times). The plan with nothing
 checkpointed is timed too: its "slowdown" shows the measurement's own noise.
 """
 
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("scenarios", nargs="*", default=builtin_names())
     parser.add_argument("--budgets", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each plan per round)")
-    parser.add_argument("--repeat", type=int, default=10, help="timed pairs when profiling")
+    parser.add_argument("--repeat", type=int, default=10, help="timed rounds when profiling")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
