@@ -5,8 +5,8 @@
 
 For each budget: the plan of each strategy that fits (ilp, every-k, sqrt, first-k, greedy,
 full), its measured peak (CPU live-tensor accounting) and its measured slowdown against the
-un-checkpointed step (median of adjacent plain/scheduled pairs). Identical plans are measured
-once. The last column is recompute time of the ILP / best fitting baseline (predicted; 1.00 =
+un-checkpointed step (median over rounds, memfit.profiler.timing.step_times). Identical plans
+are measured once. The last column is recompute time of the ILP / best fitting baseline (predicted; 1.00 =
 as good, < 1 = better). "cnn-group" is cnn-mixed with GroupNorm, a chain where segments apply.
 """
 

@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from memfit import __version__
+    from memfit.optimizer.ilp import SOLVERS
+    from memfit.optimizer.planner import STRATEGY_NAMES
 
     p.add_argument("--version", action="version", version=f"memfit {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -72,9 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", required=True, help="memory budget for the whole step, e.g. 24GB, 1536MB")
     plan.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
     _source_args(plan)
-    plan.add_argument("--strategy", choices=["ilp", "none", "full", "every-k", "sqrt", "first-k", "greedy"],
+    plan.add_argument("--strategy", choices=STRATEGY_NAMES,
                       default="ilp", help="ilp (the optimum) or a baseline to use instead (default: %(default)s)")
-    plan.add_argument("--solver", choices=["cpsat", "cbc", "dp"], default="cpsat",
+    plan.add_argument("--solver", choices=SOLVERS, default="cpsat",
                       help="ILP backend: OR-Tools CP-SAT, PuLP/CBC, or the exact chain DP (default: %(default)s)")
     plan.add_argument("--max-segment", type=int, default=8,
                       help="longest run of units checkpointed as one region, on chains (default: %(default)s)")

@@ -10,7 +10,7 @@ from memfit.optimizer.planner import best_baseline
 from memfit.optimizer.roles import roles_of, unit_costs
 from memfit.profile import Profile
 from memfit.runtime.validate import Validation
-from memfit.schedule import Schedule
+from memfit.schedule import Schedule, segment_span
 
 BASELINE_NAMES = {
     "none": "checkpoint nothing",
@@ -75,7 +75,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         ratio = schedule.predicted_recompute_s / theirs if theirs > 0 else 1.0
         out.append(f"recompute time of this plan / best baseline ({best}): {ratio:.2f}")
     used = sum(p != "none" for p in schedule.policies.values())
-    segments = len({p for p in schedule.policies.values() if p.startswith("segment:")})
+    segments = len({p for p in schedule.policies.values() if segment_span(p)})
     in_segments = f" ({segments} segment{'s' if segments > 1 else ''})" if segments else ""
     out.append("")
     out.append(

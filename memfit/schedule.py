@@ -16,6 +16,13 @@ SCHEDULE_FORMAT = "memfit.schedule/1"
 POLICIES = ("none", "full")  # and "segment:<first>..<last>"
 
 
+def segment_span(policy: str) -> tuple[str, str] | None:
+    """The (first, last) unit names of a ``segment:<first>..<last>`` policy; None for any other."""
+    kind, _, span = policy.partition(":")
+    first, sep, last = span.partition("..")
+    return (first, last) if kind == "segment" and sep else None
+
+
 @dataclass(slots=True)
 class Schedule:
     policies: dict[str, str]  # unit name -> "none" | "full", in forward order

@@ -132,11 +132,12 @@ def _cheapest_fitting(figures: dict[str, dict[str, float]]) -> str | None:
 
 def strategy_min_budget(profile: Profile, strategy: str) -> int:
     """The smallest budget a baseline strategy fits (they fit every larger budget too)."""
-    lo = predict(profile, dict.fromkeys(profile.unit_names, "full")).peak_bytes // 2
-    hi = max(predict(profile, {}).peak_bytes, 2 * lo + 1)
+    full_peak = predict(profile, dict.fromkeys(profile.unit_names, "full")).peak_bytes
+    none_peak = predict(profile, {}).peak_bytes
+    lo = full_peak // 2
+    hi = max(none_peak, 2 * lo + 1)
     if STRATEGIES[strategy](profile, hi) is None:
-        hi = predict(profile, dict.fromkeys(profile.unit_names, "full")).peak_bytes
-        hi = max(hi, predict(profile, {}).peak_bytes) * 4
+        hi = max(full_peak, none_peak) * 4
     while lo + 1 < hi:
         mid = (lo + hi) // 2
         if STRATEGIES[strategy](profile, mid) is None:

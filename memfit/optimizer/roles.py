@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 from memfit.profile import OPTIONS, Profile
+from memfit.schedule import segment_span
 
 SEGMENT = "segment"
 
@@ -60,15 +61,15 @@ def roles_of(profile: Profile, policies: Mapping[str, str]) -> list[Role]:
         if policy in OPTIONS:
             roles.append(Role(policy))
             continue
-        kind, _, span = policy.partition(":")
-        first, sep, last = span.partition("..")
-        if kind != SEGMENT or not sep or first not in index or last not in index:
+        span = segment_span(policy)
+        if span is None or span[0] not in index or span[1] not in index:
             raise MemfitError(
                 f"unknown policy {policy!r} for unit {name!r}; use none, full or segment:<first>..<last>"
             )
-        role = Role(SEGMENT, index[first], index[last])
+        role = Role(SEGMENT, index[span[0]], index[span[1]])
         if not role.first <= j <= role.last or role.last - role.first < 1:
-            raise MemfitError(f"unit {name!r} is not inside its segment {span!r} (a segment spans two or more units)")
+            raise MemfitError(f"unit {name!r} is not inside its segment {'..'.join(span)!r} "
+                              "(a segment spans two or more units)")
         roles.append(role)
     for role in roles:
         if role.kind == SEGMENT and any(roles[m] != role for m in range(role.first, role.last + 1)):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.errors import MemfitError, ScheduleMismatchError
-from memfit.schedule import Schedule, model_fingerprint
+from memfit.schedule import Schedule, model_fingerprint, segment_span
 
 _CLASSES: dict[tuple[type, str], type] = {}
 _aten = torch.ops.aten
@@ -64,13 +64,13 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
             plan.append(("full", [names[j]]))
             j += 1
             continue
-        kind, _, span = policy.partition(":")
-        first, sep, last = span.partition("..")
-        if kind != "segment" or not sep or first != names[j] or last not in names[j + 1:]:
+        span = segment_span(policy)
+        if span is None or span[0] != names[j] or span[1] not in names[j + 1:]:
             raise MemfitError(
                 f"unit {names[j]!r} has the policy {policy!r}; use none, full or segment:<first>..<last> "
                 "naming this unit first and a later unit last"
             )
+        first, last = span
         k = names.index(last)
         if any(policies[n] != policy for n in names[j : k + 1]):
             raise MemfitError(f"every unit from {first!r} to {last!r} must have the policy {policy!r}")
