@@ -8,7 +8,8 @@ import re
 from memfit.errors import BudgetFormatError
 
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+# The unit letter and the "i" may be of either case; "B" must be upper case ("b" is bits).
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGTkmgt]?)([iI]?)([Bb]?)\s*$")
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -28,14 +29,21 @@ def parse_bytes(text: str | int | float) -> int:
                 "e.g. 24GB, 24GiB, 24G, 1536MB, 0.5TB or 1000 (bytes)"
             )
         value = float(match.group(1))
-        unit = match.group(2).upper()
-        suffix = match.group(3).upper()
-        if unit == "" and suffix not in ("", "B"):
-            raise BudgetFormatError(f"cannot read the memory size {text!r}")
+        unit, binary, byte = match.group(2).upper(), match.group(3), match.group(4)
+        if byte == "b":
+            raise BudgetFormatError(
+                f"{text!r} is in bits (lower-case b); memory sizes are bytes: write {match.group(1)}{unit}{binary}B"
+            )
+        if binary and not unit:
+            raise BudgetFormatError(f"cannot read the memory size {text!r}: 'i' needs a unit letter, e.g. 24GiB")
         power = _POWERS[unit]
     result = value * (1024**power)
     if not math.isfinite(result) or result <= 0:
         raise BudgetFormatError(f"a memory size must be positive, got {text!r}")
+    if result < 1:
+        raise BudgetFormatError(
+            f"{text!r} is less than one byte (a bare number is bytes); did you mean {str(text).strip()}GB?"
+        )
     return math.floor(result)
 
 

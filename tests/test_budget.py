@@ -11,7 +11,8 @@ GiB = 2**30
         ("24GB", 24 * GiB),
         ("24GiB", 24 * GiB),
         ("24G", 24 * GiB),
-        ("24gb", 24 * GiB),
+        ("24gB", 24 * GiB),
+        ("24giB", 24 * GiB),
         (" 24 GB ", 24 * GiB),
         ("1536MB", 1536 * 2**20),
         ("1536MiB", 1536 * 2**20),
@@ -32,6 +33,15 @@ def test_parse_rejects(text):
     with pytest.raises(BudgetFormatError) as info:
         parse_bytes(text)
     assert isinstance(info.value, MemfitError)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("300Mb", "in bits"), ("24gb", "write 24GB"), ("0.5", "less than one byte"), ("1e-3", "did you mean 1e-3GB")],
+)
+def test_parse_explains(text, message):
+    with pytest.raises(BudgetFormatError, match=message):
+        parse_bytes(text)
 
 
 def test_format():
