@@ -3,45 +3,88 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import FileFormatError
+from memfit.errors import FileFormatError, MemfitError
+
+
+def check_writable(path: str | os.PathLike[str], what: str = "output file") -> Path:
+    """Fail now, not after minutes of profiling, if ``path`` cannot be written: empty, a
+    directory, under a file, or in a place this process may not create files in."""
+    if not str(path).strip():
+        raise MemfitError(f"the {what} name is empty; give a file name such as schedule.json")
+    target = Path(path)
+    if target.is_dir():
+        raise MemfitError(f"{target}: is a directory; give a file name for the {what}, e.g. {target / 'out.json'}")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise MemfitError(f"{target}: cannot write the {what}: {parent} is a file, not a directory")
+    try:  # os.access says yes to root on a read-only file system: try it
+        fd, probe = tempfile.mkstemp(prefix=".memfit-probe.", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise MemfitError(f"{target}: cannot write the {what} there ({exc.strerror or exc})") from None
+    return target
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename, so no reader or crash
-    ever sees half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    ever sees half a file. The file gets the mode the umask gives a new file (mkstemp's 0600
+    would hide a schedule from the rest of a team)."""
+    target = check_writable(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise MemfitError(f"{target}: cannot write ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=2, sort_keys=False)
             handle.write("\n")
             handle.flush()
+            os.fchmod(handle.fileno(), 0o666 & ~_umask())
             os.fsync(handle.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise MemfitError(f"{target}: cannot write ({exc.strerror or exc})") from None
         raise
 
 
-def read_json(path: str | os.PathLike[str], expected_format: str) -> dict[str, Any]:
-    """Read a memfit JSON file and check its ``format`` tag."""
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def read_json(path: str | os.PathLike[str], expected_format: str | None) -> dict[str, Any]:
+    """Read a memfit JSON file and check its ``format`` tag (any memfit format for None)."""
     p = Path(path)
+    if p.is_dir():
+        raise FileFormatError(f"{p}: is a directory, not a memfit JSON file")
     if not p.is_file():
         raise FileFormatError(f"{p}: no such file")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FileFormatError(f"{p}: not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise FileFormatError(f"{p}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(data, dict):
         raise FileFormatError(f"{p}: expected a JSON object at the top level")
     fmt = data.get("format")
-    if fmt != expected_format:
+    if expected_format is None:
+        if not (isinstance(fmt, str) and fmt.startswith("memfit.")):
+            raise FileFormatError(f"{p}: not a memfit file (field 'format' is {fmt!r})")
+    elif fmt != expected_format:
         raise FileFormatError(f"{p}: field 'format' is {fmt!r}, expected {expected_format!r}")
     return data
 
@@ -63,11 +106,18 @@ class Fields:
             raise FileFormatError(f"{self.where}: field {key!r} must be {what}, got {value!r}")
         return value
 
-    def int(self, key: str) -> int:
-        return int(self._get(key, (int,), "an integer"))
+    def int(self, key: str, minimum: int | None = None) -> int:
+        value = int(self._get(key, (int,), "an integer"))
+        if minimum is not None and value < minimum:
+            raise FileFormatError(f"{self.where}: field {key!r} must be at least {minimum}, got {value}")
+        return value
 
-    def float(self, key: str) -> float:
-        return float(self._get(key, (int, float), "a number"))
+    def float(self, key: str, minimum: float | None = None) -> float:
+        value = float(self._get(key, (int, float), "a number"))
+        if not math.isfinite(value) or (minimum is not None and value < minimum):
+            raise FileFormatError(f"{self.where}: field {key!r} must be a finite number"
+                                  + (f" of at least {minimum}" if minimum is not None else "") + f", got {value}")
+        return value
 
     def str(self, key: str) -> str:
         return str(self._get(key, (str,), "a string"))

@@ -92,6 +92,7 @@ class Profile:
     recompute_factor: float = 1.0  # measured recompute time / first forward time, all units
     rng_state_bytes: int = 0  # device bytes of the RNG state a checkpoint keeps (CPU: 5056, CUDA: 0)
     torch_version: str = ""
+    source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
 
     @property
     def unit_names(self) -> list[str]:
@@ -180,6 +181,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         chain=bool(data.get("chain", False)),
         rng_state_bytes=int(data.get("rng_state_bytes", 0)),
         recompute_factor=float(data.get("recompute_factor", 1.0)),
+        source=f.obj("source").data if "source" in data else {},
     )
 
 

@@ -33,10 +33,14 @@ class Schedule:
     strategy: str  # "ilp" or a baseline's name
     solver: str
     solver_status: str
-    solve_s: float  # not saved: it would make identical plans differ
+    solve_s: float | None  # not saved (it would make identical plans differ): None once loaded
     fingerprint: dict[str, Any]
     input_shapes: str = ""
-    baselines: dict[str, dict[str, float]] = field(default_factory=dict)
+    # baseline name -> {"applies", "fits"[, "peak_bytes", "recompute_s", "overhead"]}
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    optimizer: str | None = "adamw"  # the optimizer whose state the plan counted
+    device: str = "cpu"  # where the profile was measured
+    source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
 
     @property
     def checkpointed(self) -> list[str]:
@@ -66,17 +70,20 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
             raise FileFormatError(f"{path}: field 'fingerprint' lacks {key!r}")
     return Schedule(
         policies=dict(policies),
-        budget_bytes=f.int("budget_bytes"),
-        predicted_peak_bytes=f.int("predicted_peak_bytes"),
-        predicted_recompute_s=f.float("predicted_recompute_s"),
-        predicted_overhead=f.float("predicted_overhead"),
+        budget_bytes=f.int("budget_bytes", minimum=1),
+        predicted_peak_bytes=f.int("predicted_peak_bytes", minimum=0),
+        predicted_recompute_s=f.float("predicted_recompute_s", minimum=0.0),
+        predicted_overhead=f.float("predicted_overhead", minimum=0.0),
         strategy=f.str("strategy"),
         solver=f.str("solver"),
         solver_status=f.str("solver_status"),
-        solve_s=0.0,
+        solve_s=None,
         fingerprint=fingerprint.data,
         input_shapes=str(f.data.get("input_shapes", "")),
         baselines=dict(f.data.get("baselines") or {}),
+        optimizer=f.opt_str("optimizer") if "optimizer" in f.data else "adamw",
+        device=str(f.data.get("device", "cpu")),
+        source=f.obj("source").data if "source" in f.data else {},
     )
 
 
