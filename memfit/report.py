@@ -64,6 +64,9 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
                 "yes", _pct(schedule.predicted_overhead)]]
     for key, figures in schedule.baselines.items():
         name = BASELINE_NAMES.get(key, key) + ("  <- best baseline" if key == best else "")
+        if not figures.get("applies", True):
+            summary.append([name, "-", "n/a", "-"])
+            continue
         if "peak_bytes" not in figures:
             summary.append([name, "-", "no", "-"])
             continue
@@ -78,10 +81,13 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     segments = len({p for p in schedule.policies.values() if segment_span(p)})
     in_segments = f" ({segments} segment{'s' if segments > 1 else ''})" if segments else ""
     out.append("")
+    took = "" if schedule.solve_s is None else f" in {schedule.solve_s:.2f} s"
     out.append(
         f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed{in_segments}; "
-        f"solver {schedule.solver} ({schedule.solver_status}) in {schedule.solve_s:.2f} s"
+        f"solver {schedule.solver} ({schedule.solver_status}){took}"
     )
+    if any(not f.get("applies", True) for f in schedule.baselines.values()):
+        out.append("n/a: the strategy has no schedule for these units (sqrt needs a chain of units without BatchNorm)")
     if profile is not None:
         where = predict(profile, schedule.policies).peak_phase
         out.append(f"the peak is reached in: {where}")

@@ -4,7 +4,8 @@
 et al. 2016: segments of about sqrt(N) units, each keeping only its input; needs a chain);
 ``first-k`` (Megatron's "block" method: the first k units recomputed, the smallest k that fits);
 ``greedy`` (most bytes saved per second of recompute first, until it fits). Each returns the
-policies it would use for a budget, or None when it cannot fit it.
+policies it would use for a budget, or None when it cannot fit it; ``not_applicable`` says why a
+strategy has no schedule at all for a model (sqrt on units that are not a chain).
 """
 
 from __future__ import annotations
@@ -41,17 +42,29 @@ def full(profile: Profile, budget: int) -> Policies | None:
 
 
 def every_k(profile: Profile, budget: int) -> Policies | None:
+    """k = 1, 2, ... N, and k = infinity (nothing checkpointed)."""
     names = profile.unit_names
     candidates = [
         {n: "full" if (j + 1) % k == 0 else "none" for j, n in enumerate(names)} for k in range(1, len(names) + 1)
     ]
-    return _cheapest(profile, candidates, budget)
+    return _cheapest(profile, [*candidates, dict.fromkeys(names, "none")], budget)
+
+
+def not_applicable(profile: Profile, strategy: str) -> str | None:
+    """Why ``strategy`` has no schedule for this profile at any budget; None when it has."""
+    if strategy == "sqrt" and not profile.chain:
+        return ("sqrt(N) checkpoints runs of several units as one segment, which memfit offers only when the "
+                "units form a chain (each unit's only input is the previous unit's output) and hold no "
+                "BatchNorm; these units do not")
+    if strategy == "sqrt" and len(profile.units) < 2:
+        return "sqrt(N) segments need at least two units"
+    return None
 
 
 def sqrt(profile: Profile, budget: int) -> Policies | None:
     names = profile.unit_names
     n = len(names)
-    if not profile.chain or n < 2:
+    if not_applicable(profile, "sqrt"):
         return None
     size = max(2, round(math.sqrt(n)))
     policies: Policies = {}

@@ -156,6 +156,8 @@ def solve(
     if solver not in SOLVERS:
         raise MemfitError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
     cap = None if budget_bytes is None or minimize == "peak" else budget_bytes // model.quantum
+    if cap is not None:
+        cap = min(cap, 4 * _RANGE)  # scaled levels stay below _RANGE: a larger budget changes nothing
     start = time.perf_counter()
     if solver == "dp":
         from memfit.optimizer.dp import solve_dp

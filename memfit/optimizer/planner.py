@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
-from memfit.optimizer.baselines import STRATEGIES, Policies
+from memfit.optimizer.baselines import STRATEGIES, Policies, not_applicable
 from memfit.optimizer.ilp import IntModel, SolverTimeout, solve
 from memfit.optimizer.model import predict
 from memfit.profile import Profile
@@ -50,7 +53,11 @@ def plan(
         raise MemfitError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_NAMES)}")
     if max_segment < 2:
         raise MemfitError("max_segment must be at least 2")
+    if time_limit is not None and not (math.isfinite(time_limit) and time_limit > 0):
+        raise MemfitError(f"the time limit must be a positive number of seconds, got {time_limit}")
     budget_bytes = parse_bytes(budget)
+    if strategy != "ilp" and (why := not_applicable(profile, strategy)):
+        raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
     if strategy == "ilp":
         model = IntModel.of(profile, segments=segments, max_segment=max_segment)
         try:
@@ -86,6 +93,9 @@ def plan(
         fingerprint=dict(profile.fingerprint),
         input_shapes=profile.input_shapes,
         baselines=baselines(profile, budget_bytes),
+        optimizer=profile.optimizer,
+        device=profile.device,
+        source=dict(profile.source),
     )
 
 
@@ -102,20 +112,24 @@ def _best_baseline_instead(profile: Profile, budget_bytes: int, solver: str) -> 
     return schedule
 
 
-def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, float]]:
-    """Every baseline strategy at this budget: its predicted peak, recompute time and overhead
-    (``fits`` 0 when it cannot fit; then the figures are those of its least-memory variant)."""
-    out = {}
+def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, Any]]:
+    """Every baseline strategy at this budget: whether it applies to the model at all and fits,
+    its predicted peak, recompute time and overhead (for none and full also when they do not
+    fit, since they have only one schedule)."""
+    out: dict[str, dict[str, Any]] = {}
     for name, strategy in STRATEGIES.items():
+        if not_applicable(profile, name):
+            out[name] = {"applies": False, "fits": False}
+            continue
         policies = strategy(profile, budget_bytes)
         fits = policies is not None
         if policies is None:
             policies = strategy(profile, 2**62) if name in ("none", "full") else None
         if policies is None:
-            out[name] = {"fits": 0.0}
+            out[name] = {"applies": True, "fits": False}
             continue
         p = predict(profile, policies)
-        out[name] = {"fits": float(fits), "peak_bytes": p.peak_bytes, "recompute_s": p.recompute_s,
+        out[name] = {"applies": True, "fits": fits, "peak_bytes": p.peak_bytes, "recompute_s": p.recompute_s,
                      "overhead": p.overhead}
     return out
 
@@ -125,7 +139,7 @@ def best_baseline(schedule: Schedule) -> str | None:
     return _cheapest_fitting(schedule.baselines)
 
 
-def _cheapest_fitting(figures: dict[str, dict[str, float]]) -> str | None:
+def _cheapest_fitting(figures: dict[str, dict[str, Any]]) -> str | None:
     fitting = {k: v for k, v in figures.items() if v.get("fits")}
     return min(fitting, key=lambda k: fitting[k]["recompute_s"], default=None)
 
