@@ -3,9 +3,15 @@
     prof = memfit.profile(model, inputs)              # measure (CUDA or CPU)
     sched = memfit.plan(prof, "24GB")                 # solve the integer program
     model = memfit.apply(model, sched)                # checkpoint the chosen units in place
+
+Names are imported on first use, so that ``memfit --help`` answers at once and the command line
+can take a Ctrl-C from its first instant (importing torch takes seconds).
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import (
@@ -16,15 +22,56 @@ from memfit.errors import (
     ScheduleMismatchError,
     UnitSelectionError,
 )
-from memfit.optimizer.model import Prediction, predict
-from memfit.optimizer.planner import min_budget_bytes, plan
-from memfit.profile import Profile
-from memfit.profiler import profile
-from memfit.profiler.step import default_loss
-from memfit.runtime.apply import apply
-from memfit.runtime.memory import keep_freed_cpu_memory
-from memfit.runtime.validate import Validation, validate
-from memfit.schedule import Schedule, load_schedule
+
+__version__ = "0.1.0"
+
+# ``memfit.profile`` names the function memfit.profiler.profile, but a module memfit/profile.py
+# exists too, and importing a submodule binds its name in the package. Import that module now
+# (it needs no torch) and drop the binding, so that the name stays the function's.
+import memfit.profile  # noqa: F401
+
+del profile  # noqa: F821
+
+_LAZY = {
+    "Prediction": "memfit.optimizer.model",
+    "predict": "memfit.optimizer.model",
+    "min_budget_bytes": "memfit.optimizer.planner",
+    "plan": "memfit.optimizer.planner",
+    "Profile": "memfit.profile",
+    "profile": "memfit.profiler",
+    "default_loss": "memfit.profiler.step",
+    "apply": "memfit.runtime.apply",
+    "keep_freed_cpu_memory": "memfit.runtime.memory",
+    "Validation": "memfit.runtime.validate",
+    "validate": "memfit.runtime.validate",
+    "Schedule": "memfit.schedule",
+    "load_schedule": "memfit.schedule",
+}
+
+if TYPE_CHECKING:
+    from memfit.optimizer.model import Prediction, predict
+    from memfit.optimizer.planner import min_budget_bytes, plan
+    from memfit.profile import Profile
+    from memfit.profiler import profile
+    from memfit.profiler.step import default_loss
+    from memfit.runtime.apply import apply
+    from memfit.runtime.memory import keep_freed_cpu_memory
+    from memfit.runtime.validate import Validation, validate
+    from memfit.schedule import Schedule, load_schedule
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BudgetFormatError",

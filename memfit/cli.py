@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from memfit.console import (
+    check_interrupt,
+    install_interrupt_handler,
+    interrupted,
+    remove_outputs,
+    user_code_error,
+    write_output,
+)
 from memfit.errors import MemfitError
 
 EPILOG = """\
@@ -27,22 +36,46 @@ in train.py:  model = memfit.apply(model, memfit.load_schedule("schedule.json"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return 2
-    from memfit.runtime.memory import keep_freed_cpu_memory
-
-    keep_freed_cpu_memory()  # steadier, additive CPU step times (see its docstring)
+    install_interrupt_handler()  # first, so that a Ctrl-C from here on always ends the run with 130
+    debug = False
     try:
-        return int(args.func(args) or 0)
+        parser = _parser()
+        args = parser.parse_args(argv)
+        debug = bool(getattr(args, "debug", False))
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return 2
+        from memfit.runtime.memory import keep_freed_cpu_memory
+
+        keep_freed_cpu_memory()  # steadier, additive CPU step times (see its docstring)
+        code = int(args.func(args) or 0)
+        check_interrupt()
+        return code
+    except KeyboardInterrupt:
+        return _interrupted()
     except MemfitError as exc:
+        if interrupted():
+            return _interrupted()
+        if debug:
+            raise
         print(f"memfit: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("memfit: interrupted", file=sys.stderr)
-        return 130
+    except Exception as exc:
+        if interrupted():
+            return _interrupted()
+        where = user_code_error(exc)
+        if where is None or debug:
+            raise  # memfit's own bug, or --debug: the whole traceback
+        shape = getattr(args, "input_shape", None)
+        hint = f"; does --input-shape {shape} fit the model?" if shape else ""
+        print(f"memfit: error: {where}{hint} (run again with --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+def _interrupted() -> int:
+    remove_outputs()
+    print("memfit: interrupted; no file written", file=sys.stderr)
+    return 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,11 +91,15 @@ def _parser() -> argparse.ArgumentParser:
     from memfit.optimizer.planner import STRATEGY_NAMES
 
     p.add_argument("--version", action="version", version=f"memfit {__version__}")
+    p.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="show the whole traceback of an error")
+        return cmd
 
     prof = command("profile", "measure a model's training step per unit and write profile JSON")
     _source_args(prof)
@@ -77,19 +114,22 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", choices=STRATEGY_NAMES,
                       default="ilp", help="ilp (the optimum) or a baseline to use instead (default: %(default)s)")
     plan.add_argument("--solver", choices=SOLVERS, default="cpsat",
-                      help="ILP backend: OR-Tools CP-SAT, PuLP/CBC, or the exact chain DP (default: %(default)s)")
+                      help="ILP backend: OR-Tools CP-SAT, PuLP/CBC, or the exact DP for chains (default: %(default)s)")
     plan.add_argument("--max-segment", type=int, default=8,
                       help="longest run of units checkpointed as one region, on chains (default: %(default)s)")
     plan.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
-    plan.add_argument("--time-limit", type=float, help="seconds the solver may take (default: no limit)")
-    plan.add_argument("-o", "--output", default="schedule.json", help="schedule file to write (default: %(default)s)")
+    plan.add_argument("--time-limit", type=float, metavar="SECONDS",
+                      help="seconds the solver may take; then its best answer so far, or the best baseline if it "
+                      "has none (default: no limit)")
+    plan.add_argument("-o", "--output", help="schedule file to write (default: schedule.json; when nothing needs "
+                      "checkpointing, only if given)")
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
     plan.set_defaults(func=cmd_plan)
 
     val = command("validate", "run the plain and the scheduled model: measured vs predicted peak and slowdown, "
                   "equal gradients; exits 1 if the peak exceeds the budget or results differ")
     val.add_argument("--schedule", required=True, help="a schedule JSON from `memfit plan`")
-    _source_args(val)
+    _source_args(val, validate=True)
     val.add_argument("--steps", type=int, default=5,
                      help="timed rounds, one plain and one scheduled step counted in each (default: %(default)s)")
     val.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -104,16 +144,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _source_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (default: the built-in gpt-small scenario)")
+_MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat")
+
+
+def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
+    title = ("model (default: the one the schedule was made for)" if validate
+             else "model (default: the built-in gpt-small scenario)")
+    g = p.add_argument_group(title)
     g.add_argument("--scenario", help="a built-in scenario name or a scenario .toml file")
     g.add_argument("--model", help="your own model: module:factory returning a model or (model, inputs)")
     g.add_argument("--input-shape", help="random input shape when the factory returns only a model, e.g. 8x3x224x224")
     g.add_argument("--units", nargs="+", help="unit module names or globs (default: the repeated blocks)")
     g.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum", "none"],
                    help="optimizer whose state and step count (default: the scenario's, else adamw)")
-    g.add_argument("--repeat", type=int, default=5,
-                   help="timed rounds of plain and all-checkpointed steps when profiling (default: %(default)s)")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    if not validate:
+        g.add_argument("--repeat", type=int,
+                       help="timed rounds of plain and all-checkpointed steps when profiling (default: 5)")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...] = _MODEL_FLAGS) -> list[str]:
+    """The model flags the user gave, spelled as on the command line."""
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) is not None]
 
 
 def _scenario(args: argparse.Namespace) -> Any:
@@ -126,6 +178,8 @@ def _scenario(args: argparse.Namespace) -> Any:
         sc = Scenario(name=args.model, model=args.model, input_shape=shape)
     else:
         sc = load_scenario(args.scenario or DEFAULT)
+        if args.input_shape:
+            sc.input_shape = _shape(args.input_shape)
     if args.units:
         sc.units = args.units
     if args.optimizer:
@@ -143,11 +197,29 @@ def _shape(text: str) -> list[int]:
     return dims
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    sc = _scenario(args)
-    print(f"building {sc.name} ({sc.model})", file=sys.stderr)
-    model, inputs = sc.build()
-    return sc, model, inputs
+def _device(text: str | None) -> str:
+    """--device, checked; by default CUDA when there is a GPU, else the CPU."""
+    import torch
+
+    if text is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MemfitError(f"--device {text}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise MemfitError(f"--device {text}: there are {torch.cuda.device_count()} CUDA devices (0-based)")
+    return str(device)
+
+
+def _build(sc: Any, device: str) -> tuple[Any, Any]:
+    print(f"building {sc.name} ({sc.model}) on {device}", file=sys.stderr)
+    return sc.build(device)
 
 
 def _profile(args: argparse.Namespace) -> Any:
@@ -155,27 +227,37 @@ def _profile(args: argparse.Namespace) -> Any:
 
     from memfit.profiler import profile
 
-    sc, model, inputs = _build(args)
+    repeat = 5 if args.repeat is None else args.repeat
+    if repeat < 1:
+        raise MemfitError("--repeat must be at least 1")
+    sc = _scenario(args)
+    device = _device(args.device)
+    model, inputs = _build(sc, device)
+    check_interrupt()
     optimizer = None if sc.optimizer == "none" else sc.optimizer
-    with tqdm(total=4 + args.repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
+    with tqdm(total=4 + repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
         started = []
 
         def progress(message: str) -> None:  # called as each pass begins
+            check_interrupt()  # an interrupt swallowed during the last pass stops the run here
             if started:
                 bar.update(1)
             started.append(message)
             bar.set_postfix_str(message)
 
-        result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=args.repeat, progress=progress)
+        result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=repeat, progress=progress)
         bar.update(1)
+    result.source = sc.source()
     return result
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from memfit.jsonio import check_writable
     from memfit.report import profile_report
 
+    check_writable(args.output, "profile file")  # before minutes of profiling, not after
     prof = _profile(args)
-    prof.save(args.output)
+    write_output(prof.save, args.output)
     if args.json:
         print(json.dumps({"format": "memfit.profile/1", **asdict(prof)}, indent=2))
     else:
@@ -185,24 +267,50 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from memfit.budget import parse_bytes
+    from memfit.budget import format_bytes, parse_bytes
+    from memfit.jsonio import check_writable
     from memfit.optimizer.planner import plan
     from memfit.profile import Profile
     from memfit.report import schedule_report
 
     budget = parse_bytes(args.budget)  # fail on a bad budget before minutes of profiling
-    if args.profile and (args.scenario or args.model):
-        raise MemfitError("give either --profile or a model (--scenario/--model), not both")
+    if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise MemfitError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    if args.max_segment < 2:
+        raise MemfitError(f"--max-segment must be at least 2 (units in one checkpointed run), got {args.max_segment}")
+    output = "schedule.json" if args.output is None else args.output
+    if args.profile:
+        if given := _given(args):
+            raise MemfitError(
+                f"{', '.join(given)} cannot change a profile that was already measured: drop "
+                f"{'it' if len(given) == 1 else 'them'}, or profile again with those flags instead of --profile"
+            )
+        if Path(args.profile).resolve() == Path(output).resolve():
+            raise MemfitError(f"-o {output} would overwrite the profile it plans from; write the schedule elsewhere")
+    check_writable(output, "schedule file")
     prof = Profile.load(args.profile) if args.profile else _profile(args)
     schedule = plan(prof, budget, strategy=args.strategy, solver=args.solver, time_limit=args.time_limit,
                     segments=not args.no_segments, max_segment=args.max_segment)
-    schedule.save(args.output)
+    check_interrupt()
+    idle = not schedule.checkpointed
+    write = args.output is not None or not idle
+    if write:
+        write_output(schedule.save, output)
     if args.json:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
         return 0
+    if idle and args.strategy in ("ilp", "none"):
+        print(f"fits without checkpointing: the step peaks at {format_bytes(schedule.predicted_peak_bytes)} "
+              f"of the {format_bytes(budget)} budget ({format_bytes(budget - schedule.predicted_peak_bytes)} "
+              "to spare), so memfit has nothing to recompute.")
+        print("memfit.apply is not needed at this budget; to use the spare memory, raise the batch size or "
+              "sequence length and plan again.")
+        print(f"\nwrote {output} (it checkpoints nothing)" if write else
+              "\nno schedule written (give -o FILE to write the do-nothing schedule anyway)")
+        return 0
     print(schedule_report(schedule, prof))
-    print(f"\nwrote {args.output}; in train.py:\n"
-          f'    model = memfit.apply(model, memfit.load_schedule("{args.output}"))')
+    print(f"\nwrote {output}; in train.py:\n"
+          f'    model = memfit.apply(model, memfit.load_schedule("{output}"))')
     return 0
 
 
@@ -214,10 +322,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1 (timed rounds of the plain and the scheduled step)")
     schedule = load_schedule(args.schedule)
-    sc, model, inputs = _build(args)
+    sc, device = _validation_setup(args, schedule)
+    model, inputs = _build(sc, device)
+    check_interrupt()
     optimizer = None if sc.optimizer == "none" else sc.optimizer
     print("measuring the plain and the scheduled step", file=sys.stderr)
     result = validate(model, inputs, schedule, optimizer=optimizer, steps=args.steps)
+    check_interrupt()
     if args.json:
         print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok}, indent=2))
     else:
@@ -225,34 +336,65 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]:
+    """The model, optimizer and device the schedule was made for; flags that say otherwise are
+    refused with the one that differs, since measuring another setup would prove nothing."""
+    from memfit.scenarios import cli_flag, scenario_from_source
+
+    source = schedule.source
+    planned_opt = schedule.optimizer or "none"
+    if args.optimizer and args.optimizer != planned_opt:
+        raise MemfitError(f"the schedule was planned with --optimizer {planned_opt}, not {args.optimizer}: its "
+                          "peak counts that optimizer's state; drop --optimizer, or plan again with yours")
+    if args.device and _device(args.device) != schedule.device:
+        raise MemfitError(f"the schedule was profiled on {schedule.device}, not {args.device}: memory differs "
+                          f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
+    if not source:  # a schedule from memfit.plan() in Python, or from an older memfit
+        sc = _scenario(args)
+    elif not _given(args, ("scenario", "model", "input_shape", "units")):
+        sc = scenario_from_source(source)
+    else:
+        sc = _scenario(args)
+        mine = sc.source()
+        for key, flag in (("scenario", "--scenario"), ("model", "--model"), ("input_shape", "--input-shape"),
+                          ("units", "--units"), ("dtype", "dtype")):
+            if source.get(key) != mine.get(key):
+                raise MemfitError(
+                    f"the schedule was made for {cli_flag(source)} (units {source.get('units')}), but {flag} says "
+                    f"otherwise ({mine.get(key)!r} instead of {source.get(key)!r}); drop the model flags to "
+                    "validate what the schedule was made for"
+                )
+    sc.optimizer = planned_opt
+    return sc, _device(args.device or schedule.device)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from memfit.errors import FileFormatError
+    from memfit.jsonio import read_json
     from memfit.profile import PROFILE_FORMAT, Profile
     from memfit.report import profile_report, schedule_report
     from memfit.schedule import SCHEDULE_FORMAT, load_schedule
 
-    path = Path(args.file)
-    try:
-        fmt = json.loads(path.read_text(encoding="utf-8")).get("format")
-    except FileNotFoundError:
-        raise MemfitError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        raise FileFormatError(f"{path}: not a memfit JSON file") from None
+    fmt = read_json(args.file, None)["format"]
     if fmt == SCHEDULE_FORMAT:
-        print(schedule_report(load_schedule(path)))
+        print(schedule_report(load_schedule(args.file)))
     elif fmt == PROFILE_FORMAT:
-        print(profile_report(Profile.load(path)))
+        print(profile_report(Profile.load(args.file)))
     else:
-        raise FileFormatError(f"{path}: field 'format' is {fmt!r}; expected {SCHEDULE_FORMAT} or {PROFILE_FORMAT}")
+        raise FileFormatError(f"{args.file}: field 'format' is {fmt!r}; expected {SCHEDULE_FORMAT} or {PROFILE_FORMAT}")
     return 0
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
     from memfit.report import table
-    from memfit.scenarios import DEFAULT, builtin_names, load_scenario
+    from memfit.scenarios import BUILTIN_DIR, DEFAULT, builtin_names, load_scenario
 
+    names = builtin_names()
+    if not names:
+        raise MemfitError(f"no built-in scenarios in {BUILTIN_DIR}: this memfit installation is incomplete; "
+                          "reinstall it")
     rows = []
-    for name in builtin_names():
+    for name in names:
         sc = load_scenario(name)
         rows.append([name + (" (default)" if name == DEFAULT else ""), sc.model, sc.description])
     print(table(["scenario", "factory", "description"], rows, [False, False, False]))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.profiler.step import OPTIMIZERS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,15 +34,23 @@ class Scenario:
     optimizer: str = "adamw"
     units: str | list[str] = "auto"
     dtype: str = "float32"
+    origin: str | None = None  # a built-in scenario's name or a TOML file's absolute path; None for --model
 
-    def build(self) -> tuple[nn.Module, Any]:
-        """Call the factory; move to the dtype; make inputs if the factory gave none."""
+    def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
+        """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
         factory = load_factory(self.model)
         try:
             made = factory(**self.args)
         except TypeError as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+                raise  # raised inside the factory: the user's own error, reported with its place
             raise MemfitError(f"scenario {self.name!r}: calling {self.model} failed: {exc}") from None
         if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+            if self.input_shape:
+                raise MemfitError(
+                    f"{self.model} returns its own inputs, so an input shape (--input-shape or input_shape) "
+                    "would be ignored: leave it out, or return only the model"
+                )
             model, inputs = made
         elif isinstance(made, nn.Module):
             if not self.input_shape:
@@ -52,22 +61,56 @@ class Scenario:
             model, inputs = made, (torch.randn(*self.input_shape),)
         else:
             raise MemfitError(f"{self.model} must return an nn.Module or (module, inputs)")
-        if self.dtype not in DTYPES:
-            raise MemfitError(f"scenario {self.name!r}: unknown dtype {self.dtype!r}; use one of {list(DTYPES)}")
         dtype = DTYPES[self.dtype]
         if dtype != torch.float32:
             model = model.to(dtype)
             inputs = _cast(inputs, dtype)
+        device = torch.device(device)
+        if device.type != "cpu":
+            model = model.to(device)
+            inputs = _cast(inputs, None, device)
         return model, inputs
 
+    def source(self) -> dict[str, Any]:
+        """What rebuilds this model and its inputs, as a schedule records it."""
+        made_by: dict[str, Any] = {"scenario": self.origin} if self.origin else {"model": self.model}
+        return {**made_by, "input_shape": self.input_shape, "units": self.units, "dtype": self.dtype}
 
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
+
+def scenario_from_source(source: dict[str, Any]) -> Scenario:
+    """The scenario a schedule's ``source`` names (see ``Scenario.source``)."""
+    if source.get("scenario"):
+        sc = load_scenario(str(source["scenario"]))
+    elif source.get("model"):
+        sc = Scenario(name=str(source["model"]), model=str(source["model"]))
+    else:
+        raise MemfitError("the schedule does not say which model it was made for; give --scenario or --model")
+    sc.input_shape = source.get("input_shape") or sc.input_shape
+    sc.units = source.get("units", sc.units)
+    sc.dtype = str(source.get("dtype", sc.dtype))
+    return sc
+
+
+def cli_flag(source: dict[str, Any]) -> str:
+    """The command-line flags that rebuild ``source``'s model, for messages."""
+    if source.get("scenario"):
+        return f"--scenario {source['scenario']}"
+    flags = f"--model {source.get('model')}"
+    if source.get("input_shape"):
+        flags += " --input-shape " + "x".join(str(d) for d in source["input_shape"])
+    return flags
+
+
+def _cast(obj: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
+    """Floating-point tensors to ``dtype``, every tensor to ``device``, through dicts and tuples."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
+        if dtype is not None and obj.is_floating_point():
+            obj = obj.to(dtype)
+        return obj if device is None else obj.to(device)
     if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
+        return {k: _cast(v, dtype, device) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return tuple(_cast(v, dtype) for v in obj)
+        return tuple(_cast(v, dtype, device) for v in obj)
     return obj
 
 
@@ -93,34 +136,64 @@ def builtin_names() -> list[str]:
 
 
 def load_scenario(name_or_path: str) -> Scenario:
-    """A built-in scenario by name, or a TOML file by path."""
+    """A built-in scenario by name, or a TOML file by path; every field is checked."""
     path = Path(name_or_path)
-    if not path.suffix == ".toml":
+    builtin = path.suffix != ".toml"
+    if builtin:
         path = BUILTIN_DIR / f"{name_or_path}.toml"
         if not path.is_file():
             raise MemfitError(
                 f"no scenario named {name_or_path!r}; built-in scenarios: {', '.join(builtin_names())} "
                 "(or give a path to a .toml file)"
             )
+    if path.is_dir():
+        raise MemfitError(f"{path}: is a directory, not a scenario file")
     if not path.is_file():
         raise MemfitError(f"{path}: no such scenario file")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise MemfitError(f"{path}: not valid TOML ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MemfitError(f"{path}: cannot read ({exc})") from None
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
     if "model" not in data:
         raise MemfitError(f"{path}: missing field 'model' (module:factory)")
+
+    def bad(key: str, what: str) -> MemfitError:
+        return MemfitError(f"{path}: field {key!r} must be {what}, got {data[key]!r}")
+
+    for key in ("model", "description", "requires"):
+        if key in data and not isinstance(data[key], str):
+            raise bad(key, "a string")
+    if not isinstance(data.get("args", {}), dict):
+        raise bad("args", "a table of the factory's keyword arguments ([args] with name = value lines)")
+    shape = data.get("input_shape")
+    if shape is not None and not (
+        isinstance(shape, list) and shape and all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+                                                  for d in shape)
+    ):
+        raise bad("input_shape", "a list of positive integers, e.g. [8, 3, 224, 224]")
+    optimizer = data.get("optimizer", "adamw")
+    if optimizer not in OPTIMIZERS:
+        raise bad("optimizer", f"one of {', '.join(OPTIMIZERS)}")
+    units = data.get("units", "auto")
+    if not (isinstance(units, str) or (isinstance(units, list) and units and all(isinstance(u, str) for u in units))):
+        raise bad("units", '"auto" or a list of module names or globs, e.g. ["layers.*"]')
+    dtype = data.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise bad("dtype", f"one of {', '.join(DTYPES)}")
     return Scenario(
         name=path.stem,
-        model=str(data["model"]),
-        description=str(data.get("description", "")),
+        model=data["model"],
+        description=data.get("description", ""),
         args=dict(data.get("args", {})),
-        input_shape=data.get("input_shape"),
-        optimizer=str(data.get("optimizer", "adamw")),
-        units=data.get("units", "auto"),
-        dtype=str(data.get("dtype", "float32")),
+        input_shape=shape,
+        optimizer=optimizer,
+        units=units,
+        dtype=dtype,
+        origin=name_or_path if builtin else str(path.resolve()),
     )

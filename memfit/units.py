@@ -57,6 +57,6 @@ def _auto_units(model: nn.Module) -> list[str]:
     if not best:
         raise UnitSelectionError(
             "found no nn.ModuleList or nn.Sequential of two or more blocks of one class to use as "
-            "units; name them with units=[...] (module names or globs such as 'layers.*')"
+            "units; name them with --units (units=[...] in Python): module names or globs such as 'layers.*'"
         )
     return best

@@ -55,6 +55,11 @@ def profile(
     say = progress or (lambda _msg: None)
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
+    if not any(p.requires_grad for p in model.parameters()):
+        raise MemfitError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): there is no "
+            "training step to plan; unfreeze the parameters you train"
+        )
     names = find_units(model, units)
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")

@@ -48,7 +48,7 @@ class UnitMarks:
             if i in self._seen:
                 raise MemfitError(
                     f"unit {self.names[i]!r} ran twice in one forward; units must each run once "
-                    "per step (choose other units with units=[...])"
+                    "per step (choose other units with --units, or units=[...] in Python)"
                 )
             self._seen.add(i)
             self.on_mark(f"fwd:{i}")

@@ -113,6 +113,13 @@ def training_step(
     mark = on_mark or (lambda _label: None)
     mark("forward")
     loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise MemfitError(f"the loss must be a one-element tensor, got {_describe(loss)}; pass loss_fn=")
+    if not loss.requires_grad:
+        raise MemfitError(
+            "the loss does not depend on any trainable parameter, so there is no backward pass to plan for: "
+            "check that the model has parameters with requires_grad=True and that the loss uses its output"
+        )
     mark("backward")
     loss.backward()
     mark("step")

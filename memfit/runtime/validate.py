@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.errors import ScheduleMismatchError
 from memfit.profiler.step import (
     Inputs,
     LossFn,
@@ -96,11 +97,28 @@ def measure_steps(
 
 def validate(
     model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "adamw", steps: int = 5,
+    optimizer: str | None = "schedule", steps: int = 5,
 ) -> Validation:
     """Measure the plain model and the scheduled model on the same state and RNG, and compare
     peak memory, losses, gradients and buffers; time ``steps`` rounds of the two in alternation
-    (``steps=0``: no timing, the time fields are NaN). ``model`` is left as it was."""
+    (``steps=0``: no timing, the time fields are NaN). ``model`` is left as it was.
+
+    ``optimizer`` is the one the schedule was planned with unless given; another optimizer, or
+    inputs of other shapes than the plan's, raise ``ScheduleMismatchError``: the measured peak
+    would then be another step's and prove nothing about the plan."""
+    if optimizer == "schedule":
+        optimizer = schedule.optimizer
+    elif optimizer != schedule.optimizer:
+        raise ScheduleMismatchError(
+            f"the schedule was planned with optimizer {schedule.optimizer!r}, whose state its peak counts; "
+            f"validate with that one (got {optimizer!r}), or plan again with yours"
+        )
+    shapes = Inputs.of(inputs).describe()
+    if schedule.input_shapes and shapes != schedule.input_shapes:
+        raise ScheduleMismatchError(
+            f"the schedule was planned for inputs {schedule.input_shapes}, these are {shapes}: activation memory "
+            "grows with batch size and sequence length; validate with the planned inputs, or plan again"
+        )
     state = copy.deepcopy(model.state_dict())
     plain = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     model.load_state_dict(state)

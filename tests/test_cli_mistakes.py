@@ -1,0 +1,301 @@
+"""What a new user hits: each mistake exits 2 with one `memfit: error:` line and writes no file;
+Ctrl-C always stops a run with 130; a schedule remembers what it was made for."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import memfit
+from memfit.optimizer.baselines import every_k
+
+from .conftest import random_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = """
+description = "tiny GPT for tests"
+model = "memfit.zoo:gpt"
+[args]
+batch = 2
+seq = 32
+vocab = 256
+d_model = 64
+n_head = 2
+n_layer = 4
+"""
+USER_MODELS = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(10, 10) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def mlp():  # returns only a model: needs --input-shape 4x10
+    torch.manual_seed(0)
+    return Net()
+
+
+def frozen():
+    model = mlp()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def broken():
+    size = 3
+    raise ValueError(f"my factory cannot build size {size}")
+'''
+
+
+def run(*args, cwd, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mistakes")
+    (d / "tiny.toml").write_text(TINY)
+    (d / "usermodels.py").write_text(USER_MODELS)
+    proc = run("plan", "--scenario", "tiny.toml", "--repeat", "1", "--budget", "100GB", "-o", "idle.json", cwd=d)
+    assert proc.returncode == 0, proc.stderr
+    proc = run("profile", "--scenario", "tiny.toml", "--repeat", "1", "-o", "profile.json", cwd=d)
+    assert proc.returncode == 0, proc.stderr
+    random_profile(5, 0, chain=False).save(d / "nochain.json")
+    return d
+
+
+def _mid_budget(work: Path) -> int:
+    prof = memfit.Profile.load(work / "profile.json")
+    return (memfit.min_budget_bytes(prof) + memfit.predict(prof, {}).peak_bytes) // 2
+
+
+def test_wheel_ships_the_builtin_scenarios():
+    """The package-data globs in pyproject.toml must match every built-in scenario file, or a
+    wheel install has none (CI also installs the wheel and runs it: .ci/run)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = config["tool"]["setuptools"]["package-data"]["memfit"]
+    shipped = {p for g in globs for p in (ROOT / "memfit").glob(g)}
+    builtin = set((ROOT / "memfit" / "builtin_scenarios").glob("*.toml"))
+    assert builtin and builtin <= shipped
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--time-limit", "-1"], "--time-limit must be a positive number"),
+        (["--time-limit", "nan"], "--time-limit must be a positive number"),
+        (["--max-segment", "1"], "--max-segment must be at least 2"),
+        (["--budget", "0.5"], "less than one byte"),
+        (["--budget", "300Mb"], "in bits"),
+        (["--units", "h.*"], "--units cannot change a profile"),
+        (["--optimizer", "sgd"], "--optimizer cannot change a profile"),
+        (["--repeat", "3"], "--repeat cannot change a profile"),
+        (["--input-shape", "2x32"], "--input-shape cannot change a profile"),
+        (["-o", "profile.json"], "would overwrite the profile"),
+        (["-o", "."], "is a directory"),
+        (["-o", ""], "name is empty"),
+        (["-o", "profile.json/s.json"], "is a file, not a directory"),
+        (["-o", "/proc/memfit-test/s.json"], "cannot write the schedule file there"),
+    ],
+)
+def test_plan_mistakes_from_a_profile(work, args, message):
+    budget = ["--budget", str(_mid_budget(work))] if "--budget" not in args else []
+    before = sorted(p.name for p in work.iterdir())
+    proc = run("plan", "--profile", "profile.json", *budget, *args, cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("memfit: error:") and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in work.iterdir()) == before  # no file written or changed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--budget", "1GB", "-o", "."], "is a directory"),
+        (["plan", "--budget", "1GB", "-o", "/proc/memfit-test/s.json"], "cannot write"),
+        (["profile", "-o", "tiny.toml/p.json"], "is a file, not a directory"),
+    ],
+)
+def test_output_is_checked_before_profiling(work, args, message):
+    proc = run(*args, "--scenario", "tiny.toml", cwd=work)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "building" not in proc.stderr  # refused before the model was even built
+
+
+def test_sqrt_on_units_that_are_no_chain(work):
+    proc = run("plan", "--profile", "nochain.json", "--budget", "1GB", "--strategy", "sqrt", "-o", "x.json", cwd=work)
+    assert proc.returncode == 2 and "strategy sqrt does not apply" in proc.stderr, proc.stderr
+    assert "no schedule fits" not in proc.stderr and not (work / "x.json").exists()
+    prof = memfit.Profile.load(work / "nochain.json")
+    budget = (memfit.min_budget_bytes(prof) + memfit.predict(prof, {}).peak_bytes) // 2
+    proc = run("plan", "--profile", "nochain.json", "--budget", str(budget), "-o", "nochain-s.json", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("sqrt(N) segments"))
+    assert row.split()[-2:] == ["n/a", "-"]
+    sched = json.loads((work / "nochain-s.json").read_text())
+    assert sched["baselines"]["sqrt"] == {"applies": False, "fits": False}
+    assert all(isinstance(b["fits"], bool) for b in sched["baselines"].values())  # booleans, not 1.0/0.0
+
+
+def test_huge_budget_and_a_model_that_fits_unplanned(work):
+    proc = run("plan", "--profile", "profile.json", "--budget", "1e40", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    assert "fits without checkpointing" in proc.stdout and "no schedule written" in proc.stdout
+    assert not (work / "schedule.json").exists()
+    sched = memfit.load_schedule(work / "idle.json")  # with -o given, the do-nothing schedule is written
+    assert not sched.checkpointed
+
+
+def test_every_k_includes_k_infinity():
+    prof = random_profile(6, 3)
+    assert set(every_k(prof, 2**50).values()) == {"none"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["show", "."], "is a directory"),
+        (["plan", "--profile", ".", "--budget", "1GB"], "is a directory"),
+        (["plan", "--budget", "1GB", "--device", "cuda"], "sees no CUDA GPU"),
+        (["plan", "--budget", "1GB", "--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+        (["plan", "--budget", "1GB", "--scenario", "args5.toml"], "field 'args' must be a table"),
+        (["plan", "--budget", "1GB", "--scenario", "shape.toml"], "field 'input_shape' must be a list"),
+        (["plan", "--budget", "1GB", "--scenario", "tiny.toml", "--input-shape", "2x32"], "returns its own inputs"),
+        (["plan", "--budget", "1GB", "--model", "usermodels:frozen", "--input-shape", "4x10"],
+         "no trainable parameters"),
+        (["plan", "--budget", "1GB", "--model", "usermodels:broken"],
+         "ValueError in {work}/usermodels.py:{raise_line} (broken): my factory cannot build size 3"),
+        (["plan", "--budget", "1GB", "--model", "usermodels:mlp", "--input-shape", "4x3"],
+         "RuntimeError in {work}/usermodels.py:13 (forward): mat1 and mat2 shapes cannot be multiplied (4x3 and 10x10); "
+         "does --input-shape 4x3 fit the model?"),
+        (["plan", "--budget", "1GB", "--model", "usermodels:mlp", "--input-shape", "4x10", "--units", "nope"],
+         "no module matches the unit pattern 'nope'"),
+    ],
+)
+def test_more_mistakes_exit_2_without_traceback(work, args, message):
+    (work / "args5.toml").write_text('model = "memfit.zoo:gpt"\nargs = 5\n')
+    (work / "shape.toml").write_text('model = "memfit.zoo:gpt"\ninput_shape = [8, "x"]\n')
+    proc = run(*args, cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    raise_line = USER_MODELS.splitlines().index('    raise ValueError(f"my factory cannot build size {size}")') + 1
+    assert message.format(work=work, raise_line=raise_line) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (work / "schedule.json").exists()
+
+
+def test_debug_shows_the_users_traceback(work):
+    proc = run("plan", "--budget", "1GB", "--model", "usermodels:mlp", "--input-shape", "4x3", "--debug", cwd=work)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "mat1 and mat2" in proc.stderr
+
+
+def test_validate_rebuilds_what_the_schedule_was_made_for(work):
+    budget = _mid_budget(work)
+    proc = run("plan", "--scenario", "tiny.toml", "--repeat", "1", "--budget", str(budget), "-o", "made.json",
+               cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    sched = memfit.load_schedule(work / "made.json")
+    assert sched.source["scenario"] == str(work / "tiny.toml") and sched.optimizer == "adamw"
+    assert sched.device == "cpu" and sched.checkpointed
+    proc = run("validate", "--schedule", "made.json", "--steps", "1", "--json", cwd=work)  # no model flags
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["ok"] and result["measured_peak_bytes"] == result["predicted_peak_bytes"]
+    for args, message in [
+        (["--optimizer", "sgd"], "planned with --optimizer adamw, not sgd"),
+        (["--scenario", "gpt-small"], "made for --scenario " + str(work / "tiny.toml")),
+        (["--scenario", "tiny.toml", "--units", "h.0", "h.1"], "--units says otherwise"),
+    ]:
+        proc = run("validate", "--schedule", "made.json", "--steps", "1", *args, cwd=work)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_validate_api_refuses_another_optimizer_or_shape():
+    from .conftest import tiny_gpt
+
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, repeat=1)
+    sched = memfit.plan(prof, memfit.min_budget_bytes(prof) + 2**20)
+    with pytest.raises(memfit.ScheduleMismatchError, match="optimizer 'adamw'"):
+        memfit.validate(model, batch, sched, optimizer="sgd", steps=0)
+    short = {k: v[:, :16] for k, v in batch.items()}
+    with pytest.raises(memfit.ScheduleMismatchError, match="planned for inputs"):
+        memfit.validate(model, short, sched, steps=0)
+
+
+def test_files_follow_the_umask(tmp_path):
+    prof = random_profile(3, 1)
+    old = os.umask(0o027)
+    try:
+        memfit.plan(prof, memfit.predict(prof, {}).peak_bytes).save(tmp_path / "s.json")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "s.json").stat().st_mode) == 0o640
+
+
+def test_show_has_no_solve_time_and_bad_schedules_do_not_load(work, tmp_path):
+    proc = run("show", "idle.json", cwd=work)
+    assert proc.returncode == 0 and " in 0.00 s" not in proc.stdout and "solver cpsat (optimal)" in proc.stdout
+    data = json.loads((work / "idle.json").read_text())
+    data["budget_bytes"] = -5
+    (tmp_path / "neg.json").write_text(json.dumps(data))
+    with pytest.raises(memfit.FileFormatError, match="'budget_bytes' must be at least 1"):
+        memfit.load_schedule(tmp_path / "neg.json")
+
+
+def test_dropped_interrupt_is_not_lost():
+    """A KeyboardInterrupt raised inside a weakref callback is swallowed by Python; the
+    handler's record still stops the run at the next check."""
+    import weakref
+
+    from memfit import console
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        console.install_interrupt_handler()
+
+        class Thing:
+            pass
+
+        thing = Thing()
+        weakref.finalize(thing, signal.raise_signal, signal.SIGINT)
+        del thing  # the finalizer runs here; its KeyboardInterrupt goes to the unraisable hook
+        assert console.interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            console.check_interrupt()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = sys.__unraisablehook__
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.4, 1.0, 2.0, 3.5])
+def test_ctrl_c_while_profiling_stops_with_130_and_no_file(work, delay):
+    proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "plan", "--scenario", "tiny.toml", "--repeat", "400",
+                             "--budget", "1GB", "-o", f"int{delay}.json"], cwd=work, stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    assert proc.stderr.readline().startswith("building")  # main() is running, the model being built
+    time.sleep(delay)
+    assert proc.poll() is None, "the run ended before the interrupt: make it longer"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not (work / f"int{delay}.json").exists()
