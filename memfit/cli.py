@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -23,11 +24,12 @@ from memfit.errors import MemfitError
 EPILOG = """\
 examples:
   memfit plan --budget 200MB                      # the built-in GPT scenario: profile, plan, write schedule.json
-  memfit plan --budget 24GB --scenario hf-llama    # another built-in scenario (memfit scenarios lists them)
+  memfit plan --budget 24GB --scenario hf-llama   # another built-in scenario (memfit scenarios lists them)
   memfit plan --budget 8GiB --model mypkg.models:build --input-shape 8x3x224x224
-  memfit plan --budget 200MB --strategy every-k     # a baseline instead of the optimum
+  memfit plan --budget 200MB --strategy every-k   # a baseline instead of the optimum
   memfit profile -o profile.json && memfit plan --profile profile.json --budget 300MB
-  memfit validate --schedule schedule.json         # measure the plan: peak, slowdown, gradients
+  memfit plan --budget 24GB --device cuda:1       # profile on the second GPU (default: cuda if there is one)
+  memfit validate --schedule schedule.json        # rebuild the planned model; measure peak, slowdown, gradients
   memfit show schedule.json
 
 memory sizes are binary: 24GB = 24GiB = 24G = 24 x 2^30 bytes; 1536MB; 0.5TB; a bare number is bytes.
@@ -70,6 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; does --input-shape {shape} fit the model?" if shape else ""
         print(f"memfit: error: {where}{hint} (run again with --debug for the traceback)", file=sys.stderr)
         return 2
+
+
+def entry() -> None:
+    """The console script: ``main`` with its exit code. After a Ctrl-C the process ends with
+    ``os._exit``: a KeyboardInterrupt that once passed through an ``exec`` of a string (dataclasses
+    and namedtuples make their methods so) leaves a flag in CPython that turns any later exit into
+    death by SIGINT (-2 instead of 130), even though the interrupt was handled."""
+    code = main()
+    if interrupted():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _interrupted() -> int:
@@ -402,4 +417,4 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -8,13 +8,13 @@ import stat
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
 
 import memfit
 from memfit.optimizer.baselines import every_k
+from memfit.scenarios import tomllib  # tomllib or, on Python 3.10, tomli
 
 from .conftest import random_profile
 
@@ -185,8 +185,8 @@ def test_every_k_includes_k_infinity():
         (["plan", "--budget", "1GB", "--model", "usermodels:broken"],
          "ValueError in {work}/usermodels.py:{raise_line} (broken): my factory cannot build size 3"),
         (["plan", "--budget", "1GB", "--model", "usermodels:mlp", "--input-shape", "4x3"],
-         "RuntimeError in {work}/usermodels.py:13 (forward): mat1 and mat2 shapes cannot be multiplied (4x3 and 10x10); "
-         "does --input-shape 4x3 fit the model?"),
+         "RuntimeError in {work}/usermodels.py:13 (forward): mat1 and mat2 shapes cannot be multiplied "
+         "(4x3 and 10x10); does --input-shape 4x3 fit the model?"),
         (["plan", "--budget", "1GB", "--model", "usermodels:mlp", "--input-shape", "4x10", "--units", "nope"],
          "no module matches the unit pattern 'nope'"),
     ],
@@ -295,7 +295,7 @@ def test_ctrl_c_while_profiling_stops_with_130_and_no_file(work, delay):
     time.sleep(delay)
     assert proc.poll() is None, "the run ended before the interrupt: make it longer"
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert not (work / f"int{delay}.json").exists()
