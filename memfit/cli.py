@@ -39,7 +39,7 @@ in train.py:  model = memfit.apply(model, memfit.load_schedule("schedule.json"))
 
 def main(argv: list[str] | None = None) -> int:
     install_interrupt_handler()  # first, so that a Ctrl-C from here on always ends the run with 130
-    debug = False
+    debug, args = False, None
     try:
         parser = _parser()
         args = parser.parse_args(argv)
@@ -51,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
 
         keep_freed_cpu_memory()  # steadier, additive CPU step times (see its docstring)
         code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, inside the try, not at exit
         check_interrupt()
         return code
     except KeyboardInterrupt:
         return _interrupted()
+    except BrokenPipeError:  # `memfit scenarios | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141  # 128 + SIGPIPE, as a shell reports a writer killed by it
     except MemfitError as exc:
         if interrupted():
             return _interrupted()

@@ -299,3 +299,13 @@ def test_ctrl_c_while_profiling_stops_with_130_and_no_file(work, delay):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert not (work / f"int{delay}.json").exists()
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(work):
+    """`memfit scenarios | head -1`: the pipe is closed before memfit writes."""
+    read, write = os.pipe()
+    os.close(read)
+    proc = subprocess.run([sys.executable, "-m", "memfit.cli", "scenarios"], cwd=work, stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
