@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import memfit
-from memfit.optimizer.baselines import every_k
+from memfit.optimizer.baselines import STRATEGIES
 from memfit.scenarios import tomllib  # tomllib or, on Python 3.10, tomli
 
 from .conftest import random_profile
@@ -167,7 +167,7 @@ def test_huge_budget_and_a_model_that_fits_unplanned(work):
 
 def test_every_k_includes_k_infinity():
     prof = random_profile(6, 3)
-    assert set(every_k(prof, 2**50).values()) == {"none"}
+    assert set(STRATEGIES["every-k"](prof, 2**50).values()) == {"none"}
 
 
 @pytest.mark.parametrize(

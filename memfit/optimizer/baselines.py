@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from memfit.optimizer.model import predict
+from memfit.optimizer.model import Prediction, predict
 from memfit.optimizer.roles import SEGMENT, Role
 from memfit.profile import Profile
 
@@ -24,30 +25,40 @@ def _fits(profile: Profile, policies: Policies, budget: int) -> bool:
     return predict(profile, policies).peak_bytes <= budget
 
 
-def _cheapest(profile: Profile, candidates: list[Policies], budget: int) -> Policies | None:
-    """The candidate with the least recompute among those that fit (each predicted once)."""
-    fitting = [(pred.recompute_s, i) for i, pred in enumerate(predict(profile, p) for p in candidates)
-               if pred.peak_bytes <= budget]
-    return candidates[min(fitting)[1]] if fitting else None
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """A strategy as the schedules it may use (independent of the budget) and how it picks one:
+    ``cheapest``, the least recompute among those that fit, or ``first``, the first that fits."""
+
+    candidates: Callable[[Profile], list[Policies]]
+    pick: str
 
 
-def none(profile: Profile, budget: int) -> Policies | None:
-    p = dict.fromkeys(profile.unit_names, "none")
-    return p if _fits(profile, p, budget) else None
+def pick(baseline: Baseline, predictions: list[Prediction], budget: int) -> int | None:
+    """The index of the candidate ``baseline`` uses at ``budget``, given each candidate's prediction."""
+    fitting = [k for k, p in enumerate(predictions) if p.peak_bytes <= budget]
+    if not fitting:
+        return None
+    if baseline.pick == "first":
+        return fitting[0]
+    return min(fitting, key=lambda k: (predictions[k].recompute_s, k))
 
 
-def full(profile: Profile, budget: int) -> Policies | None:
-    p = dict.fromkeys(profile.unit_names, "full")
-    return p if _fits(profile, p, budget) else None
+def _none(profile: Profile) -> list[Policies]:
+    return [dict.fromkeys(profile.unit_names, "none")]
 
 
-def every_k(profile: Profile, budget: int) -> Policies | None:
+def _full(profile: Profile) -> list[Policies]:
+    return [dict.fromkeys(profile.unit_names, "full")]
+
+
+def _every_k(profile: Profile) -> list[Policies]:
     """k = 1, 2, ... N, and k = infinity (nothing checkpointed)."""
     names = profile.unit_names
     candidates = [
         {n: "full" if (j + 1) % k == 0 else "none" for j, n in enumerate(names)} for k in range(1, len(names) + 1)
     ]
-    return _cheapest(profile, [*candidates, dict.fromkeys(names, "none")], budget)
+    return [*candidates, dict.fromkeys(names, "none")]
 
 
 def not_applicable(profile: Profile, strategy: str) -> str | None:
@@ -61,11 +72,11 @@ def not_applicable(profile: Profile, strategy: str) -> str | None:
     return None
 
 
-def sqrt(profile: Profile, budget: int) -> Policies | None:
+def _sqrt(profile: Profile) -> list[Policies]:
     names = profile.unit_names
     n = len(names)
     if not_applicable(profile, "sqrt"):
-        return None
+        return []
     size = max(2, round(math.sqrt(n)))
     policies: Policies = {}
     for first in range(0, n, size):
@@ -73,37 +84,52 @@ def sqrt(profile: Profile, budget: int) -> Policies | None:
         role = Role(SEGMENT, first, last) if last > first else Role("full")
         for j in range(first, last + 1):
             policies[names[j]] = role.policy(names)
-    return policies if _fits(profile, policies, budget) else None
+    return [policies]
 
 
-def first_k(profile: Profile, budget: int) -> Policies | None:
+def _prefixes(profile: Profile, order: list[int]) -> list[Policies]:
+    """Nothing checkpointed, then the units in ``order`` checkpointed one more at a time."""
     names = profile.unit_names
-    for k in range(len(names) + 1):
-        p = {n: "full" if j < k else "none" for j, n in enumerate(names)}
-        if _fits(profile, p, budget):
-            return p
-    return None
+    policies = dict.fromkeys(names, "none")
+    out = [dict(policies)]
+    for j in order:
+        policies[names[j]] = "full"
+        out.append(dict(policies))
+    return out
 
 
-def greedy(profile: Profile, budget: int) -> Policies | None:
+def _first_k(profile: Profile) -> list[Policies]:
+    return _prefixes(profile, list(range(len(profile.units))))
+
+
+def _greedy(profile: Profile) -> list[Policies]:
     def gain(j: int) -> float:
         u = profile.units[j]
         saved = u.options["none"].stored_bytes - u.options["full"].stored_bytes
         return saved / max(u.options["full"].recompute_s, 1e-12)
 
-    policies = dict.fromkeys(profile.unit_names, "none")
-    for j in sorted(range(len(profile.units)), key=gain, reverse=True):
-        if _fits(profile, policies, budget):
-            return policies
-        policies[profile.unit_names[j]] = "full"
-    return policies if _fits(profile, policies, budget) else None
+    return _prefixes(profile, sorted(range(len(profile.units)), key=gain, reverse=True))
+
+
+BASELINES: dict[str, Baseline] = {
+    "none": Baseline(_none, "first"),
+    "full": Baseline(_full, "first"),
+    "every-k": Baseline(_every_k, "cheapest"),
+    "sqrt": Baseline(_sqrt, "first"),
+    "first-k": Baseline(_first_k, "first"),
+    "greedy": Baseline(_greedy, "first"),
+}
+
+
+def _strategy(baseline: Baseline) -> Callable[[Profile, int], Policies | None]:
+    def choose(profile: Profile, budget: int) -> Policies | None:
+        candidates = baseline.candidates(profile)
+        k = pick(baseline, [predict(profile, c) for c in candidates], budget)
+        return None if k is None else candidates[k]
+
+    return choose
 
 
 STRATEGIES: dict[str, Callable[[Profile, int], Policies | None]] = {
-    "none": none,
-    "full": full,
-    "every-k": every_k,
-    "sqrt": sqrt,
-    "first-k": first_k,
-    "greedy": greedy,
+    name: _strategy(b) for name, b in BASELINES.items()
 }

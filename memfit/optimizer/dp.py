@@ -33,64 +33,100 @@ def solve_dp(model: IntModel, cap: int | None, minimize: str) -> tuple[list[Role
     return best[0], "optimal", best[1]
 
 
+class _Walk:
+    """The levels of a chain step for one value of "some unit is checkpointed": what a block
+    (a unit, or a segment starting at it) does to the worst level, given the bytes kept before it."""
+
+    def __init__(self, model: IntModel, lay: Layout, any_ckpt: bool) -> None:
+        self.model, self.lay, n = model, lay, model.n
+        ends = [(p.ckpt_end if any_ckpt else p.end) if p.unit is None else 0 for p in model.phases]
+        self.before = [0] * (len(ends) + 1)  # remainder bytes added before each phase
+        for t, e in enumerate(ends):
+            self.before[t + 1] = self.before[t] + e
+        self.netsuf = [0] * (n + 1)  # net of the units after j: netsuf[j + 1]
+        for j in reversed(range(n)):
+            self.netsuf[j] = self.netsuf[j + 1] + model.net[j]
+        self.start = max([self.level(t, 0) + model.phases[t].peak for t in lay.pre], default=model.baseline)
+        self._moves: dict[tuple[int, Role], tuple[int, int, int]] = {}
+
+    def level(self, t: int, units_part: int) -> int:
+        return self.model.baseline + self.before[t] + units_part
+
+    def blocks(self, i: int, any_ckpt: bool) -> list[Role]:
+        return [r for r in self.model.roles[i] if r.kind != "segment" or r.first == i] if any_ckpt else [NONE]
+
+    def block(self, i: int, role: Role, p0: int) -> tuple[int, int]:
+        """(kept bytes after the block, highest level in the block's forward and backward).
+        Every level in the block is the kept bytes ``p0`` plus a constant, so both are ``p0``
+        plus constants of the block, worked out once."""
+        move = self._moves.get((i, role))
+        if move is None:
+            move = self._moves[i, role] = (*self._block(i, role), self._cost(i, role))
+        return p0 + move[0], p0 + move[1]
+
+    def cost(self, i: int, role: Role) -> int:
+        """Recompute ns of the block."""
+        self.block(i, role, 0)
+        return self._moves[i, role][2]
+
+    def _block(self, i: int, role: Role) -> tuple[int, int]:
+        model, lay, n, p0 = self.model, self.lay, self.model.n, 0
+        last = role.last if role.kind == "segment" else i
+        members = range(i, last + 1)
+        w, pf = -(2**62), p0
+        for j in members:  # each member's forward, then the remainder after it
+            fp, fe, _, _ = model.costs[j, role]
+            w = max(w, self.level(lay.fwd[j], pf) + fp)
+            pf += fe
+            if j < n - 1:
+                w = max([w, *(self.level(t, pf) + model.phases[t].peak for t in lay.after_fwd[j])])
+        ub = self.netsuf[last + 1] + pf  # unit bytes as the block's backward begins
+        for j in reversed(members):
+            _, fe, bp, be = model.costs[j, role]
+            if role.kind != "segment":  # one net per unit, the largest over its roles
+                be = model.net[j] - fe
+            w = max(w, self.level(lay.bwd[j], ub) + bp)
+            ub += be
+            if j > 0:
+                w = max([w, *(self.level(t, ub) + model.phases[t].peak for t in lay.after_bwd[j])])
+        return pf, w
+
+    def finish(self, p: int) -> int:
+        """The highest level after the last unit's forward and after the first unit's backward."""
+        lay, phases, n = self.lay, self.model.phases, self.model.n
+        w = max([self.level(t, p) + phases[t].peak for t in lay.after_fwd[n - 1]], default=-(2**62))
+        return max([w, *(self.level(t, self.netsuf[0]) + phases[t].peak for t in lay.after_bwd[0])])
+
+    def _cost(self, i: int, role: Role) -> int:
+        last = role.last if role.kind == "segment" else i
+        return sum(self.model.recompute_ns[j, role] for j in range(i, last + 1))
+
+
 def _run(
     model: IntModel, lay: Layout, cap: int | None, minimize: str, any_ckpt: bool
 ) -> tuple[list[Role], int] | None:
     n = model.n
     by_peak = minimize == "peak"
-    ends = [(p.ckpt_end if any_ckpt else p.end) if p.unit is None else 0 for p in model.phases]
-    before = [0] * (len(ends) + 1)  # remainder bytes added before each phase
-    for t, e in enumerate(ends):
-        before[t + 1] = before[t] + e
-    netsuf = [0] * (n + 1)  # net of the units after j: netsuf[j + 1]
-    for j in reversed(range(n)):
-        netsuf[j] = netsuf[j + 1] + model.net[j]
-    base = model.baseline
-
-    def level(t: int, units_part: int) -> int:
-        return base + before[t] + units_part
-
-    def fits(value: int, worst: int) -> tuple[bool, int]:
-        worst = max(worst, value)
-        return (by_peak or cap is None or value <= cap), worst
-
-    start_worst = max([level(t, 0) + model.phases[t].peak for t in lay.pre], default=base)
-    if not by_peak and cap is not None and start_worst > cap:
+    walk = _Walk(model, lay, any_ckpt)
+    if not by_peak and cap is not None and walk.start > cap:
         return None
     # frontier[i]: states after units 0..i-1 are decided, keyed by (kept bytes P, any checkpoint
     # so far), valued (recompute ns, worst level so far, back pointer).
     Entry = tuple[int, int, tuple[int, tuple[int, bool], Role] | None]
     frontier: list[dict[tuple[int, bool], Entry]] = [{} for _ in range(n + 1)]
-    frontier[0][0, False] = (0, start_worst, None)
+    frontier[0][0, False] = (0, walk.start, None)
     for i in range(n):
         states = _pareto(frontier[i], by_peak)
         frontier[i] = states
-        blocks = [r for r in model.roles[i] if r.kind != "segment" or r.first == i] if any_ckpt else [NONE]
         for (p0, seen), (cost, worst, _) in states.items():
-            for role in blocks:
-                last = role.last if role.kind == "segment" else i
-                members = range(i, last + 1)
-                ok, w, pf = True, worst, p0
-                for j in members:  # each member's forward, then the remainder after it
-                    fp, fe, _, _ = model.costs[j, role]
-                    w = max(w, level(lay.fwd[j], pf) + fp)
-                    pf += fe
-                    if j < n - 1:
-                        w = max([w, *(level(t, pf) + model.phases[t].peak for t in lay.after_fwd[j])])
-                ub = netsuf[last + 1] + pf  # unit bytes as the block's backward begins
-                for j in reversed(members):
-                    _, fe, bp, be = model.costs[j, role]
-                    if role.kind != "segment":  # one net per unit, the largest over its roles
-                        be = model.net[j] - fe
-                    w = max(w, level(lay.bwd[j], ub) + bp)
-                    ub += be
-                    if j > 0:
-                        w = max([w, *(level(t, ub) + model.phases[t].peak for t in lay.after_bwd[j])])
-                ok = by_peak or cap is None or w <= cap
-                if not ok:
+            for role in walk.blocks(i, any_ckpt):
+                pf, w = walk.block(i, role, p0)
+                w = max(w, worst)
+                if not (by_peak or cap is None or w <= cap):
                     continue
+                last = role.last if role.kind == "segment" else i
                 key = (pf, seen or role != NONE)
-                entry = (cost + sum(model.recompute_ns[j, role] for j in members), w, (i, (p0, seen), role))
+                entry = (cost + walk.cost(i, role), w, (i, (p0, seen), role))
                 old = frontier[last + 1].get(key)
                 if old is None or _score(entry, by_peak) < _score(old, by_peak):
                     frontier[last + 1][key] = entry
@@ -98,8 +134,7 @@ def _run(
     for (p, seen), (cost, worst, _back) in frontier[n].items():
         if any_ckpt and not seen:
             continue
-        w = max([worst, *(level(t, p) + model.phases[t].peak for t in lay.after_fwd[n - 1])])
-        w = max([w, *(level(t, netsuf[0]) + model.phases[t].peak for t in lay.after_bwd[0])])
+        w = max(worst, walk.finish(p))
         if by_peak or cap is None or w <= cap:
             finals.append(((w, cost) if by_peak else (cost, w), (p, seen)))
     if not finals:
