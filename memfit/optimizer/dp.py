@@ -91,6 +91,22 @@ class _Walk:
                 w = max([w, *(self.level(t, ub) + model.phases[t].peak for t in lay.after_bwd[j])])
         return pf, w
 
+    def floors(self, any_ckpt: bool) -> list[int]:
+        """floors[i]: the least that the highest level from unit i's forward on can exceed the
+        bytes kept before unit i, over every choice for units i.. (a lower bound for pruning)."""
+        n = self.model.n
+        lay, phases = self.lay, self.model.phases
+        floor = [0] * (n + 1)
+        floor[n] = max([self.level(t, 0) + phases[t].peak for t in lay.after_fwd[n - 1]], default=-(2**62))
+        for i in reversed(range(n)):
+            best = 2**62
+            for role in self.blocks(i, any_ckpt):
+                d, w = self.block(i, role, 0)
+                last = role.last if role.kind == "segment" else i
+                best = min(best, max(w, d + floor[last + 1]))
+            floor[i] = best
+        return floor
+
     def finish(self, p: int) -> int:
         """The highest level after the last unit's forward and after the first unit's backward."""
         lay, phases, n = self.lay, self.model.phases, self.model.n

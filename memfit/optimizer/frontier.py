@@ -64,18 +64,20 @@ def _run(walk: _Walk, n: int, any_ckpt: bool, grid: list[int] | None) -> list[Fr
         k = bisect.bisect_left(grid, level)
         return grid[k] if k < len(grid) else _NEVER
 
+    floor = walk.floors(any_ckpt)  # the rest of the step reaches at least kept bytes + floor
     stages: list[list[_Entry]] = [[] for _ in range(n + 1)]
-    stages[0] = [(0, False, 0, up(walk.start), None)]
+    stages[0] = [(0, False, 0, up(max(walk.start, floor[0])), None)]
     for i in range(n):
         stages[i] = _prune(stages[i])
         blocks = walk.blocks(i, any_ckpt)
         for idx, (p0, seen, cost, worst, _) in enumerate(stages[i]):
             for role in blocks:
                 pf, w = walk.block(i, role, p0)
-                w = max(up(w), worst)
+                last = role.last if role.kind == "segment" else i
+                # Counting what the rest will surely reach merges states that end alike, early.
+                w = max(up(max(w, pf + floor[last + 1])), worst)
                 if w == _NEVER:
                     continue
-                last = role.last if role.kind == "segment" else i
                 stages[last + 1].append((pf, seen or role != NONE, cost + walk.cost(i, role), w, (i, idx, role)))
     ends = [(max(e[3], up(walk.finish(e[0]))), e[2], k) for k, e in enumerate(stages[n]) if e[1] or not any_ckpt]
     ends.sort()

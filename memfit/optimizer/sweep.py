@@ -1,0 +1,183 @@
+"""sweep(): the plan of every strategy at many budgets, as one table: the memory-vs-slowdown curve.
+
+Consecutive budgets share most of their answer, so nothing is solved cold per budget. For the
+ILP on a chain, one frontier DP (frontier.py) yields the optimum at every budget at once; on
+other units, budgets are solved from the largest down and a plan optimal at budget b is reused
+for every smaller budget down to its own peak (it fits there, and nothing cheaper fits a
+smaller budget). Each baseline's candidate schedules are predicted once and picked per budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from memfit.budget import parse_bytes
+from memfit.errors import MemfitError
+from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick
+from memfit.optimizer.frontier import chain_frontier, read
+from memfit.optimizer.ilp import SOLVERS, IntModel, chain_layout, solve
+from memfit.optimizer.model import predict
+from memfit.optimizer.planner import STRATEGY_NAMES, min_budget_bytes
+from memfit.optimizer.roles import Role
+from memfit.profile import Profile
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+DEFAULT_STRATEGIES = ("ilp", "full", "every-k", "sqrt", "first-k", "greedy")
+COLUMNS = {  # name -> pandas dtype
+    "budget_bytes": "int64",
+    "strategy": "string",
+    "status": "string",  # optimal, feasible, heuristic, infeasible or n/a
+    "predicted_peak_bytes": "Int64",  # missing where nothing fits
+    "predicted_overhead": "float64",
+    "recompute_s": "float64",
+    "checkpointed": "Int64",
+    "policies": "string",  # JSON of unit -> policy; empty where nothing fits
+    "solve_s": "float64",  # seconds this row took (a shared frontier's time is split over its rows)
+    "frontier_violation": "boolean",  # ILP only: a smaller budget was cheaper (a bug if ever true)
+}
+
+
+def default_budgets(profile: Profile, points: int = 30, *, segments: bool = True, max_segment: int = 8) -> list[int]:
+    """``points`` budgets, evenly spaced from the smallest feasible peak to the peak with
+    nothing checkpointed."""
+    if points < 2:
+        raise MemfitError(f"a sweep needs at least 2 points, got {points}")
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+    solver = "dp" if chain_layout(model) is not None else "cpsat"  # the same minimum; the DP is quicker
+    lo = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
+    hi = max(lo, predict(profile, {}).peak_bytes)
+    return sorted({lo + (hi - lo) * k // (points - 1) for k in range(points)})
+
+
+def sweep(
+    profile: Profile,
+    budgets: Sequence[int | str] | None = None,
+    *,
+    points: int = 30,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    solver: str = "cpsat",
+    segments: bool = True,
+    max_segment: int = 8,
+) -> pd.DataFrame:
+    """One row per (budget, strategy): status, predicted peak and overhead, recompute time,
+    units checkpointed, the policies as JSON and the solve time (columns: ``COLUMNS``).
+
+    ``budgets`` are bytes or sizes such as ``"300MB"``; by default ``points`` budgets from the
+    smallest feasible peak to the un-checkpointed peak. ``solver`` is used for units that are
+    not a chain (on a chain the frontier DP gives the same optimum for every budget at once).
+    """
+    import pandas as pd
+
+    unknown = [s for s in strategies if s not in STRATEGY_NAMES]
+    if unknown or not strategies:
+        raise MemfitError(f"unknown strategy {', '.join(unknown) or '(none given)'}; use some of "
+                          f"{', '.join(STRATEGY_NAMES)}")
+    if solver not in SOLVERS:
+        raise MemfitError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
+    if max_segment < 2:
+        raise MemfitError("max_segment must be at least 2")
+    if budgets is None:
+        sizes = default_budgets(profile, points, segments=segments, max_segment=max_segment)
+    else:
+        sizes = sorted({parse_bytes(b) for b in budgets})
+        if not sizes:
+            raise MemfitError("no budgets to sweep")
+    rows: list[dict[str, Any]] = []
+    for strategy in dict.fromkeys(strategies):
+        if strategy == "ilp":
+            rows += _ilp_rows(profile, sizes, solver, segments, max_segment)
+        else:
+            rows += _baseline_rows(profile, sizes, strategy)
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    return frame.astype(COLUMNS).sort_values(["strategy", "budget_bytes"], ignore_index=True)
+
+
+def _row(profile: Profile, budget: int, strategy: str, status: str, policies: Policies | None,
+         seconds: float) -> dict[str, Any]:
+    if policies is None:
+        return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": None,
+                "predicted_overhead": math.nan, "recompute_s": math.nan, "checkpointed": None, "policies": "",
+                "solve_s": seconds, "frontier_violation": False}
+    p = predict(profile, policies)
+    if p.peak_bytes > budget:  # the scaled models round up, so this is a bug if it happens
+        raise MemfitError(f"internal check failed: {strategy} at {budget} bytes predicts {p.peak_bytes}")
+    return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": p.peak_bytes,
+            "predicted_overhead": p.overhead, "recompute_s": p.recompute_s,
+            "checkpointed": sum(v != "none" for v in policies.values()), "policies": json.dumps(policies),
+            "solve_s": seconds, "frontier_violation": False}
+
+
+def _baseline_rows(profile: Profile, sizes: list[int], strategy: str) -> list[dict[str, Any]]:
+    if not_applicable(profile, strategy):
+        return [_row(profile, b, strategy, "n/a", None, 0.0) for b in sizes]
+    start = time.perf_counter()
+    baseline = BASELINES[strategy]
+    candidates = baseline.candidates(profile)
+    predictions = [predict(profile, c) for c in candidates]
+    share = (time.perf_counter() - start) / len(sizes)
+    rows = []
+    for b in sizes:
+        k = pick(baseline, predictions, b)
+        rows.append(_row(profile, b, strategy, "infeasible" if k is None else "heuristic",
+                         None if k is None else candidates[k], share))
+    return rows
+
+
+def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
+              max_segment: int) -> list[dict[str, Any]]:
+    start = time.perf_counter()
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+    names = profile.unit_names
+
+    def policies(roles: list[Role]) -> Policies:
+        return {n: r.policy(names) for n, r in zip(names, roles, strict=True)}
+
+    found: dict[int, tuple[str, Policies | None]] = {}
+    points = chain_frontier(model, [b // model.quantum for b in sizes])
+    if points is not None:
+        for b in sizes:
+            point = read(points, b // model.quantum)
+            found[b] = ("infeasible", None) if point is None else ("optimal", policies(point.roles))
+    else:
+        found = _walk_down(profile, model, sizes, solver, policies)
+    share = (time.perf_counter() - start) / len(sizes)
+    rows = [_row(profile, b, "ilp", *found[b], share) for b in sizes]
+    _flag_violations(rows)
+    return rows
+
+
+def _walk_down(profile: Profile, model: IntModel, sizes: list[int], solver: str,
+               policies: Callable[[list[Role]], Policies]) -> dict[int, tuple[str, Policies | None]]:
+    found: dict[int, tuple[str, Policies | None]] = {}
+    current: tuple[str, Policies, int] | None = None  # status, plan, its predicted peak
+    for b in sorted(sizes, reverse=True):
+        if current is not None and current[2] <= b:
+            found[b] = (current[0], current[1])
+            continue
+        sol = solve(model, b, solver=solver)
+        if sol is None:
+            for rest in (s for s in sizes if s <= b):
+                found[rest] = ("infeasible", None)
+            break
+        plan = policies(sol.roles)
+        current = (sol.status, plan, predict(profile, plan).peak_bytes)
+        found[b] = (current[0], current[1])
+    return found
+
+
+def _flag_violations(rows: list[dict[str, Any]]) -> None:
+    """Mark each budget whose ILP recompute exceeds that of a smaller budget: the optimum of a
+    larger budget can never be dearer, so such a row is a bug, shown rather than hidden."""
+    cheapest_below = math.inf
+    for row in rows:  # rows by rising budget
+        cost = row["recompute_s"]
+        if math.isnan(cost):
+            continue
+        row["frontier_violation"] = cost > cheapest_below + 1e-12
+        cheapest_below = min(cheapest_below, cost)
