@@ -6,6 +6,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +36,32 @@ def check_writable(path: str | os.PathLike[str], what: str = "output file") -> P
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename, so no reader or crash
-    ever sees half a file. The file gets the mode the umask gives a new file (mkstemp's 0600
-    would hide a schedule from the rest of a team)."""
+    """Write ``data`` as JSON to ``path`` atomically (see ``write_atomic``)."""
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2, sort_keys=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    write_atomic(path, dump)
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """Have ``write`` fill a temporary file beside ``path``, then rename it over ``path``, so
+    that no reader or crash ever sees half a file. The file gets the mode the umask gives a new
+    file (mkstemp's 0600 would hide a schedule from the rest of a team)."""
     target = check_writable(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
     except OSError as exc:
         raise MemfitError(f"{target}: cannot write ({exc.strerror or exc})") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-            handle.flush()
-            os.fchmod(handle.fileno(), 0o666 & ~_umask())
-            os.fsync(handle.fileno())
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)

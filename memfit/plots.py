@@ -1,0 +1,146 @@
+"""Pictures people read faster than tables: the memory-vs-slowdown curve of a sweep, and the
+memory timeline of one plan. matplotlib (``pip install memfit[plot]``), PNG or SVG by the file's
+extension, 800 px wide; each function returns the Figure so that tests can read what was drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from memfit.errors import MemfitError
+from memfit.jsonio import check_writable, write_atomic
+from memfit.optimizer.model import predict
+from memfit.profile import Profile
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+FORMATS = (".png", ".svg")
+STYLE = {  # strategy -> (label, colour, marker)
+    "ilp": ("memfit plan (ILP optimum)", "#1f77b4", "o"),
+    "full": ("checkpoint every unit", "#d62728", "s"),
+    "every-k": ("every k-th unit", "#ff7f0e", "^"),
+    "sqrt": ("sqrt(N) segments", "#9467bd", "v"),
+    "first-k": ("first k units", "#8c564b", "D"),
+    "greedy": ("greedy by bytes/second", "#2ca02c", "P"),
+    "none": ("checkpoint nothing", "#7f7f7f", "*"),
+}
+
+
+def check_plot_path(path: str | os.PathLike[str]) -> None:
+    """Refuse an unknown extension or an unwritable place before any work is done."""
+    suffix = os.path.splitext(str(path))[1].lower()
+    if suffix not in FORMATS:
+        raise MemfitError(f"{path}: a plot is written as .png or .svg, by the file's extension")
+    check_writable(path, "plot")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise MemfitError("plots need matplotlib: pip install 'memfit[plot]'") from None
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    return ("GiB", 2.0**30) if largest >= 4 * 2**30 else ("MiB", 2.0**20)
+
+
+def curve(frame: pd.DataFrame, path: str | os.PathLike[str] | None, *, title: str,
+          device_memory: int | None = None) -> Figure:
+    """x: peak memory, y: slowdown (%). The ILP frontier as a step line, each baseline's distinct
+    plans as markers, measured points (columns ``measured_peak_bytes``/``measured_overhead``)
+    as hollow markers of the same colour, the un-checkpointed point, the device's memory."""
+    plt = _pyplot()
+    fits = frame[frame["predicted_peak_bytes"].notna()]
+    if fits.empty:
+        raise MemfitError("nothing fits any budget of the sweep: there is no curve to draw")
+    peaks = [float(v) for v in fits["predicted_peak_bytes"]]
+    measured = "measured_peak_bytes" in frame and frame["measured_peak_bytes"].notna().any()
+    if measured:
+        peaks += [float(v) for v in frame["measured_peak_bytes"].dropna()]
+    unit, scale = _unit(max([*peaks, device_memory or 0]))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    order = [s for s in STYLE if s in set(fits["strategy"])]
+    for strategy in order:
+        rows = fits[fits["strategy"] == strategy]
+        label, colour, marker = STYLE[strategy]
+        plans = rows.drop_duplicates("policies").sort_values("predicted_peak_bytes")
+        x = [float(v) / scale for v in plans["predicted_peak_bytes"]]
+        y = [float(v) * 100 for v in plans["predicted_overhead"]]
+        if strategy == "ilp":
+            ax.step(x, y, where="post", color=colour, linewidth=2, label=label, zorder=3)
+            ax.plot(x, y, linestyle="none", marker=marker, color=colour, zorder=3)
+        else:
+            ax.plot(x, y, linestyle="none", marker=marker, markersize=7, color=colour, label=label, alpha=0.85)
+        if measured:
+            m = plans[plans["measured_peak_bytes"].notna()]
+            ax.plot([float(v) / scale for v in m["measured_peak_bytes"]],
+                    [float(v) * 100 for v in m["measured_overhead"]], linestyle="none", marker=marker,
+                    markersize=10, markerfacecolor="none", markeredgecolor=colour,
+                    label=f"{label}, measured" if strategy == "ilp" else None)
+    plain = fits[fits["checkpointed"] == 0]
+    if not plain.empty:
+        ax.plot([float(plain["predicted_peak_bytes"].iloc[0]) / scale], [0.0], linestyle="none", marker="*",
+                markersize=14, color=STYLE["none"][1], label="no checkpointing")
+    if device_memory:
+        ax.axvline(device_memory / scale, color="black", linestyle="--", linewidth=1,
+                   label=f"device memory ({device_memory / scale:.1f} {unit})")
+    ax.set_xlabel(f"peak memory of the training step ({unit})")
+    ax.set_ylabel("slowdown against no checkpointing (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    if path is not None:
+        _save(fig, path)
+    return fig
+
+
+def timeline(profile: Profile, policies: Mapping[str, str], path: str | os.PathLike[str] | None, *, title: str,
+             budget: int | None = None, measured: Sequence[tuple[str, int, int]] | None = None) -> Figure:
+    """Predicted live memory at the start and the peak of every phase of the step, for the plan
+    and for no checkpointing (``predict(...).levels``); the budget as a line, the plan's peak
+    phase marked; ``measured`` levels (phase, level, peak) overlaid when given."""
+    plt = _pyplot()
+    plan, plain = predict(profile, policies), predict(profile, {})
+    unit, scale = _unit(max(plain.peak_bytes, plan.peak_bytes, budget or 0))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    series = [("no checkpointing", plain.levels, "#7f7f7f"), ("this plan", plan.levels, "#1f77b4")]
+    if measured is not None:
+        series.append(("this plan, measured", list(measured), "#d62728"))
+    for label, levels, colour in series:
+        xs = [k for k in range(len(levels)) for _ in (0, 1)]
+        ys = [v / scale for _, start, peak in levels for v in (start, peak)]
+        style = {"linestyle": "--", "marker": "o", "markerfacecolor": "none"} if "measured" in label else {}
+        ax.plot(xs, ys, color=colour, label=label, linewidth=1.5, **style)
+    top = max(range(len(plan.levels)), key=lambda k: plan.levels[k][2])
+    ax.annotate(f"peak {plan.peak_bytes / scale:.1f} {unit}\n{plan.peak_phase}", (top, plan.levels[top][2] / scale),
+                textcoords="offset points", xytext=(10, 10), fontsize=8, arrowprops={"arrowstyle": "->"})
+    if budget is not None:
+        ax.axhline(budget / scale, color="black", linestyle=":", label=f"budget {budget / scale:.1f} {unit}")
+    labels = [name for name, _, _ in plan.levels]
+    step = max(1, len(labels) // 24)
+    ax.set_xticks(range(0, len(labels), step))
+    ax.set_xticklabels([labels[k] for k in range(0, len(labels), step)], rotation=75, fontsize=6, ha="right")
+    ax.set_xlabel("phase of the training step (forward, loss, backward with recompute, optimizer)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        _save(fig, path)
+    return fig
+
+
+def _save(fig: Figure, path: str | os.PathLike[str]) -> None:
+    fmt = os.path.splitext(str(path))[1].lower().lstrip(".")
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt))
