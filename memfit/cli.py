@@ -25,6 +25,8 @@ examples:
   memfit profile -o profile.json && memfit plan --profile profile.json --budget 300MB
   memfit plan --budget 24GB --device cuda:1       # profile on the second GPU (default: cuda if there is one)
   memfit validate --schedule schedule.json        # rebuild the planned model; measure peak, slowdown, gradients
+  memfit sweep --plot curve.png                  # the memory-vs-slowdown curve over 30 budgets
+  memfit sweep --budgets 150MB:550MB:50MB --measure --csv sweep.csv
   memfit show schedule.json
 
 memory sizes are binary: 24GB = 24GiB = 24G = 24 x 2^30 bytes; 1536MB; 0.5TB; a bare number is bytes.
@@ -137,8 +139,34 @@ def _parser() -> argparse.ArgumentParser:
                       "has none (default: no limit)")
     plan.add_argument("-o", "--output", help="schedule file to write (default: schedule.json; when nothing needs "
                       "checkpointing, only if given)")
+    plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
     plan.set_defaults(func=commands.cmd_plan)
+
+    from memfit.optimizer.sweep import DEFAULT_STRATEGIES
+
+    sw = command("sweep", "plan every strategy at many budgets: the memory-vs-slowdown curve, as a table, CSV "
+                 "and plot")
+    sw.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
+    _source_args(sw)
+    sw.add_argument("--budgets", help="START:STOP:STEP such as 100MB:500MB:20MB, or a list such as 200MB,300MB "
+                    "(default: --points budgets from the smallest feasible peak to the un-checkpointed one)")
+    sw.add_argument("--points", type=int, help="how many budgets when --budgets is not given (default: 30)")
+    sw.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                    help="comma-separated: ilp and baselines (default: %(default)s)")
+    sw.add_argument("--solver", choices=SOLVERS, default="cpsat",
+                    help="ILP backend for units that are not a chain; chains use the exact frontier DP")
+    sw.add_argument("--max-segment", type=int, default=8, help="longest checkpointed run of units (default: 8)")
+    sw.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
+    sw.add_argument("--measure", action="store_true",
+                    help="run every distinct plan: measured peak and slowdown beside the predicted ones")
+    sw.add_argument("--steps", type=int, default=3, help="timed rounds with --measure (default: %(default)s)")
+    sw.add_argument("--csv", metavar="FILE", help="write the table as CSV")
+    sw.add_argument("--plot", metavar="FILE", help="draw the curve (.png or .svg)")
+    sw.add_argument("--device-memory", metavar="SIZE",
+                    help="draw the device's memory as a line, e.g. 24GB (default: the GPU's, when profiled on one)")
+    sw.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    sw.set_defaults(func=commands.cmd_sweep)
 
     val = command("validate", "run the plain and the scheduled model: measured vs predicted peak and slowdown, "
                   "equal gradients; exits 1 if the peak exceeds the budget or results differ")

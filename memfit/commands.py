@@ -122,8 +122,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.budget import format_bytes, parse_bytes
-    from memfit.jsonio import check_writable
     from memfit.optimizer.planner import plan
+    from memfit.plots import check_plot_path, timeline
     from memfit.profile import Profile
     from memfit.report import schedule_report
 
@@ -133,15 +133,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.max_segment < 2:
         raise MemfitError(f"--max-segment must be at least 2 (units in one checkpointed run), got {args.max_segment}")
     output = "schedule.json" if args.output is None else args.output
-    if args.profile:
-        if given := _given(args):
-            raise MemfitError(
-                f"{', '.join(given)} cannot change a profile that was already measured: drop "
-                f"{'it' if len(given) == 1 else 'them'}, or profile again with those flags instead of --profile"
-            )
-        if Path(args.profile).resolve() == Path(output).resolve():
-            raise MemfitError(f"-o {output} would overwrite the profile it plans from; write the schedule elsewhere")
-    check_writable(output, "schedule file")
+    _check_outputs(args, {"-o": (output, "schedule file")})
+    if args.timeline:
+        check_plot_path(args.timeline)
     prof = Profile.load(args.profile) if args.profile else _profile(args)
     schedule = plan(prof, budget, strategy=args.strategy, solver=args.solver, time_limit=args.time_limit,
                     segments=not args.no_segments, max_segment=args.max_segment)
@@ -150,6 +144,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     write = args.output is not None or not idle
     if write:
         write_output(schedule.save, output)
+    if args.timeline:
+        write_output(lambda path: timeline(prof, schedule.policies, path, title=_title(prof, schedule.strategy),
+                                           budget=budget), args.timeline)
     if args.json:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
         return 0
@@ -166,6 +163,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\nwrote {output}; in train.py:\n"
           f'    model = memfit.apply(model, memfit.load_schedule("{output}"))')
     return 0
+
+
+def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]) -> None:
+    """Before any profiling: flags that cannot change a given profile, outputs that would
+    overwrite it, outputs that cannot be written."""
+    from memfit.jsonio import check_writable
+
+    if args.profile:
+        if given := _given(args):
+            raise MemfitError(
+                f"{', '.join(given)} cannot change a profile that was already measured: drop "
+                f"{'it' if len(given) == 1 else 'them'}, or profile again with those flags instead of --profile"
+            )
+        for flag, (path, _) in outputs.items():
+            if Path(args.profile).resolve() == Path(path).resolve():
+                raise MemfitError(f"{flag} {path} would overwrite the profile it plans from; write elsewhere")
+    for path, what in outputs.values():
+        check_writable(path, what)
+
+
+def _title(prof: Any, what: str) -> str:
+    """Model, inputs, dtype and device, for a picture's title."""
+    source = prof.source
+    name = Path(str(source["scenario"])).stem if source.get("scenario") else source.get("model", prof.model_class)
+    dtype = f" - {source['dtype']}" if source.get("dtype") else ""
+    return f"{name}: {what} - inputs {prof.input_shapes}{dtype} - {prof.device}, optimizer {prof.optimizer}"
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -253,3 +276,95 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
         rows.append([name + (" (default)" if name == DEFAULT else ""), sc.model, sc.description])
     print(table(["scenario", "factory", "description"], rows, [False, False, False]))
     return 0
+
+
+def budget_range(text: str) -> list[int]:
+    """``START:STOP:STEP`` (both ends included when the steps land on STOP) or ``A,B,C``."""
+    from memfit.budget import parse_bytes
+
+    if "," in text or ":" not in text:
+        return [parse_bytes(t) for t in text.split(",") if t.strip()] or _bad_range(text)
+    parts = text.split(":")
+    if len(parts) != 3:
+        _bad_range(text)
+    start, stop, step = (parse_bytes(p) for p in parts)
+    if start > stop:
+        raise MemfitError(f"--budgets {text}: the start is above the stop")
+    count = (stop - start) // step + 1
+    if count > 1000:
+        raise MemfitError(f"--budgets {text} makes {count} budgets; at most 1000 (take a larger step)")
+    return [start + k * step for k in range(count)]
+
+
+def _bad_range(text: str) -> list[int]:
+    raise MemfitError(f"--budgets is START:STOP:STEP such as 100MB:500MB:20MB, or a list such as 200MB,300MB; "
+                      f"got {text!r}")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from memfit.budget import parse_bytes
+    from memfit.jsonio import write_atomic
+    from memfit.optimizer.planner import STRATEGY_NAMES
+    from memfit.optimizer.sweep import sweep
+    from memfit.plots import check_plot_path, curve
+    from memfit.profile import Profile
+    from memfit.report import sweep_report
+    from memfit.runtime.validate import measure_plans
+    from memfit.scenarios import scenario_from_source
+
+    budgets = budget_range(args.budgets) if args.budgets else None
+    if budgets is not None and args.points is not None:
+        raise MemfitError("give either --budgets or --points, not both")
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if unknown := [s for s in strategies if s not in STRATEGY_NAMES]:
+        raise MemfitError(f"--strategies: unknown {', '.join(unknown)}; use some of {', '.join(STRATEGY_NAMES)}")
+    if args.max_segment < 2:
+        raise MemfitError(f"--max-segment must be at least 2, got {args.max_segment}")
+    if args.steps < 1:
+        raise MemfitError("--steps must be at least 1")
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else None
+    outputs = {"--csv": (args.csv, "CSV file")} if args.csv else {}
+    _check_outputs(args, outputs)
+    if args.plot:
+        check_plot_path(args.plot)
+    prof = Profile.load(args.profile) if args.profile else _profile(args)
+    if args.measure and not prof.source:
+        raise MemfitError("--measure needs the model: this profile does not say how it was built; profile it with "
+                          "memfit profile (or give --scenario/--model instead of --profile)")
+    frame = sweep(prof, budgets, points=args.points or 30, strategies=strategies, solver=args.solver,
+                  segments=not args.no_segments, max_segment=args.max_segment)
+    check_interrupt()
+    if args.measure:
+        plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]
+        model, inputs = _build(scenario_from_source(prof.source), prof.device)
+        with tqdm(total=len(plans), desc="measuring plans", unit="plan", file=sys.stderr, leave=False,
+                  disable=None) as bar:
+            peaks, overheads = measure_plans(model, inputs, [json.loads(p) for p in plans], optimizer=prof.optimizer,
+                                             steps=args.steps, progress=lambda: (check_interrupt(), bar.update(1)))
+        frame["measured_peak_bytes"] = frame["policies"].map(dict(zip(plans, peaks, strict=True))).astype("Int64")
+        frame["measured_overhead"] = frame["policies"].map(dict(zip(plans, overheads, strict=True))).astype(float)
+    if device_memory is None and prof.device.startswith("cuda"):
+        device_memory = _gpu_memory(prof.device)
+    if args.csv:
+        write_output(lambda path: write_atomic(path, lambda tmp: frame.to_csv(tmp, index=False)), args.csv)
+    if args.plot:
+        write_output(lambda path: curve(frame, path, title=_title(prof, "memory vs slowdown"),
+                                        device_memory=device_memory), args.plot)
+    if args.json:
+        print(frame.to_json(orient="records", indent=2))
+    else:
+        print(sweep_report(frame))
+        for flag, path in (("csv", args.csv), ("plot", args.plot)):
+            if path:
+                print(f"wrote {path} ({flag})")
+    return 1 if bool(frame["frontier_violation"].any()) else 0
+
+
+def _gpu_memory(device: str) -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from memfit.budget import format_bytes
 from memfit.optimizer.model import predict
@@ -11,6 +12,9 @@ from memfit.optimizer.roles import roles_of, unit_costs
 from memfit.profile import Profile
 from memfit.runtime.validate import Validation
 from memfit.schedule import Schedule, segment_span
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 BASELINE_NAMES = {
     "none": "checkpoint nothing",
@@ -131,3 +135,36 @@ def validation_report(v: Validation) -> str:
         f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled",
     ]
     return "\n".join([table(["", "predicted", "measured", "error"], rows), "", *checks, f"validation {verdict}"])
+
+
+def sweep_report(frame: pd.DataFrame) -> str:
+    """One line per budget: the ILP plan, each baseline's slowdown, measured figures if any."""
+    strategies = list(dict.fromkeys(frame["strategy"]))
+    others = [s for s in strategies if s != "ilp"]
+    measured = "measured_peak_bytes" in frame
+    head = ["budget"]
+    if "ilp" in strategies:
+        head += ["plan peak", "slowdown", "ckpt"] + (["measured peak", "measured"] if measured else [])
+    head += [f"{s} slowdown" for s in others]
+    rows = []
+    by = {(r.strategy, r.budget_bytes): r for r in frame.itertuples()}
+    for budget in sorted(set(frame["budget_bytes"])):
+        row = [format_bytes(budget)]
+        if "ilp" in strategies:
+            r = by["ilp", budget]
+            if r.status == "infeasible":
+                row += ["does not fit", "-", "-"] + (["-", "-"] if measured else [])
+            else:
+                row += [format_bytes(r.predicted_peak_bytes), _pct(r.predicted_overhead) + (" !" if
+                        r.frontier_violation else ""), str(r.checkpointed)]
+                if measured:
+                    row += [format_bytes(r.measured_peak_bytes), _pct(r.measured_overhead)]
+        for s in others:
+            r = by[s, budget]
+            row.append("n/a" if r.status == "n/a" else "-" if r.status == "infeasible" else _pct(r.predicted_overhead))
+        rows.append(row)
+    out = [table(head, rows)]
+    out.append("\n'-': does not fit the budget; 'n/a': the strategy does not apply to these units")
+    if "ilp" in strategies and frame.loc[frame["strategy"] == "ilp", "frontier_violation"].any():
+        out.append("'!': a smaller budget had a cheaper plan: the optimum cannot do that; please report it")
+    return "\n".join(out)

@@ -4,7 +4,8 @@ Consecutive budgets share most of their answer, so nothing is solved cold per bu
 ILP on a chain, one frontier DP (frontier.py) yields the optimum at every budget at once; on
 other units, budgets are solved from the largest down and a plan optimal at budget b is reused
 for every smaller budget down to its own peak (it fits there, and nothing cheaper fits a
-smaller budget). Each baseline's candidate schedules are predicted once and picked per budget.
+smaller budget); so also on chains where a unit's net change depends on its role, which the DP
+cannot represent exactly. Each baseline's candidate schedules are predicted once and picked per budget.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def sweep(
             rows += _ilp_rows(profile, sizes, solver, segments, max_segment)
         else:
             rows += _baseline_rows(profile, sizes, strategy)
-    frame = pd.DataFrame(rows, columns=list(COLUMNS))
-    return frame.astype(COLUMNS).sort_values(["strategy", "budget_bytes"], ignore_index=True)
+    frame = pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)  # rows: by strategy as given, budget
+    return frame
 
 
 def _row(profile: Profile, budget: int, strategy: str, status: str, policies: Policies | None,
@@ -139,7 +140,9 @@ def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
         return {n: r.policy(names) for n, r in zip(names, roles, strict=True)}
 
     found: dict[int, tuple[str, Policies | None]] = {}
-    points = chain_frontier(model, [b // model.quantum for b in sizes])
+    # The DP gives each unit one net change whatever its role; where a profile's differ (a unit
+    # whose output outlives it, see profiler._share_outputs) it would be cautious, so the ILP decides.
+    points = chain_frontier(model, [b // model.quantum for b in sizes]) if _one_net_per_unit(model) else None
     if points is not None:
         for b in sizes:
             point = read(points, b // model.quantum)
@@ -150,6 +153,10 @@ def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
     rows = [_row(profile, b, "ilp", *found[b], share) for b in sizes]
     _flag_violations(rows)
     return rows
+
+
+def _one_net_per_unit(model: IntModel) -> bool:
+    return all(c[1] + c[3] == model.net[j] for (j, role), c in model.costs.items() if role.kind != "segment")
 
 
 def _walk_down(profile: Profile, model: IntModel, sizes: list[int], solver: str,

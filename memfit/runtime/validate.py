@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from memfit.profiler.step import (
     zero_grad,
 )
 from memfit.profiler.timing import step_times
-from memfit.runtime.apply import apply, clear_policies
+from memfit.runtime.apply import apply, clear_policies, set_policies
 from memfit.runtime.memory import memory_recorder
 from memfit.schedule import Schedule
 
@@ -160,3 +161,26 @@ def validate(
         grads_equal=grads_equal,
         buffers_equal=all(torch.equal(b, sched.buffers[n]) for n, b in plain.buffers.items()),
     )
+
+
+def measure_plans(
+    model: nn.Module, inputs: Any, plans: list[dict[str, str]], *, loss_fn: LossFn | None = None,
+    optimizer: str | None = "adamw", steps: int = 3, progress: Callable[[], None] | None = None,
+) -> tuple[list[int], list[float]]:
+    """The measured peak bytes and slowdown of each plan, by ``validate``'s machinery: each peak
+    from a steady-state step of its own, the slowdowns from one interleaved series of timed
+    rounds that all plans share with the plain model. ``model`` is left as it was."""
+    state = copy.deepcopy(model.state_dict())
+    peaks = []
+    for policies in plans:
+        set_policies(model, policies)
+        try:
+            peaks.append(measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer).peak_bytes)
+        finally:
+            clear_policies(model)
+            model.load_state_dict(state)
+        if progress is not None:
+            progress()
+    _, ratios = step_times(model, inputs, plans, loss_fn=loss_fn, optimizer=optimizer, steps=steps)
+    model.load_state_dict(state)
+    return peaks, [r - 1.0 for r in ratios]

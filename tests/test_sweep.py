@@ -1,0 +1,160 @@
+"""sweep(): the ILP at every budget equals plan(), the frontier never rises with the budget and
+never loses to a baseline; the CSV, the curve and the timeline hold what was computed."""
+
+import io
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import memfit
+from memfit.optimizer.frontier import chain_frontier, read
+from memfit.optimizer.ilp import IntModel, solve
+from memfit.optimizer.sweep import COLUMNS, sweep
+from memfit.plots import curve, timeline
+
+from .conftest import random_profile
+
+FIXTURES = Path(__file__).parent / "fixtures"
+BUILTIN = sorted(FIXTURES.glob("*.json"))  # profiles of the built-in scenarios, made by `memfit profile`
+
+
+@pytest.mark.parametrize(("n", "seed"), [(6, 1), (8, 2), (9, 5)])
+def test_frontier_equals_the_ilp_at_every_budget(n, seed):
+    prof = random_profile(n, seed)
+    model = IntModel.of(prof)
+    points = chain_frontier(model)
+    assert points is not None
+    lo = memfit.min_budget_bytes(prof)
+    hi = memfit.predict(prof, {}).peak_bytes
+    for budget in range(lo - 3, hi + 3, max(1, (hi - lo) // 120)):
+        sol = solve(model, budget, solver="cbc")
+        point = read(points, budget // model.quantum)
+        assert (sol is None) == (point is None), budget
+        if sol is not None:
+            assert point is not None and point.recompute_ns == sol.objective, budget
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_sweep_ilp_rows_equal_plan(chain):
+    prof = random_profile(10, 4, chain=chain)
+    frame = sweep(prof, points=15)
+    ilp = frame[frame["strategy"] == "ilp"]
+    assert len(ilp) == 15 and set(ilp["status"]) == {"optimal"}
+    for row in ilp.itertuples():
+        sched = memfit.plan(prof, int(row.budget_bytes))
+        assert row.recompute_s == pytest.approx(sched.predicted_recompute_s, abs=1e-12)
+        assert memfit.predict(prof, json.loads(row.policies)).peak_bytes == row.predicted_peak_bytes
+        assert row.predicted_peak_bytes <= row.budget_bytes
+    below = sweep(prof, [memfit.min_budget_bytes(prof) - 1], strategies=["ilp", "full"])
+    assert list(below["status"]) == ["infeasible", "infeasible"] and below["predicted_peak_bytes"].isna().all()
+
+
+def test_columns_dtypes_and_csv_round_trip(tmp_path):
+    frame = sweep(random_profile(7, 2, chain=False), points=8)
+    assert list(frame.columns) == list(COLUMNS)
+    assert {c: str(t) for c, t in frame.dtypes.items()} == COLUMNS
+    assert set(frame["strategy"]) == {"ilp", "full", "every-k", "sqrt", "first-k", "greedy"}
+    assert set(frame.loc[frame["strategy"] == "sqrt", "status"]) == {"n/a"}  # not a chain
+    frame.to_csv(tmp_path / "s.csv", index=False)
+    again = pd.read_csv(tmp_path / "s.csv", dtype=COLUMNS, keep_default_na=False, na_values={
+        "predicted_peak_bytes": [""], "checkpointed": [""], "predicted_overhead": [""], "recompute_s": [""]})
+    again["policies"] = again["policies"].astype("string")
+    pd.testing.assert_frame_equal(again, frame, check_exact=False, rtol=1e-12)
+
+
+@pytest.mark.parametrize("path", BUILTIN, ids=[p.stem for p in BUILTIN])
+def test_builtin_frontier_falls_and_beats_every_baseline(path):
+    prof = memfit.Profile.load(path)
+    frame = sweep(prof, points=30)
+    ilp = frame[frame["strategy"] == "ilp"].sort_values("budget_bytes")
+    assert not ilp["frontier_violation"].any()
+    costs = list(ilp["recompute_s"])
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(costs))  # never dearer with more memory
+    assert ilp["predicted_peak_bytes"].notna().all()  # the default budgets start at the smallest feasible peak
+    for row in frame[(frame["strategy"] != "ilp") & frame["predicted_peak_bytes"].notna()].itertuples():
+        mine = ilp.loc[ilp["budget_bytes"] == row.budget_bytes, "recompute_s"].item()
+        assert mine <= row.recompute_s + 1e-12, (row.strategy, row.budget_bytes)
+
+
+def test_curve_draws_the_frontier_and_baselines(tmp_path):
+    prof = random_profile(8, 3)
+    frame = sweep(prof, points=12)
+    frame["measured_peak_bytes"] = frame["predicted_peak_bytes"]
+    frame["measured_overhead"] = frame["predicted_overhead"] * 1.1
+    for suffix in ("png", "svg"):
+        fig = curve(frame, tmp_path / f"c.{suffix}", title="test model", device_memory=2048)
+        assert (tmp_path / f"c.{suffix}").stat().st_size > 1000
+    head = (tmp_path / "c.png").read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n" and (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    ilp = frame[frame["strategy"] == "ilp"].drop_duplicates("policies").sort_values("predicted_peak_bytes")
+    step = lines["memfit plan (ILP optimum)"]
+    assert list(step.get_xdata()) == pytest.approx([v / 2**20 for v in ilp["predicted_peak_bytes"]])
+    assert list(step.get_ydata()) == pytest.approx([v * 100 for v in ilp["predicted_overhead"]])
+    measured = lines["memfit plan (ILP optimum), measured"]
+    assert list(measured.get_ydata()) == pytest.approx([v * 110 for v in ilp["predicted_overhead"]])
+    assert "checkpoint every unit" in lines and "no checkpointing" in lines
+    assert ax.get_xlabel() == "peak memory of the training step (MiB)" and "%" in ax.get_ylabel()
+    assert ax.get_title() == "test model" and fig.get_size_inches()[0] * fig.dpi == 800
+
+
+def test_timeline_draws_predicted_levels(tmp_path):
+    prof = random_profile(6, 1)
+    sched = memfit.plan(prof, memfit.min_budget_bytes(prof) + 10)
+    fig = timeline(prof, sched.policies, tmp_path / "t.png", title="t", budget=sched.budget_bytes)
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    levels = memfit.predict(prof, sched.policies).levels
+    drawn = [v * 2**20 for v in lines["this plan"].get_ydata()]
+    assert drawn == pytest.approx([v for _, start, peak in levels for v in (start, peak)])
+    plain = memfit.predict(prof, {}).levels
+    assert [v * 2**20 for v in lines["no checkpointing"].get_ydata()] == pytest.approx(
+        [v for _, start, peak in plain for v in (start, peak)])
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def run(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budgets", "500MB:100MB:10MB"], "the start is above the stop"),
+        (["--budgets", "100MB:500MB"], "--budgets is START:STOP:STEP"),
+        (["--budgets", "1MB:1GB:1KB"], "at most 1000"),
+        (["--budgets", "100MB:500MB:0"], "positive"),
+        (["--budgets", "lots"], "cannot read the memory size"),
+        (["--budgets", "100MB,200MB", "--points", "5"], "either --budgets or --points"),
+        (["--strategies", "ilp,magic"], "--strategies: unknown magic"),
+        (["--plot", "c.pdf"], "as .png or .svg"),
+        (["--csv", "."], "is a directory"),
+        (["--units", "h.*"], "cannot change a profile"),
+    ],
+)
+def test_sweep_mistakes_exit_2_without_files(tmp_path, args, message):
+    random_profile(5, 0).save(tmp_path / "p.json")
+    proc = run("sweep", "--profile", "p.json", "--csv", "out.csv", "--plot", "out.png", *args, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+def test_sweep_command_measures_and_writes(tmp_path):
+    (tmp_path / "tiny.toml").write_text(
+        'model = "memfit.zoo:gpt"\n[args]\nbatch = 2\nseq = 32\nvocab = 256\nd_model = 64\nn_head = 2\nn_layer = 3\n')
+    proc = run("sweep", "--scenario", "tiny.toml", "--repeat", "1", "--points", "4", "--measure", "--steps", "1",
+               "--strategies", "ilp,full", "--csv", "s.csv", "--plot", "s.svg", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "plan peak" in proc.stdout and "full slowdown" in proc.stdout and "measured peak" in proc.stdout
+    frame = pd.read_csv(io.StringIO((tmp_path / "s.csv").read_text()))
+    assert len(frame) == 8 and frame["measured_peak_bytes"].notna().all()
+    # On the CPU the measured peak of every plan is the predicted one, to the byte.
+    assert (frame["measured_peak_bytes"] == frame["predicted_peak_bytes"]).all()
+    assert (tmp_path / "s.svg").read_text().lstrip().startswith("<?xml")
