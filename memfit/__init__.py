@@ -44,6 +44,7 @@ _LAZY = {
     "keep_freed_cpu_memory": "memfit.runtime.memory",
     "Validation": "memfit.runtime.validate",
     "validate": "memfit.runtime.validate",
+    "sweep": "memfit.optimizer.sweep",
     "Schedule": "memfit.schedule",
     "load_schedule": "memfit.schedule",
 }
@@ -51,6 +52,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from memfit.optimizer.model import Prediction, predict
     from memfit.optimizer.planner import min_budget_bytes, plan
+    from memfit.optimizer.sweep import sweep
     from memfit.profile import Profile
     from memfit.profiler import profile
     from memfit.profiler.step import default_loss
@@ -94,5 +96,6 @@ __all__ = [
     "plan",
     "predict",
     "profile",
+    "sweep",
     "validate",
 ]

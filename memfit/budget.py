@@ -19,6 +19,7 @@ def parse_bytes(text: str | int | float) -> int:
     """
     if isinstance(text, bool):
         raise BudgetFormatError(f"not a memory size: {text!r}")
+    match = None
     if isinstance(text, (int, float)):
         value, power = float(text), 0
     else:
@@ -38,12 +39,13 @@ def parse_bytes(text: str | int | float) -> int:
             raise BudgetFormatError(f"cannot read the memory size {text!r}: 'i' needs a unit letter, e.g. 24GiB")
         power = _POWERS[unit]
     result = value * (1024**power)
-    if not math.isfinite(result) or result <= 0:
+    if not math.isfinite(result):
+        raise BudgetFormatError(f"the memory size {text!r} is too large")
+    if result <= 0:
         raise BudgetFormatError(f"a memory size must be positive, got {text!r}")
     if result < 1:
-        raise BudgetFormatError(
-            f"{text!r} is less than one byte (a bare number is bytes); did you mean {str(text).strip()}GB?"
-        )
+        number = match.group(1) if isinstance(text, str) and match is not None else str(text)
+        raise BudgetFormatError(f"{text!r} is less than one byte (a bare number is bytes); did you mean {number}GB?")
     return math.floor(result)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 from memfit import commands
 from memfit.console import (
@@ -94,8 +95,16 @@ def _interrupted() -> int:
     return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes as every other mistake: one ``memfit: error:`` line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"memfit: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="memfit",
         description="Plan activation checkpointing so that a PyTorch training step fits a memory budget "
         "at the least extra time.",

@@ -61,7 +61,7 @@ def _device(text: str | None) -> str:
         device = torch.device(text)
     except (RuntimeError, ValueError):
         raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}") from None
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
         raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -106,10 +106,10 @@ def _profile(args: argparse.Namespace) -> Any:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from memfit.jsonio import check_writable
+    from memfit.jsonio import check_replaceable
     from memfit.report import profile_report
 
-    check_writable(args.output, "profile file")  # before minutes of profiling, not after
+    check_replaceable(args.output, "profile file")  # before minutes of profiling, not after
     prof = _profile(args)
     write_output(prof.save, args.output)
     if args.json:
@@ -132,6 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise MemfitError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     if args.max_segment < 2:
         raise MemfitError(f"--max-segment must be at least 2 (units in one checkpointed run), got {args.max_segment}")
+    if args.no_segments and args.strategy == "sqrt":
+        raise MemfitError("--no-segments rules out --strategy sqrt, which checkpoints segments of units")
     output = "schedule.json" if args.output is None else args.output
     _check_outputs(args, {"-o": (output, "schedule file")})
     if args.timeline:
@@ -167,8 +169,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]) -> None:
     """Before any profiling: flags that cannot change a given profile, outputs that would
-    overwrite it, outputs that cannot be written."""
-    from memfit.jsonio import check_writable
+    overwrite it or any file that is not memfit's (a CSV may replace a CSV), outputs that cannot
+    be written."""
+    from memfit.jsonio import check_replaceable, check_writable
 
     if args.profile:
         if given := _given(args):
@@ -180,7 +183,10 @@ def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]
             if Path(args.profile).resolve() == Path(path).resolve():
                 raise MemfitError(f"{flag} {path} would overwrite the profile it plans from; write elsewhere")
     for path, what in outputs.values():
-        check_writable(path, what)
+        if str(path).lower().endswith(".csv"):
+            check_writable(path, what)
+        else:
+            check_replaceable(path, what)
 
 
 def _title(prof: Any, what: str) -> str:
@@ -188,7 +194,7 @@ def _title(prof: Any, what: str) -> str:
     source = prof.source
     name = Path(str(source["scenario"])).stem if source.get("scenario") else source.get("model", prof.model_class)
     dtype = f" - {source['dtype']}" if source.get("dtype") else ""
-    return f"{name}: {what} - inputs {prof.input_shapes}{dtype} - {prof.device}, optimizer {prof.optimizer}"
+    return f"{name}: {what}\ninputs {prof.input_shapes}{dtype} - {prof.device}, optimizer {prof.optimizer}"
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -216,7 +222,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]:
     """The model, optimizer and device the schedule was made for; flags that say otherwise are
     refused with the one that differs, since measuring another setup would prove nothing."""
-    from memfit.scenarios import cli_flag, scenario_from_source
+    from memfit.scenarios import cli_flag, load_scenario, scenario_from_source
 
     source = schedule.source
     planned_opt = schedule.optimizer or "none"
@@ -226,21 +232,29 @@ def _validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str
     if args.device and _device(args.device) != schedule.device:
         raise MemfitError(f"the schedule was profiled on {schedule.device}, not {args.device}: memory differs "
                           f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
+    model_flags = ("scenario", "model", "input_shape", "units")
     if not source:  # a schedule from memfit.plan() in Python, or from an older memfit
+        if not _given(args, model_flags):
+            raise MemfitError("this schedule does not record which model it was made for (it was made in Python "
+                              "or by an older memfit): give --scenario or --model, as when it was planned")
         sc = _scenario(args)
-    elif not _given(args, ("scenario", "model", "input_shape", "units")):
-        sc = scenario_from_source(source)
     else:
-        sc = _scenario(args)
-        mine = sc.source()
-        for key, flag in (("scenario", "--scenario"), ("model", "--model"), ("input_shape", "--input-shape"),
-                          ("units", "--units"), ("dtype", "dtype")):
-            if source.get(key) != mine.get(key):
-                raise MemfitError(
-                    f"the schedule was made for {cli_flag(source)} (units {source.get('units')}), but {flag} says "
-                    f"otherwise ({mine.get(key)!r} instead of {source.get(key)!r}); drop the model flags to "
-                    "validate what the schedule was made for"
-                )
+        sc = scenario_from_source(source)
+        made_for = f"the schedule was made for {cli_flag(source)}"
+        if args.scenario is not None or args.model is not None:
+            flag, mine = (("--scenario", load_scenario(args.scenario).origin) if args.scenario is not None
+                          else ("--model", args.model))
+            theirs = source.get(flag[2:])
+            if mine != theirs:
+                raise MemfitError(f"{made_for}, not {flag} {args.scenario or args.model}; drop the model flags to "
+                                  "validate what it was made for")
+        if args.input_shape is not None and _shape(args.input_shape) != source.get("input_shape"):
+            planned = "x".join(map(str, source.get("input_shape") or [])) or "the factory's own inputs"
+            raise MemfitError(f"{made_for} with input shape {planned}, not --input-shape {args.input_shape}")
+        if args.units is not None and args.units != source.get("units"):
+            planned_units = source.get("units")
+            shown = " ".join(planned_units) if isinstance(planned_units, list) else planned_units
+            raise MemfitError(f"{made_for} with units {shown}, not --units {' '.join(args.units)}")
     sc.optimizer = planned_opt
     return sc, _device(args.device or schedule.device)
 

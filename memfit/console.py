@@ -63,7 +63,7 @@ def write_output(save: Callable[[Path], None], path: str | Path) -> None:
     check_interrupt()
     target = Path(path)
     save(target)
-    _written.append(target)
+    _written.append(target.resolve() if target.is_symlink() else target)
 
 
 def remove_outputs() -> None:

@@ -19,6 +19,10 @@ def check_writable(path: str | os.PathLike[str], what: str = "output file") -> P
     if not str(path).strip():
         raise MemfitError(f"the {what} name is empty; give a file name such as schedule.json")
     target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()  # write the file the link names, and keep the link
+    if target.exists() and not target.is_dir() and not target.is_file():
+        raise MemfitError(f"{target}: is not a regular file (a device or a pipe); give a file name for the {what}")
     if target.is_dir():
         raise MemfitError(f"{target}: is a directory; give a file name for the {what}, e.g. {target / 'out.json'}")
     parent = target.parent
@@ -33,6 +37,19 @@ def check_writable(path: str | os.PathLike[str], what: str = "output file") -> P
     except OSError as exc:
         raise MemfitError(f"{target}: cannot write the {what} there ({exc.strerror or exc})") from None
     return target
+
+
+def check_replaceable(path: str | os.PathLike[str], what: str) -> None:
+    """A memfit JSON output may replace an earlier memfit file, never another file (a model's
+    source, a scenario, someone's data)."""
+    check_writable(path, what)
+    target = Path(path).resolve()
+    if target.is_file():
+        try:
+            read_json(target, None)
+        except FileFormatError:
+            raise MemfitError(f"{path} exists and is not a memfit file; refusing to overwrite it with the "
+                              f"{what} (remove it first, or write elsewhere)") from None
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
@@ -52,7 +69,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
     """Have ``write`` fill a temporary file beside ``path``, then rename it over ``path``, so
     that no reader or crash ever sees half a file. The file gets the mode the umask gives a new
     file (mkstemp's 0600 would hide a schedule from the rest of a team)."""
-    target = check_writable(path)
+    target = check_writable(path)  # a symbolic link: its target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -87,6 +104,8 @@ def read_json(path: str | os.PathLike[str], expected_format: str | None) -> dict
         data = json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FileFormatError(f"{p}: not valid JSON ({exc})") from None
+    except (RecursionError, ValueError) as exc:  # nested too deep; an integer of thousands of digits
+        raise FileFormatError(f"{p}: not a memfit file ({type(exc).__name__}: {str(exc)[:80]})") from None
     except OSError as exc:
         raise FileFormatError(f"{p}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(data, dict):
@@ -119,6 +138,8 @@ class Fields:
 
     def int(self, key: str, minimum: int | None = None) -> int:
         value = int(self._get(key, (int,), "an integer"))
+        if abs(value) >= 2**62:
+            raise FileFormatError(f"{self.where}: field {key!r} is out of range ({str(value)[:20]}...)")
         if minimum is not None and value < minimum:
             raise FileFormatError(f"{self.where}: field {key!r} must be at least {minimum}, got {value}")
         return value

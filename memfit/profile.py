@@ -141,12 +141,13 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
             o = opts.obj(name)
             options[name] = OptionCost(
                 o.int("fwd_peak_bytes"), o.int("stored_bytes"), o.int("bwd_peak_bytes"),
-                o.int("bwd_end_bytes"), o.float("recompute_s"),
+                o.int("bwd_end_bytes"), o.float("recompute_s", minimum=0.0),
             )
         units.append(
             UnitProfile(
-                u.str("name"), u.float("fwd_s"), u.float("bwd_s"), u.int("input_bytes"),
-                u.int("saved_bytes"), u.int("param_bytes"), options, u.int("output_bytes"),
+                u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),
+                u.int("input_bytes", minimum=0), u.int("saved_bytes", minimum=0), u.int("param_bytes", minimum=0),
+                options, u.int("output_bytes", minimum=0),
             )
         )
     phases = []
@@ -160,11 +161,20 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         phases.append(
             Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes"), p.int("ckpt_end_bytes"))
         )
+    _check_timeline(f, units, phases)
+    optimizer = f.opt_str("optimizer")
+    if optimizer not in (None, "adamw", "adam", "sgd", "sgd-momentum"):
+        raise_field(where, "optimizer", optimizer)
+    for key, kind in (("chain", bool), ("recompute_factor", (int, float)), ("source", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise_field(where, key, data[key])
+    if not float(data.get("recompute_factor", 1.0)) > 0:
+        raise_field(where, "recompute_factor", data.get("recompute_factor"))
     measured = f.obj("measured_peak_bytes")
     return Profile(
         model_class=f.str("model_class"),
         device=f.str("device"),
-        optimizer=f.opt_str("optimizer"),
+        optimizer=optimizer,
         input_shapes=f.str("input_shapes"),
         baseline_bytes=f.int("baseline_bytes"),
         param_bytes=f.int("param_bytes"),
@@ -172,7 +182,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         buffer_bytes=f.int("buffer_bytes"),
         optimizer_state_bytes=f.int("optimizer_state_bytes"),
         input_bytes=f.int("input_bytes"),
-        step_s=f.float("step_s"),
+        step_s=_positive(f, "step_s"),
         units=units,
         phases=phases,
         fingerprint=f.obj("fingerprint").data,
@@ -183,6 +193,25 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         recompute_factor=float(data.get("recompute_factor", 1.0)),
         source=f.obj("source").data if "source" in data else {},
     )
+
+
+def _positive(f: Fields, key: str) -> float:
+    value = f.float(key, minimum=0.0)
+    if value <= 0:
+        raise_field(f.where, key, value)
+    return value
+
+
+def _check_timeline(f: Fields, units: list[UnitProfile], phases: list[Phase]) -> None:
+    """Unique unit names; each unit has one forward and one backward phase."""
+    names = [u.name for u in units]
+    if not units or len(set(names)) != len(names):
+        raise_field(f.where, "units", "none" if not units else f"names repeat: {names}")
+    for i, u in enumerate(units):
+        kinds = sorted(p.kind for p in phases if p.unit == i)
+        if kinds != ["backward", "forward"]:
+            raise_field(f.where, "phases", f"unit {u.name!r} has {kinds or 'no'} phases, not one forward and one "
+                                           "backward")
 
 
 def raise_field(where: str, key: str, value: Any) -> None:

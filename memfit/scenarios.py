@@ -39,12 +39,17 @@ class Scenario:
     def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
         """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
         factory = load_factory(self.model)
+        if not callable(factory):
+            raise MemfitError(f"{self.model} is not a function or class that builds a model")
         try:
             made = factory(**self.args)
         except TypeError as exc:
             if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
                 raise  # raised inside the factory: the user's own error, reported with its place
-            raise MemfitError(f"scenario {self.name!r}: calling {self.model} failed: {exc}") from None
+            where = f"scenario {self.name!r}: " if self.origin else ""
+            raise MemfitError(f"{where}calling {self.model} failed: {exc}") from None
+        except SystemExit as exc:
+            raise MemfitError(f"{self.model} called sys.exit({exc.code}) instead of returning a model") from None
         if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
             if self.input_shape:
                 raise MemfitError(
@@ -88,6 +93,8 @@ def scenario_from_source(source: dict[str, Any]) -> Scenario:
     sc.input_shape = source.get("input_shape") or sc.input_shape
     sc.units = source.get("units", sc.units)
     sc.dtype = str(source.get("dtype", sc.dtype))
+    if sc.dtype not in DTYPES:
+        raise MemfitError(f"the schedule's source names dtype {sc.dtype!r}; known: {', '.join(DTYPES)}")
     return sc
 
 
@@ -121,6 +128,9 @@ def load_factory(spec: str) -> Any:
         raise MemfitError(f"a model factory is written module:function, e.g. mypkg.models:build; got {spec!r}")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # so that a user's own train.py-side module imports
+    if module_name.endswith(".py") or "/" in module_name:
+        raise MemfitError(f"{spec!r}: name the module as you would import it (mypkg.models:build, run from the "
+                          "directory that holds mypkg or with it on PYTHONPATH), not by its file path")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -64,6 +64,17 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
                 f"{path}: field 'policies' gives unit {unit!r} the policy {policy!r}; "
                 "expected none, full or segment:<first>..<last>"
             )
+    baselines = f.obj("baselines").data if "baselines" in f.data else {}
+    for name, figures in baselines.items():
+        if not isinstance(figures, dict) or not all(
+                isinstance(v, (bool, int, float)) for v in figures.values()):
+            raise FileFormatError(f"{path}: field 'baselines' gives {name!r} {str(figures)[:60]}; "
+                                  "expected an object of numbers")
+    source = f.obj("source").data if "source" in f.data else {}
+    for key, kinds in (("scenario", str), ("model", str), ("dtype", str), ("units", (str, list)),
+                       ("input_shape", list)):
+        if source.get(key) is not None and not isinstance(source[key], kinds):
+            raise FileFormatError(f"{path}: field 'source.{key}' has an invalid value {source[key]!r}")
     fingerprint = f.obj("fingerprint")
     for key in ("model_class", "units", "params_sha256"):
         if key not in fingerprint.data:
@@ -80,10 +91,10 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         solve_s=None,
         fingerprint=fingerprint.data,
         input_shapes=str(f.data.get("input_shapes", "")),
-        baselines=dict(f.data.get("baselines") or {}),
+        baselines=dict(baselines),
         optimizer=f.opt_str("optimizer") if "optimizer" in f.data else "adamw",
         device=str(f.data.get("device", "cpu")),
-        source=f.obj("source").data if "source" in f.data else {},
+        source=source,
     )
 
 

@@ -218,10 +218,20 @@ def test_validate_rebuilds_what_the_schedule_was_made_for(work):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["ok"] and result["measured_peak_bytes"] == result["predicted_peak_bytes"]
+    proc = run("validate", "--schedule", "made.json", "--steps", "1", "--scenario", "tiny.toml", cwd=work)
+    assert proc.returncode == 0, proc.stderr  # the flags the schedule was made with are welcome
+    data = json.loads((work / "made.json").read_text())
+    del data["source"]
+    (work / "nosource.json").write_text(json.dumps(data))
+    proc = run("validate", "--schedule", "nosource.json", "--steps", "1", cwd=work)
+    assert proc.returncode == 2 and "does not record which model" in proc.stderr, proc.stderr
     for args, message in [
         (["--optimizer", "sgd"], "planned with --optimizer adamw, not sgd"),
         (["--scenario", "gpt-small"], "made for --scenario " + str(work / "tiny.toml")),
-        (["--scenario", "tiny.toml", "--units", "h.0", "h.1"], "--units says otherwise"),
+        (["--scenario", "tiny.toml", "--units", "h.0", "h.1"], "with units auto, not --units h.0 h.1"),
+        (["--units", "h.*"], "with units auto, not --units h.*"),
+        (["--input-shape", "2x32"], "with input shape the factory's own inputs, not --input-shape 2x32"),
+        (["--model", "usermodels:mlp"], "not --model usermodels:mlp"),
     ]:
         proc = run("validate", "--schedule", "made.json", "--steps", "1", *args, cwd=work)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -309,3 +319,95 @@ def test_a_reader_that_stops_early_gets_no_traceback(work):
                           stderr=subprocess.PIPE, text=True, timeout=120)
     os.close(write)
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+def test_outputs_never_replace_devices_or_foreign_files(work, tmp_path):
+    (work / "notes.txt").write_text("mine")
+    for target, message in [("/dev/null", "is not a regular file"), ("usermodels.py", "is not a memfit file"),
+                            ("tiny.toml", "is not a memfit file"), ("notes.txt", "is not a memfit file")]:
+        proc = run("plan", "--profile", "profile.json", "--budget", str(_mid_budget(work)), "-o", target, cwd=work)
+        assert proc.returncode == 2 and message in proc.stderr, (target, proc.stderr)
+    assert Path("/dev/null").is_char_device() and (work / "notes.txt").read_text() == "mine"
+    (work / "real.json").unlink(missing_ok=True)
+    (work / "link.json").unlink(missing_ok=True)
+    (work / "link.json").symlink_to("real.json")
+    proc = run("plan", "--profile", "profile.json", "--budget", str(_mid_budget(work)), "-o", "link.json", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "link.json").is_symlink() and memfit.load_schedule(work / "real.json").checkpointed
+
+
+@pytest.mark.parametrize(
+    ("units", "message"),
+    [(["h.3", "h.2", "h.1", "h.0"], "the units run in the order h.0, h.1, h.2, h.3, not as given"),
+     (["h"], "unit 'h' never ran as a module in the forward pass")],
+)
+def test_units_must_run_in_the_order_given(work, units, message):
+    proc = run("profile", "--scenario", "tiny.toml", "--repeat", "1", "--units", *units, "-o", "u.json", cwd=work)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (work / "u.json").exists()
+
+
+def test_dp_refuses_units_it_cannot_model_exactly():
+    cnn = memfit.Profile.load(ROOT / "tests" / "fixtures" / "cnn-mixed.json")  # BatchNorm: nets differ by role
+    with pytest.raises(memfit.MemfitError, match="dp solver is exact only"):
+        memfit.plan(cnn, memfit.predict(cnn, {}).peak_bytes, solver="dp")
+
+
+@pytest.mark.parametrize(
+    ("kind", "mutate", "message"),
+    [
+        ("schedule", lambda d: d.update(baselines="x"), "'baselines' must be an object"),
+        ("schedule", lambda d: d["baselines"].update(full="x"), "field 'baselines' gives 'full'"),
+        ("schedule", lambda d: d["source"].update(units=5), "'source.units'"),
+        ("schedule", lambda d: d.update(budget_bytes=10**400), "out of range"),
+        ("profile", lambda d: d.update(step_s=0), "'step_s' has an invalid value 0"),
+        ("profile", lambda d: d.update(phases=[]), "has no phases"),
+        ("profile", lambda d: d["units"][1].update(name=d["units"][0]["name"]), "names repeat"),
+        ("profile", lambda d: d.update(optimizer="lion"), "'optimizer' has an invalid value 'lion'"),
+        ("profile", lambda d: d.update(chain="yes"), "'chain' has an invalid value 'yes'"),
+        ("profile", lambda d: d["units"][0].update(fwd_s=-1.0), "'fwd_s' must be a finite number of at least 0"),
+    ],
+)
+def test_corrupt_files_are_named_not_traced(work, tmp_path, kind, mutate, message):
+    source = work / ("idle.json" if kind == "schedule" else "profile.json")
+    data = json.loads(source.read_text())
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(memfit.FileFormatError, match=message):
+        memfit.load_schedule(path) if kind == "schedule" else memfit.Profile.load(path)
+
+
+def test_deeply_nested_json_is_a_format_error(tmp_path):
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(memfit.FileFormatError, match="not a memfit file"):
+        memfit.load_schedule(tmp_path / "deep.json")
+
+
+def test_nan_losses_compare_equal():
+    import torch
+
+    from memfit.runtime.validate import _same
+
+    nan = float("nan")
+    assert _same(torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0]))
+    assert not _same(torch.tensor([1.0]), torch.tensor([1.0 + 1e-6]))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan"], "memfit: error: the following arguments are required: --budget (see memfit plan --help)"),
+        (["plan", "--budget", "1e400"], "is too large"),
+        (["plan", "--budget", "0.1B"], "did you mean 0.1GB?"),
+        (["plan", "--budget", "1GB", "--strategy", "sqrt", "--no-segments"], "--no-segments rules out"),
+        (["plan", "--budget", "1GB", "--device", "cpu:1"], "--device must be cpu"),
+        (["plan", "--budget", "1GB", "--model", "usermodels.py:mlp"], "name the module as you would import it"),
+    ],
+)
+def test_usage_mistakes_are_one_line(work, args, message):
+    proc = run(*args, cwd=work)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("memfit: error:") and message in proc.stderr
+    said = [line for line in proc.stderr.strip().splitlines() if not line.startswith("building ")]  # progress
+    assert len(said) == 1, proc.stderr

@@ -33,6 +33,13 @@ def solve_dp(model: IntModel, cap: int | None, minimize: str) -> tuple[list[Role
     return best[0], "optimal", best[1]
 
 
+def dp_exact(model: IntModel) -> bool:
+    """The DPs are exact when the units' phases run as a chain (forwards in order, backwards in
+    reverse) and each unit changes the level by one net amount over the step, whatever its role."""
+    return chain_layout(model) is not None and all(
+        c[1] + c[3] == model.net[j] for (j, role), c in model.costs.items() if role.kind != "segment")
+
+
 class _Walk:
     """The levels of a chain step for one value of "some unit is checkpointed": what a block
     (a unit, or a segment starting at it) does to the worst level, given the bytes kept before it."""

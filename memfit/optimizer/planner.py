@@ -8,6 +8,7 @@ from typing import Any
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
 from memfit.optimizer.baselines import STRATEGIES, Policies, not_applicable
+from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.ilp import IntModel, SolverTimeout, solve
 from memfit.optimizer.model import predict
 from memfit.profile import Profile
@@ -60,6 +61,9 @@ def plan(
         raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
     if strategy == "ilp":
         model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+        if solver == "dp" and not dp_exact(model):
+            raise MemfitError("the dp solver is exact only when the units run as a chain and each keeps the same "
+                              "memory after the step whatever its role; these units do not: use cpsat or cbc")
         try:
             sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
         except SolverTimeout:
@@ -162,8 +166,11 @@ def strategy_min_budget(profile: Profile, strategy: str) -> int:
 
 
 def _infeasible(budget: int, least: int, how: str) -> InfeasibleBudgetError:
+    asked = format_bytes(budget)
+    if asked == format_bytes(least):
+        asked += f" ({budget} bytes)"
     return InfeasibleBudgetError(
-        f"no schedule fits {format_bytes(budget)}{how}: the smallest budget that works for this model and input "
+        f"no schedule fits {asked}{how}: the smallest budget that works for this model and input "
         f"is {format_bytes(least)} ({least} bytes); raise the budget, or lower the batch size or sequence length",
         least,
     )

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 from memfit.budget import parse_bytes
 from memfit.errors import MemfitError
 from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick
+from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.frontier import chain_frontier, read
-from memfit.optimizer.ilp import SOLVERS, IntModel, chain_layout, solve
+from memfit.optimizer.ilp import SOLVERS, IntModel, solve
 from memfit.optimizer.model import predict
 from memfit.optimizer.planner import STRATEGY_NAMES, min_budget_bytes
 from memfit.optimizer.roles import Role
@@ -50,7 +51,7 @@ def default_budgets(profile: Profile, points: int = 30, *, segments: bool = True
     if points < 2:
         raise MemfitError(f"a sweep needs at least 2 points, got {points}")
     model = IntModel.of(profile, segments=segments, max_segment=max_segment)
-    solver = "dp" if chain_layout(model) is not None else "cpsat"  # the same minimum; the DP is quicker
+    solver = "dp" if dp_exact(model) else "cpsat"  # the same minimum; the DP is quicker
     lo = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
     hi = max(lo, predict(profile, {}).peak_bytes)
     return sorted({lo + (hi - lo) * k // (points - 1) for k in range(points)})
@@ -142,7 +143,7 @@ def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
     found: dict[int, tuple[str, Policies | None]] = {}
     # The DP gives each unit one net change whatever its role; where a profile's differ (a unit
     # whose output outlives it, see profiler._share_outputs) it would be cautious, so the ILP decides.
-    points = chain_frontier(model, [b // model.quantum for b in sizes]) if _one_net_per_unit(model) else None
+    points = chain_frontier(model, [b // model.quantum for b in sizes]) if dp_exact(model) else None
     if points is not None:
         for b in sizes:
             point = read(points, b // model.quantum)
@@ -153,10 +154,6 @@ def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
     rows = [_row(profile, b, "ilp", *found[b], share) for b in sizes]
     _flag_violations(rows)
     return rows
-
-
-def _one_net_per_unit(model: IntModel) -> bool:
-    return all(c[1] + c[3] == model.net[j] for (j, role), c in model.costs.items() if role.kind != "segment")
 
 
 def _walk_down(profile: Profile, model: IntModel, sizes: list[int], solver: str,

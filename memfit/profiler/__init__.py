@@ -80,6 +80,7 @@ def profile(
                 training_step(model, inp, loss, opt)  # warm-up in this configuration
                 memory[option] = stretches(recorded_step(model, names, inp, loss, opt, device, "memory"))
         check_same_shape(memory["none"], memory["full"], "every unit was checkpointed")
+        _check_order(memory["none"], names)
         calls = iter(range(4 * repeat))  # four steps a round: two plain, two checkpointed
 
         def timed(full: int) -> list[Stretch]:
@@ -178,6 +179,20 @@ def _assemble(
         chain=facts.chain and not any(_has_batch_norm(model.get_submodule(n)) for n in names),
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
     )
+
+
+def _check_order(run: list[Stretch], names: list[str]) -> None:
+    """Units must be named in the order their forwards run: the memory model walks them so."""
+    ran = [int(s.label.partition(":")[2]) for s in run if s.label.startswith("fwd:")]
+    missing = [names[i] for i in range(len(names)) if i not in ran]
+    if missing:
+        raise MemfitError(
+            f"unit {missing[0]!r} never ran as a module in the forward pass (a ModuleList or a container whose "
+            "forward is not called is not a unit: name its blocks, e.g. --units 'h.*' or units=['h.*'])"
+        )
+    if ran != sorted(ran):
+        order = ", ".join(names[i] for i in ran)
+        raise MemfitError(f"the units run in the order {order}, not as given; list them in the order they run")
 
 
 def _has_batch_norm(module: nn.Module) -> bool:

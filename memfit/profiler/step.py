@@ -80,7 +80,8 @@ def default_loss(output: Any) -> torch.Tensor:
     for t in iter_tensors(output):
         if t.is_floating_point():
             return t.float().pow(2).mean()
-    raise MemfitError("the model's output has no floating-point tensor; pass loss_fn=")
+    raise MemfitError("the model's output has no floating-point tensor to take a loss of: return one (or an "
+                      "object with a .loss, as Hugging Face models do), or in Python pass loss_fn=")
 
 
 def make_optimizer(name: str | None, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer | None:

@@ -142,11 +142,12 @@ def validate(
         if (g is None) != (h is None):
             grads_equal = False
         elif g is not None and h is not None:
-            d = (g - h).abs().max().item() if g.numel() else 0.0
+            d = (g - h).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0
             diff = max(diff, d)
             # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute.
             exact = g.device.type == "cpu"
-            grads_equal &= bool(torch.equal(g, h)) if exact else d <= 1e-5 * max(1.0, g.abs().max().item())
+            grads_equal &= _same(g, h) if exact else _same(g.isnan(), h.isnan()) and d <= 1e-5 * max(
+                1.0, g.abs().nan_to_num(0.0).max().item())
     return Validation(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=schedule.predicted_peak_bytes,
@@ -157,10 +158,18 @@ def validate(
         plain_step_s=plain_s,
         step_s=plain_s * ratio,
         max_grad_diff=diff,
-        losses_equal=plain.losses == sched.losses,
+        losses_equal=_same(torch.tensor(plain.losses), torch.tensor(sched.losses)),
         grads_equal=grads_equal,
-        buffers_equal=all(torch.equal(b, sched.buffers[n]) for n, b in plain.buffers.items()),
+        buffers_equal=all(_same(b, sched.buffers[n]) for n, b in plain.buffers.items()),
     )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN equal to NaN: a step whose loss is NaN (an fp16 overflow)
+    must not make the plain and the scheduled runs differ."""
+    if a.is_floating_point() and a.shape == b.shape and a.dtype == b.dtype:
+        return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+    return bool(torch.equal(a, b))
 
 
 def measure_plans(
