@@ -183,6 +183,8 @@ def _parser() -> argparse.ArgumentParser:
     _source_args(val, validate=True)
     val.add_argument("--steps", type=int, default=5,
                      help="timed rounds, one plain and one scheduled step counted in each (default: %(default)s)")
+    val.add_argument("--timeline", metavar="FILE",
+                     help="draw predicted and measured memory over the step (.png or .svg)")
     val.add_argument("--json", action="store_true", help="print the result as JSON")
     val.set_defaults(func=commands.cmd_validate)
 

@@ -147,7 +147,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if write:
         write_output(schedule.save, output)
     if args.timeline:
-        write_output(lambda path: timeline(prof, schedule.policies, path, title=_title(prof, schedule.strategy),
+        write_output(lambda path: timeline(schedule.levels, path, title=_title(prof, f"{schedule.strategy} plan"),
                                            budget=budget), args.timeline)
     if args.json:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
@@ -189,22 +189,29 @@ def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]
             check_replaceable(path, what)
 
 
-def _title(prof: Any, what: str) -> str:
-    """Model, inputs, dtype and device, for a picture's title."""
-    source = prof.source
-    name = Path(str(source["scenario"])).stem if source.get("scenario") else source.get("model", prof.model_class)
+def _title(made: Any, what: str) -> str:
+    """Model, inputs, dtype, device and optimizer of a profile or a schedule, for a picture."""
+    source = made.source
+    name = (Path(str(source["scenario"])).stem if source.get("scenario")
+            else source.get("model") or made.fingerprint.get("model_class", "model"))
     dtype = f" - {source['dtype']}" if source.get("dtype") else ""
-    return f"{name}: {what}\ninputs {prof.input_shapes}{dtype} - {prof.device}, optimizer {prof.optimizer}"
+    return f"{name}: {what}\ninputs {made.input_shapes}{dtype} - {made.device}, optimizer {made.optimizer}"
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from memfit.plots import check_plot_path, timeline
     from memfit.report import validation_report
-    from memfit.runtime.validate import validate
+    from memfit.runtime.validate import measure_levels, validate
     from memfit.schedule import load_schedule
 
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1 (timed rounds of the plain and the scheduled step)")
     schedule = load_schedule(args.schedule)
+    if args.timeline:
+        check_plot_path(args.timeline)
+        if not schedule.levels:
+            raise MemfitError("this schedule holds no predicted timeline (made by an older memfit): plan it again "
+                              "to draw --timeline")
     sc, device = _validation_setup(args, schedule)
     model, inputs = _build(sc, device)
     check_interrupt()
@@ -212,6 +219,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print("measuring the plain and the scheduled step", file=sys.stderr)
     result = validate(model, inputs, schedule, optimizer=optimizer, steps=args.steps)
     check_interrupt()
+    if args.timeline:
+        measured = measure_levels(model, inputs, schedule, optimizer=optimizer)
+        levels = {**schedule.levels, "measured": measured}
+        if len(measured) != len(schedule.levels["plan"]):
+            raise MemfitError("the measured step has other marks than the planned one; cannot draw them side by side")
+        write_output(lambda path: timeline(levels, path, title=_title(schedule, "predicted and measured"),
+                                           budget=schedule.budget_bytes), args.timeline)
     if args.json:
         print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok}, indent=2))
     else:

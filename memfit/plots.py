@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.errors import MemfitError
 from memfit.jsonio import check_writable, write_atomic
-from memfit.optimizer.model import predict
-from memfit.profile import Profile
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -104,29 +102,33 @@ def curve(frame: pd.DataFrame, path: str | os.PathLike[str] | None, *, title: st
     return fig
 
 
-def timeline(profile: Profile, policies: Mapping[str, str], path: str | os.PathLike[str] | None, *, title: str,
-             budget: int | None = None, measured: Sequence[tuple[str, int, int]] | None = None) -> Figure:
-    """Predicted live memory at the start and the peak of every phase of the step, for the plan
-    and for no checkpointing (``predict(...).levels``); the budget as a line, the plan's peak
-    phase marked; ``measured`` levels (phase, level, peak) overlaid when given."""
+Levels = Sequence[Sequence[Any]]  # (phase label, live bytes at its start, its peak) per phase
+
+
+def timeline(levels: Mapping[str, Levels], path: str | os.PathLike[str] | None, *, title: str,
+             budget: int | None = None) -> Figure:
+    """Live memory at the start and the peak of every phase of the step, one line per series:
+    ``levels["none"]`` (no checkpointing) and ``levels["plan"]`` as predicted, and
+    ``levels["measured"]`` when given; the budget as a line, the plan's peak phase marked."""
     plt = _pyplot()
-    plan, plain = predict(profile, policies), predict(profile, {})
-    unit, scale = _unit(max(plain.peak_bytes, plan.peak_bytes, budget or 0))
+    plan = levels["plan"]
+    unit, scale = _unit(max([budget or 0, *(peak for series in levels.values() for _, _, peak in series)]))
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    series = [("no checkpointing", plain.levels, "#7f7f7f"), ("this plan", plan.levels, "#1f77b4")]
-    if measured is not None:
-        series.append(("this plan, measured", list(measured), "#d62728"))
-    for label, levels, colour in series:
-        xs = [k for k in range(len(levels)) for _ in (0, 1)]
-        ys = [v / scale for _, start, peak in levels for v in (start, peak)]
-        style = {"linestyle": "--", "marker": "o", "markerfacecolor": "none"} if "measured" in label else {}
-        ax.plot(xs, ys, color=colour, label=label, linewidth=1.5, **style)
-    top = max(range(len(plan.levels)), key=lambda k: plan.levels[k][2])
-    ax.annotate(f"peak {plan.peak_bytes / scale:.1f} {unit}\n{plan.peak_phase}", (top, plan.levels[top][2] / scale),
+    style = {"none": ("no checkpointing", "#7f7f7f", {}), "plan": ("this plan", "#1f77b4", {}),
+             "measured": ("this plan, measured", "#d62728", {"linestyle": "--", "marker": "o",
+                                                              "markerfacecolor": "none", "markersize": 4})}
+    for key in ("none", "plan", "measured"):
+        if key in levels:
+            label, colour, extra = style[key]
+            xs = [k for k in range(len(levels[key])) for _ in (0, 1)]
+            ys = [v / scale for _, start, peak in levels[key] for v in (start, peak)]
+            ax.plot(xs, ys, color=colour, label=label, linewidth=1.5, **extra)
+    top = max(range(len(plan)), key=lambda k: plan[k][2])
+    ax.annotate(f"peak {plan[top][2] / scale:.1f} {unit}\n{plan[top][0]}", (top, plan[top][2] / scale),
                 textcoords="offset points", xytext=(10, 10), fontsize=8, arrowprops={"arrowstyle": "->"})
     if budget is not None:
         ax.axhline(budget / scale, color="black", linestyle=":", label=f"budget {budget / scale:.1f} {unit}")
-    labels = [name for name, _, _ in plan.levels]
+    labels = [str(name) for name, _, _ in plan]
     step = max(1, len(labels) // 24)
     ax.set_xticks(range(0, len(labels), step))
     ax.set_xticklabels([labels[k] for k in range(0, len(labels), step)], rotation=75, fontsize=6, ha="right")

@@ -41,6 +41,8 @@ class Schedule:
     optimizer: str | None = "adamw"  # the optimizer whose state the plan counted
     device: str = "cpu"  # where the profile was measured
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
+    # predicted (phase, live bytes at its start, its peak) for "plan" and "none", for timelines
+    levels: dict[str, list[list[Any]]] = field(default_factory=dict)
 
     @property
     def checkpointed(self) -> list[str]:
@@ -95,7 +97,18 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         optimizer=f.opt_str("optimizer") if "optimizer" in f.data else "adamw",
         device=str(f.data.get("device", "cpu")),
         source=source,
+        levels=_levels(f, str(path)),
     )
+
+
+def _levels(f: Fields, path: str) -> dict[str, list[list[Any]]]:
+    levels = f.obj("levels").data if "levels" in f.data else {}
+    for key, series in levels.items():
+        if not isinstance(series, list) or not all(
+                isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in e[1:]) for e in series):
+            raise FileFormatError(f"{path}: field 'levels.{key}' must be a list of [phase, level, peak]")
+    return levels
 
 
 def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]:

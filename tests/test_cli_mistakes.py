@@ -214,8 +214,10 @@ def test_validate_rebuilds_what_the_schedule_was_made_for(work):
     sched = memfit.load_schedule(work / "made.json")
     assert sched.source["scenario"] == str(work / "tiny.toml") and sched.optimizer == "adamw"
     assert sched.device == "cpu" and sched.checkpointed
-    proc = run("validate", "--schedule", "made.json", "--steps", "1", "--json", cwd=work)  # no model flags
+    proc = run("validate", "--schedule", "made.json", "--steps", "1", "--json", "--timeline", "v.svg",
+               cwd=work)  # no model flags
     assert proc.returncode == 0, proc.stderr
+    assert (work / "v.svg").read_text().lstrip().startswith("<?xml")
     result = json.loads(proc.stdout)
     assert result["ok"] and result["measured_peak_bytes"] == result["predicted_peak_bytes"]
     proc = run("validate", "--schedule", "made.json", "--steps", "1", "--scenario", "tiny.toml", cwd=work)

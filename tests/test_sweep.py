@@ -107,15 +107,29 @@ def test_curve_draws_the_frontier_and_baselines(tmp_path):
 def test_timeline_draws_predicted_levels(tmp_path):
     prof = random_profile(6, 1)
     sched = memfit.plan(prof, memfit.min_budget_bytes(prof) + 10)
-    fig = timeline(prof, sched.policies, tmp_path / "t.png", title="t", budget=sched.budget_bytes)
+    assert sched.levels["plan"] == [list(e) for e in memfit.predict(prof, sched.policies).levels]
+    assert sched.levels["none"] == [list(e) for e in memfit.predict(prof, {}).levels]
+    fig = timeline(sched.levels, tmp_path / "t.png", title="t", budget=sched.budget_bytes)
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
-    levels = memfit.predict(prof, sched.policies).levels
-    drawn = [v * 2**20 for v in lines["this plan"].get_ydata()]
-    assert drawn == pytest.approx([v for _, start, peak in levels for v in (start, peak)])
-    plain = memfit.predict(prof, {}).levels
-    assert [v * 2**20 for v in lines["no checkpointing"].get_ydata()] == pytest.approx(
-        [v for _, start, peak in plain for v in (start, peak)])
+    for label, key in (("this plan", "plan"), ("no checkpointing", "none")):
+        drawn = [v * 2**20 for v in lines[label].get_ydata()]
+        assert drawn == pytest.approx([v for _, start, peak in sched.levels[key] for v in (start, peak)])
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_measured_timeline_equals_the_predicted_one():
+    """On the CPU the live bytes at every mark of the scheduled step are the predicted ones."""
+    from memfit.runtime.validate import measure_levels
+
+    from .conftest import tiny_gpt
+
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    for budget in (lo, (lo + hi) // 2):
+        sched = memfit.plan(prof, budget)
+        measured = measure_levels(model, batch, sched)
+        assert [e[1:] for e in measured] == [e[1:] for e in sched.levels["plan"]]
 
 
 def run(*args, cwd):

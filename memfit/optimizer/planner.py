@@ -100,6 +100,7 @@ def plan(
         optimizer=profile.optimizer,
         device=profile.device,
         source=dict(profile.source),
+        levels={"plan": [list(e) for e in pred.levels], "none": [list(e) for e in predict(profile, {}).levels]},
     )
 
 

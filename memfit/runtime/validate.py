@@ -193,3 +193,35 @@ def measure_plans(
     _, ratios = step_times(model, inputs, plans, loss_fn=loss_fn, optimizer=optimizer, steps=steps)
     model.load_state_dict(state)
     return peaks, [r - 1.0 for r in ratios]
+
+
+def measure_levels(
+    model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
+    optimizer: str | None = "adamw",
+) -> list[list[Any]]:
+    """The measured (mark, live bytes at it, peak until the next mark) of one steady-state step
+    of the scheduled model, at the marks the profiler sets: the measured side of a timeline,
+    phase for phase beside ``schedule.levels["plan"]``. ``model`` is left as it was."""
+    from memfit.profiler.timeline import recorded_step, stretches
+
+    inp = Inputs.of(inputs)
+    loss = loss_fn or default_loss
+    device = device_of(model)
+    state = copy.deepcopy(model.state_dict())
+    opt = make_optimizer(optimizer, model.parameters())
+    model.train()
+    apply(model, schedule)
+    try:
+        zero_grad(model, opt)
+        training_step(model, inp, loss, opt)  # warm-up: the optimizer state exists from here on
+        zero_grad(model, opt)
+        level = storage_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()])
+        run = stretches(recorded_step(model, list(schedule.policies), inp, loss, opt, device, "memory"))
+    finally:
+        clear_policies(model)
+        model.load_state_dict(state)
+    out = []
+    for s in run:
+        out.append([s.label, level, level + s.peak])
+        level += s.end
+    return out
