@@ -12,6 +12,18 @@ from memfit.optimizer.synthetic import random_profile  # noqa: F401  (tests impo
 from memfit.profile import Profile
 from memfit.zoo import gpt
 
+TINY = """  # a scenario file for command-line tests
+description = "tiny GPT for tests"
+model = "memfit.zoo:gpt"
+[args]
+batch = 2
+seq = 32
+vocab = 256
+d_model = 64
+n_head = 2
+n_layer = 4
+"""
+
 
 def tiny_gpt(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """GPT with dropout, 4 blocks, small enough to profile in about a second."""

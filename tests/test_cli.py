@@ -9,18 +9,9 @@ import pytest
 
 import memfit
 
+from .conftest import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = """
-description = "tiny GPT for tests"
-model = "memfit.zoo:gpt"
-[args]
-batch = 2
-seq = 32
-vocab = 256
-d_model = 64
-n_head = 2
-n_layer = 4
-"""
 
 
 def run(*args, cwd):

@@ -16,20 +16,9 @@ import memfit
 from memfit.optimizer.baselines import STRATEGIES
 from memfit.scenarios import tomllib  # tomllib or, on Python 3.10, tomli
 
-from .conftest import random_profile
+from .conftest import TINY, random_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = """
-description = "tiny GPT for tests"
-model = "memfit.zoo:gpt"
-[args]
-batch = 2
-seq = 32
-vocab = 256
-d_model = 64
-n_head = 2
-n_layer = 4
-"""
 USER_MODELS = '''
 import torch
 from torch import nn
