@@ -56,7 +56,7 @@ def _device(text: str | None) -> str:
     import torch
 
     if text is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -68,7 +68,8 @@ def _device(text: str | None) -> str:
             raise MemfitError(f"--device {text}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise MemfitError(f"--device {text}: there are {torch.cuda.device_count()} CUDA devices (0-based)")
-    return str(device)
+        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"  # as profiles say
+    return "cpu"
 
 
 def _build(sc: Any, device: str) -> tuple[Any, Any]:
