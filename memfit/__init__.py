@@ -19,6 +19,7 @@ from memfit.errors import (
     FileFormatError,
     InfeasibleBudgetError,
     MemfitError,
+    PlanDriftWarning,
     ScheduleMismatchError,
     UnitSelectionError,
 )
@@ -41,6 +42,7 @@ _LAZY = {
     "profile": "memfit.profiler",
     "default_loss": "memfit.profiler.step",
     "apply": "memfit.runtime.apply",
+    "remove": "memfit.runtime.apply",
     "keep_freed_cpu_memory": "memfit.runtime.memory",
     "Validation": "memfit.runtime.validate",
     "validate": "memfit.runtime.validate",
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     from memfit.profile import Profile
     from memfit.profiler import profile
     from memfit.profiler.step import default_loss
-    from memfit.runtime.apply import apply
+    from memfit.runtime.apply import apply, remove
     from memfit.runtime.memory import keep_freed_cpu_memory
     from memfit.runtime.validate import Validation, validate
     from memfit.schedule import Schedule, load_schedule
@@ -80,6 +82,7 @@ __all__ = [
     "FileFormatError",
     "InfeasibleBudgetError",
     "MemfitError",
+    "PlanDriftWarning",
     "Prediction",
     "Profile",
     "Schedule",
@@ -96,6 +99,7 @@ __all__ = [
     "plan",
     "predict",
     "profile",
+    "remove",
     "sweep",
     "validate",
 ]

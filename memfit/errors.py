@@ -29,3 +29,8 @@ class ScheduleMismatchError(MemfitError):
 
 class UnitSelectionError(MemfitError):
     """Units that cannot be found or do not form a chain."""
+
+
+class PlanDriftWarning(UserWarning):
+    """A scheduled model runs on inputs of other shapes or dtypes than its plan was made for:
+    its activations, and so its peak, are not the planned ones."""

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.hooks import RemovableHandle
 
-from memfit.errors import MemfitError, ScheduleMismatchError
+from memfit.errors import MemfitError, PlanDriftWarning, ScheduleMismatchError
 from memfit.schedule import Schedule, model_fingerprint, segment_span
 
 _CLASSES: dict[tuple[type, str], type] = {}
@@ -39,8 +41,47 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
             )
     if list(expected.get("units", [])) != unit_names:
         raise ScheduleMismatchError("the schedule's unit names differ from its fingerprint's")
+    if "_memfit_drift" in model.__dict__:
+        raise MemfitError("a schedule is already applied to this model; call memfit.remove(model) first")
     set_policies(model, schedule.policies)
+    model.__dict__["_memfit_drift"] = _watch_inputs(model, schedule)
     return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo ``apply`` completely: every unit's own class back, memfit's attributes and hooks
+    gone. The model can take a schedule again afterwards."""
+    clear_policies(model)
+    handle = model.__dict__.pop("_memfit_drift", None)
+    if handle is not None:
+        handle.remove()
+    return model
+
+
+def _watch_inputs(model: nn.Module, schedule: Schedule) -> RemovableHandle:
+    """A forward pre-hook that warns once for each new input signature (shapes and dtypes) that
+    differs from the plan's: a longer sequence or a larger batch silently breaks the budget."""
+    from memfit.budget import format_bytes
+    from memfit.profiler.step import Inputs  # the one describer of inputs, as the plan recorded them
+
+    seen = {schedule.input_shapes}
+    redo = f"memfit plan --budget {format_bytes(schedule.budget_bytes).replace(' ', '')}"
+    if schedule.source.get("scenario"):
+        redo += f" --scenario {schedule.source['scenario']}"
+    elif schedule.source.get("model"):
+        redo += f" --model {schedule.source['model']}"
+
+    def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        now = Inputs(args, kwargs).describe()
+        if now not in seen and schedule.input_shapes:
+            seen.add(now)
+            warnings.warn(PlanDriftWarning(
+                f"memfit: this model's schedule was planned for inputs {schedule.input_shapes}, but it now runs on "
+                f"{now}: its peak may exceed the planned {format_bytes(schedule.predicted_peak_bytes)} (budget "
+                f"{format_bytes(schedule.budget_bytes)}); plan again for these inputs ({redo} with them)"
+            ), stacklevel=3)
+
+    return model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def set_policies(model: nn.Module, policies: dict[str, str]) -> None:

@@ -23,7 +23,7 @@ from memfit.profiler.step import (
     zero_grad,
 )
 from memfit.profiler.timing import step_times
-from memfit.runtime.apply import apply, clear_policies, set_policies
+from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.runtime.memory import memory_recorder
 from memfit.schedule import Schedule
 
@@ -127,7 +127,7 @@ def validate(
     try:
         sched = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     finally:
-        clear_policies(model)
+        remove(model)
         model.load_state_dict(state)
     plain_s, ratio = float("nan"), float("nan")
     if steps > 0:
@@ -218,7 +218,7 @@ def measure_levels(
         level = storage_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()])
         run = stretches(recorded_step(model, list(schedule.policies), inp, loss, opt, device, "memory"))
     finally:
-        clear_policies(model)
+        remove(model)
         model.load_state_dict(state)
     out = []
     for s in run:

@@ -1,0 +1,71 @@
+"""memfit.remove undoes apply completely; a scheduled model warns once per new input signature."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import memfit
+
+from .conftest import tiny_gpt
+
+
+@pytest.fixture(scope="module")
+def planned():
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    return prof, memfit.plan(prof, (2 * lo + hi) // 3)
+
+
+def _grads(model, batch):
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    memfit.default_loss(model(**batch)).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _state(model):
+    return {name: (type(m), sorted(k for k in m.__dict__ if "memfit" in k), len(m._forward_pre_hooks),
+                   len(m._forward_hooks)) for name, m in model.named_modules()}
+
+
+def test_remove_restores_the_model_and_apply_works_again(planned):
+    segment = "segment:h.1..h.2"  # a full unit and a segment, both undone
+    sched = dataclasses.replace(planned[1], policies={"h.0": "full", "h.1": segment, "h.2": segment, "h.3": "none"})
+    model, batch = tiny_gpt()
+    before, plain = _state(model), _grads(model, batch)
+    memfit.apply(model, sched)
+    assert _state(model) != before
+    with pytest.raises(memfit.MemfitError, match=r"memfit\.remove"):
+        memfit.apply(model, sched)
+    assert memfit.remove(model) is model
+    assert _state(model) == before  # classes, attributes and hooks as they were
+    assert all(torch.equal(g, plain[n]) for n, g in _grads(model, batch).items())
+    memfit.apply(model, sched)  # again, after remove
+    assert all(torch.equal(g, plain[n]) for n, g in _grads(model, batch).items())
+    memfit.remove(model)
+
+
+def test_drift_warning_once_per_new_input_signature(planned):
+    _, sched = planned
+    model, batch = tiny_gpt()
+    memfit.apply(model, sched)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(**batch)  # the planned inputs: silent
+        assert not caught
+        short = {k: v[:, :16] for k, v in batch.items()}
+        model(**short)
+        model(**short)  # the same new shape again: no second warning
+        assert [type(w.message) for w in caught] == [memfit.PlanDriftWarning]
+        text = str(caught[0].message)
+        assert sched.input_shapes in text and "int64[4,16]" in text and "memfit plan --budget" in text
+        model(**{k: v[:2] for k, v in batch.items()})  # another new shape: one more
+        assert len(caught) == 2
+    memfit.remove(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(**short)  # removed: no watching
+        assert not caught
