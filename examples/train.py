@@ -1,6 +1,6 @@
 """A complete small training loop that applies a memfit schedule.
 
-    memfit plan --budget 300MB -o schedule.json        # plan for the built-in gpt-small scenario
+    memfit plan --budget 300MB --fallbacks 2 -o schedule.json   # plan for the built-in gpt-small scenario
     python examples/train.py --schedule schedule.json --steps 20
 
 The model comes from the same scenario the schedule was planned for; in your own script it is
@@ -32,9 +32,18 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.train()
     for step in range(args.steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = memfit.default_loss(model(**batch) if isinstance(batch, dict) else model(*batch))
-        loss.backward()
+        while True:
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                loss = memfit.default_loss(model(**batch) if isinstance(batch, dict) else model(*batch))
+                loss.backward()
+                break
+            except torch.OutOfMemoryError:
+                # The real run still did not fit (another process, fragmentation): step down to the
+                # schedule's next tighter plan (memfit plan --fallbacks K) and retry this step.
+                if not memfit.tighten(model):
+                    raise
+                print("out of memory: switched to a tighter plan", flush=True)
         optimizer.step()
         print(f"step {step}: loss {loss.item():.4f}", flush=True)
 

@@ -43,6 +43,7 @@ _LAZY = {
     "default_loss": "memfit.profiler.step",
     "apply": "memfit.runtime.apply",
     "remove": "memfit.runtime.apply",
+    "tighten": "memfit.runtime.apply",
     "keep_freed_cpu_memory": "memfit.runtime.memory",
     "Validation": "memfit.runtime.validate",
     "validate": "memfit.runtime.validate",
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from memfit.profile import Profile
     from memfit.profiler import profile
     from memfit.profiler.step import default_loss
-    from memfit.runtime.apply import apply, remove
+    from memfit.runtime.apply import apply, remove, tighten
     from memfit.runtime.memory import keep_freed_cpu_memory
     from memfit.runtime.validate import Validation, validate
     from memfit.schedule import Schedule, load_schedule
@@ -101,5 +102,6 @@ __all__ = [
     "profile",
     "remove",
     "sweep",
+    "tighten",
     "validate",
 ]

@@ -148,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
                       "has none (default: no limit)")
     plan.add_argument("-o", "--output", help="schedule file to write (default: schedule.json; when nothing needs "
                       "checkpointing, only if given)")
+    plan.add_argument("--fallbacks", type=int, default=0, metavar="K",
+                      help="also store K tighter plans, for memfit.tighten(model) after an out-of-memory error")
     plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
     plan.set_defaults(func=commands.cmd_plan)

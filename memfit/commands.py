@@ -133,6 +133,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise MemfitError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     if args.max_segment < 2:
         raise MemfitError(f"--max-segment must be at least 2 (units in one checkpointed run), got {args.max_segment}")
+    if not 0 <= args.fallbacks <= 20:
+        raise MemfitError(f"--fallbacks is a count of tighter plans from 0 to 20, got {args.fallbacks}")
     if args.no_segments and args.strategy == "sqrt":
         raise MemfitError("--no-segments rules out --strategy sqrt, which checkpoints segments of units")
     output = "schedule.json" if args.output is None else args.output
@@ -141,7 +143,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_plot_path(args.timeline)
     prof = Profile.load(args.profile) if args.profile else _profile(args)
     schedule = plan(prof, budget, strategy=args.strategy, solver=args.solver, time_limit=args.time_limit,
-                    segments=not args.no_segments, max_segment=args.max_segment)
+                    segments=not args.no_segments, max_segment=args.max_segment, fallbacks=args.fallbacks)
     check_interrupt()
     idle = not schedule.checkpointed
     write = args.output is not None or not idle

@@ -95,6 +95,10 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if profile is not None:
         where = predict(profile, schedule.policies).peak_phase
         out.append(f"the peak is reached in: {where}")
+    if schedule.fallbacks:
+        steps = "; ".join(f"{k}) {format_bytes(f['predicted_peak_bytes'])} {_pct(f['predicted_overhead'])}"
+                          for k, f in enumerate(schedule.fallbacks, 1))
+        out.append(f"fallbacks for memfit.tighten(model), tighter each: {steps}")
     return "\n".join(out)
 
 

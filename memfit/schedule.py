@@ -43,6 +43,8 @@ class Schedule:
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
     # predicted (phase, live bytes at its start, its peak) for "plan" and "none", for timelines
     levels: dict[str, list[list[Any]]] = field(default_factory=dict)
+    # tighter plans for memfit.tighten: budget_bytes, policies, predicted_peak_bytes, _recompute_s, _overhead
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def checkpointed(self) -> list[str]:
@@ -59,13 +61,7 @@ class Schedule:
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     """Read a schedule written by ``Schedule.save`` / ``memfit plan -o``, checking every field."""
     f = Fields(read_json(path, SCHEDULE_FORMAT), str(path))
-    policies = f.obj("policies").data
-    for unit, policy in policies.items():
-        if policy not in POLICIES and not (isinstance(policy, str) and policy.startswith("segment:")):
-            raise FileFormatError(
-                f"{path}: field 'policies' gives unit {unit!r} the policy {policy!r}; "
-                "expected none, full or segment:<first>..<last>"
-            )
+    policies = _policies(f.obj("policies"))
     baselines = f.obj("baselines").data if "baselines" in f.data else {}
     for name, figures in baselines.items():
         if not isinstance(figures, dict) or not all(
@@ -82,7 +78,7 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         if key not in fingerprint.data:
             raise FileFormatError(f"{path}: field 'fingerprint' lacks {key!r}")
     return Schedule(
-        policies=dict(policies),
+        policies=policies,
         budget_bytes=f.int("budget_bytes", minimum=1),
         predicted_peak_bytes=f.int("predicted_peak_bytes", minimum=0),
         predicted_recompute_s=f.float("predicted_recompute_s", minimum=0.0),
@@ -98,7 +94,27 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         device=str(f.data.get("device", "cpu")),
         source=source,
         levels=_levels(f, str(path)),
+        fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
     )
+
+
+def _policies(f: Fields) -> dict[str, str]:
+    for unit, policy in f.data.items():
+        if policy not in POLICIES and not (isinstance(policy, str) and policy.startswith("segment:")):
+            raise FileFormatError(
+                f"{f.where}: unit {unit!r} has the policy {policy!r}; expected none, full or segment:<first>..<last>"
+            )
+    return dict(f.data)
+
+
+def _fallback(f: Fields, units: list[str]) -> dict[str, Any]:
+    policies = _policies(f.obj("policies"))
+    if list(policies) != units:
+        raise FileFormatError(f"{f.where}: its units differ from the schedule's")
+    return {"budget_bytes": f.int("budget_bytes", minimum=1), "policies": policies,
+            "predicted_peak_bytes": f.int("predicted_peak_bytes", minimum=0),
+            "predicted_recompute_s": f.float("predicted_recompute_s", minimum=0.0),
+            "predicted_overhead": f.float("predicted_overhead", minimum=0.0)}
 
 
 def _levels(f: Fields, path: str) -> dict[str, list[list[Any]]]:

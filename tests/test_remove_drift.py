@@ -69,3 +69,57 @@ def test_drift_warning_once_per_new_input_signature(planned):
         warnings.simplefilter("always")
         model(**short)  # removed: no watching
         assert not caught
+
+
+def test_fallbacks_are_ever_tighter_and_round_trip(planned, tmp_path):
+    prof, _ = planned
+    hi = memfit.predict(prof, {}).peak_bytes
+    sched = memfit.plan(prof, hi, fallbacks=3)
+    peaks = [sched.predicted_peak_bytes, *(f["predicted_peak_bytes"] for f in sched.fallbacks)]
+    assert len(sched.fallbacks) == 3 and peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    assert peaks[-1] == memfit.min_budget_bytes(prof)
+    for f in sched.fallbacks:
+        assert memfit.predict(prof, f["policies"]).peak_bytes == f["predicted_peak_bytes"] <= f["budget_bytes"]
+    sched.save(tmp_path / "s.json")
+    sched.solve_s = None
+    assert memfit.load_schedule(tmp_path / "s.json") == sched
+
+
+def test_tighten_walks_the_ladder_and_each_plan_fits(planned):
+    """Each rung's measured peak is its predicted one (the CPU meter is exact), and an injected
+    out-of-memory error in a training loop is survived by stepping down."""
+    from memfit.runtime.validate import measure_steps
+
+    prof, _ = planned
+    sched = memfit.plan(prof, memfit.predict(prof, {}).peak_bytes, fallbacks=2)
+    model, batch = tiny_gpt()
+    memfit.apply(model, sched)
+    measured = [measure_steps(model, batch).peak_bytes]
+    while memfit.tighten(model):
+        measured.append(measure_steps(model, batch).peak_bytes)
+    assert measured == [sched.predicted_peak_bytes, *(f["predicted_peak_bytes"] for f in sched.fallbacks)]
+    assert not memfit.tighten(model)
+    memfit.remove(model)
+
+    memfit.apply(model, sched)
+    rung = {"level": 0}
+
+    def out_of_memory_until_tightened(module, args, kwargs):
+        if rung["level"] == 0:
+            raise torch.OutOfMemoryError("injected: the plan did not fit")
+
+    hook = model.register_forward_pre_hook(out_of_memory_until_tightened, with_kwargs=True)
+    losses = []
+    for _ in range(2):
+        while True:
+            try:
+                loss = memfit.default_loss(model(**batch))
+                break
+            except torch.OutOfMemoryError:
+                assert memfit.tighten(model)
+                rung["level"] += 1
+        loss.backward()
+        losses.append(loss.item())
+    assert rung["level"] == 1 and len(losses) == 2
+    hook.remove()
+    memfit.remove(model)

@@ -39,8 +39,13 @@ def plan(
     segments: bool = True,
     max_segment: int = 8,
     time_limit: float | None = None,
+    fallbacks: int = 0,
 ) -> Schedule:
     """The schedule with the least recompute time whose predicted peak fits ``budget``.
+
+    ``fallbacks`` tighter plans are solved too (budgets evenly spaced from this plan's peak down
+    to the smallest feasible one) and stored in the schedule, for ``memfit.tighten`` to step
+    through when a real run still runs out of memory.
 
     ``budget`` is bytes or a size such as ``"24GB"`` (binary units). ``strategy`` is ``ilp`` (the
     optimum, by ``solver`` cpsat, cbc or dp) or a baseline: none, full, every-k, sqrt, first-k,
@@ -54,6 +59,8 @@ def plan(
         raise MemfitError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_NAMES)}")
     if max_segment < 2:
         raise MemfitError("max_segment must be at least 2")
+    if not 0 <= fallbacks <= 20:
+        raise MemfitError(f"fallbacks is a count of tighter plans from 0 to 20, got {fallbacks}")
     if time_limit is not None and not (math.isfinite(time_limit) and time_limit > 0):
         raise MemfitError(f"the time limit must be a positive number of seconds, got {time_limit}")
     budget_bytes = parse_bytes(budget)
@@ -79,6 +86,7 @@ def plan(
             raise _infeasible(budget_bytes, strategy_min_budget(profile, strategy), f" with strategy {strategy}")
         policies, status, seconds, used = found, "heuristic", 0.0, strategy
     pred = predict(profile, policies)
+    ladder = _fallbacks(profile, pred.peak_bytes, fallbacks, strategy, solver, segments, max_segment, time_limit)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise MemfitError(
             f"internal check failed: the schedule predicts {pred.peak_bytes} bytes, over the budget of "
@@ -101,7 +109,30 @@ def plan(
         device=profile.device,
         source=dict(profile.source),
         levels={"plan": [list(e) for e in pred.levels], "none": [list(e) for e in predict(profile, {}).levels]},
+        fallbacks=ladder,
     )
+
+
+def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: str, segments: bool,
+               max_segment: int, time_limit: float | None) -> list[dict[str, Any]]:
+    """Up to ``count`` plans with ever lower predicted peaks, the last at the smallest feasible."""
+    if count == 0:
+        return []
+    if strategy == "ilp":
+        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
+    else:
+        least = strategy_min_budget(profile, strategy)
+    ladder: list[dict[str, Any]] = []
+    for i in range(1, count + 1):
+        above = ladder[-1]["predicted_peak_bytes"] if ladder else peak
+        cap = min(peak - (peak - least) * i // count, above - 1)
+        if cap < least:
+            break
+        s = plan(profile, cap, strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
+                 time_limit=time_limit)
+        ladder.append({"budget_bytes": cap, "policies": s.policies, "predicted_peak_bytes": s.predicted_peak_bytes,
+                       "predicted_recompute_s": s.predicted_recompute_s, "predicted_overhead": s.predicted_overhead})
+    return ladder
 
 
 def _best_baseline_instead(profile: Profile, budget_bytes: int, solver: str) -> Schedule:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,20 +42,46 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
             )
     if list(expected.get("units", [])) != unit_names:
         raise ScheduleMismatchError("the schedule's unit names differ from its fingerprint's")
-    if "_memfit_drift" in model.__dict__:
+    if "_memfit_applied" in model.__dict__:
         raise MemfitError("a schedule is already applied to this model; call memfit.remove(model) first")
     set_policies(model, schedule.policies)
-    model.__dict__["_memfit_drift"] = _watch_inputs(model, schedule)
+    model.__dict__["_memfit_applied"] = _Applied(schedule, 0, _watch_inputs(model, schedule))
     return model
+
+
+@dataclass(slots=True)
+class _Applied:
+    schedule: Schedule
+    level: int  # 0: the plan itself; k: its k-th fallback
+    drift_hook: RemovableHandle
+
+
+def tighten(model: nn.Module) -> bool:
+    """Switch a model with an applied schedule to its next tighter plan (``plan(...,
+    fallbacks=k)``); False when none is left. For a training loop that still runs out of memory::
+
+        except torch.OutOfMemoryError:
+            if not memfit.tighten(model):
+                raise
+    """
+    applied = model.__dict__.get("_memfit_applied")
+    if applied is None:
+        raise MemfitError("no schedule is applied to this model: memfit.apply(model, schedule) first")
+    if applied.level >= len(applied.schedule.fallbacks):
+        return False
+    clear_policies(model)
+    set_policies(model, applied.schedule.fallbacks[applied.level]["policies"])
+    applied.level += 1
+    return True
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo ``apply`` completely: every unit's own class back, memfit's attributes and hooks
     gone. The model can take a schedule again afterwards."""
     clear_policies(model)
-    handle = model.__dict__.pop("_memfit_drift", None)
-    if handle is not None:
-        handle.remove()
+    applied = model.__dict__.pop("_memfit_applied", None)
+    if applied is not None:
+        applied.drift_hook.remove()
     return model
 
 
