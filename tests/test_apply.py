@@ -134,8 +134,10 @@ def test_refuses_to_wrap_twice():
     names = find_units(model, "auto")
     sched = _schedule(model, dict.fromkeys(names, "full"))
     memfit.apply(model, sched)
-    with pytest.raises(memfit.MemfitError, match="already checkpointed"):
+    with pytest.raises(memfit.MemfitError, match="already applied"):
         memfit.apply(model, sched)
+    with pytest.raises(memfit.MemfitError, match="already checkpointed"):
+        set_policies(model, sched.policies)
 
 
 def test_refuses_schedule_of_another_model():
@@ -158,3 +160,40 @@ def test_refuses_unknown_unit():
     with pytest.raises(memfit.ScheduleMismatchError, match=r"h\.9"):
         memfit.apply(model, sched)
     assert not is_checkpointed(model.h[0])
+
+
+@pytest.mark.parametrize(
+    "policies",
+    [{}, {"h.0": "full", "h.2": "full"},
+     {"h.0": "segment:h.0..h.2", "h.1": "segment:h.0..h.2", "h.2": "segment:h.0..h.2", "h.3": "full"}],
+    ids=["none", "full", "segment"],
+)
+def test_units_hooks_see_what_they_see_on_the_plain_model(policies):
+    """Every unit, segment members included, is entered once per forward through its own
+    __call__ with its real input and output; gradients stay equal."""
+
+    def record(model):
+        seen = []
+        for name in find_units(model, "auto"):
+            unit = model.get_submodule(name)
+            unit.register_forward_pre_hook(lambda m, a, n=name: seen.append(("pre", n, a[0].detach().clone())))
+            unit.register_forward_hook(lambda m, a, o, n=name: seen.append(("post", n, o.detach().clone())))
+        return seen
+
+    plain, batch = tiny_gpt()
+    model, _ = tiny_gpt()
+    names = find_units(model, "auto")
+    expected, got = record(plain), record(model)
+    set_policies(model, {n: policies.get(n, "none") for n in names})
+    torch.manual_seed(1)
+    loss_plain = memfit.default_loss(plain(**batch))
+    torch.manual_seed(1)
+    loss = memfit.default_loss(model(**batch))
+    assert [(k, n) for k, n, _ in got] == [(k, n) for k, n, _ in expected]  # once each, in order
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(got, expected, strict=True))
+    loss_plain.backward()
+    loss.backward()
+    assert torch.equal(loss, loss_plain)
+    grads = dict(plain.named_parameters())
+    assert all(torch.equal(p.grad, grads[n].grad) for n, p in model.named_parameters())
+    clear_policies(model)

@@ -19,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.errors import MemfitError
 from memfit.profiler.step import iter_tensors
 from memfit.runtime.memory import Mark
+from memfit.runtime.regions import recomputing
 
 
 class UnitMarks:
@@ -33,8 +34,8 @@ class UnitMarks:
         self._seen: set[int] = set()
 
     def __enter__(self) -> UnitMarks:
-        for i, unit in enumerate(self.units):
-            self._handles.append(unit.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+        for i, unit in enumerate(self.units):  # marks outside a checkpointed region's own hooks
+            self._handles.append(unit.register_forward_pre_hook(self._pre(i), with_kwargs=True, prepend=True))
             self._handles.append(unit.register_forward_hook(self._post(i)))
         return self
 
@@ -45,6 +46,8 @@ class UnitMarks:
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if recomputing():  # a checkpointed unit run again in the backward: not a new forward
+                return
             if i in self._seen:
                 raise MemfitError(
                     f"unit {self.names[i]!r} ran twice in one forward; units must each run once "
@@ -58,6 +61,8 @@ class UnitMarks:
 
     def _post(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if recomputing():
+                return
             self.on_mark(f"fwd_end:{i}")
             self._tag(output, f"bwd:{i}")
 

@@ -1,4 +1,5 @@
-"""Applying a schedule: checkpoint the chosen units in place, names and state_dict unchanged."""
+"""Applying a schedule: checkpoint the chosen units in place (regions.py), names, classes and
+state_dict unchanged; undo it, step down to a tighter plan, warn when the inputs drift."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, PlanDriftWarning, ScheduleMismatchError
+from memfit.runtime.regions import Region
 from memfit.schedule import Schedule, model_fingerprint, segment_span
 
-_CLASSES: dict[tuple[type, str], type] = {}
 _aten = torch.ops.aten
 _BATCH_NORM_OPS = {
     getattr(_aten, name).default
@@ -147,26 +148,20 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     for _, members in plan:
         for name in members:
             _refuse_checkpointed(name, modules[name])
-    for kind, members in plan:
-        head = modules[members[0]]
-        if kind == "segment":
-            head._memfit_members = [modules[n] for n in members[1:]]
-            for name in members[1:]:
-                _swap(modules[name], "passthrough", _passthrough_forward)
-        _swap(head, kind, _checkpointed_forward)
+    for _, members in plan:
+        units = [modules[n] for n in members]
+        Region(units, _context_fn(units))
 
 
 def clear_policies(model: nn.Module) -> None:
-    """Undo ``set_policies``/``apply`` on every submodule."""
-    for module in model.modules():
-        base = getattr(type(module), "_memfit_base", None)
-        if base is not None:
-            module.__class__ = base
-            module.__dict__.pop("_memfit_members", None)
+    """Undo ``set_policies`` on every submodule: its hooks and attributes go."""
+    regions = {id(r): r for m in model.modules() if (r := m.__dict__.get("_memfit_region")) is not None}
+    for region in regions.values():
+        region.remove()
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    return hasattr(type(module), "_memfit_base")
+    return "_memfit_region" in module.__dict__
 
 
 def _refuse_checkpointed(name: str, module: nn.Module) -> None:
@@ -177,40 +172,6 @@ def _refuse_checkpointed(name: str, module: nn.Module) -> None:
             f"unit {name!r} is already checkpointed by another mechanism (checkpoint_wrapper or "
             "Hugging Face gradient_checkpointing); turn that off before applying a memfit schedule"
         )
-
-
-def _swap(module: nn.Module, kind: str, forward: Callable[..., Any]) -> None:
-    """Give ``module`` a subclass of its own class whose forward checkpoints (or passes through).
-    Parameter names, state_dict keys and isinstance() stay as they were."""
-    base = type(module)
-    cls = _CLASSES.get((base, kind))
-    if cls is None:
-        prefix = "Passthrough" if kind == "passthrough" else "Checkpointed"
-        cls = type(f"{prefix}{base.__name__}", (base,), {"forward": forward, "_memfit_base": base,
-                                                         "__module__": base.__module__})
-        _CLASSES[base, kind] = cls
-    module.__class__ = cls
-
-
-def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    members = [self, *self.__dict__.get("_memfit_members", [])]
-
-    def run(*a: Any) -> Any:
-        out = type(self)._memfit_base.forward(self, *a, **kwargs)
-        for m in members[1:]:  # a segment: the following units run inside the same region
-            out = type(m)._memfit_base.forward(m, out, **kwargs)
-        return out
-
-    # Keyword arguments travel in the closure so that names such as ``context_fn`` or ``debug``
-    # in the user's forward cannot collide with checkpoint()'s own keywords.
-    return checkpoint(
-        run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_context_fn(members)
-    )
-
-
-def _passthrough_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
-    """A segment member after the first: the first already ran it inside the checkpoint."""
-    return x
 
 
 def _context_fn(units: list[nn.Module]) -> Callable[[], Any]:

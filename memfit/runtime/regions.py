@@ -1,0 +1,117 @@
+"""Checkpointed regions that leave every module call as it was: a unit, or a segment of units.
+
+A region is opened by a forward pre-hook on its first unit and closed by a forward hook on its
+last, around non-reentrant checkpointing's saved-tensor machinery. So every unit, segment
+members included, is still entered once per forward through its own ``nn.Module.__call__``
+with its real input and output: forward hooks (users', FSDP2's all-gather, adapters) see what
+they see on the plain model. The recomputation calls the units again through ``__call__``, as
+``torch.utils.checkpoint`` around the same modules would.
+
+Private API: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, the generator
+form of non-reentrant checkpointing that ``torch.distributed._composable.checkpoint`` builds
+on for one module; a region spanning several modules needs the same split into "enter before
+the first forward" and "exit after the last".
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Generator
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
+from torch.utils.hooks import RemovableHandle
+
+_state = {"recomputing": 0}
+
+
+def recomputing() -> bool:
+    """True while a region's forward is being recomputed (inside the backward pass)."""
+    return _state["recomputing"] > 0
+
+
+class Region:
+    """Units ``modules`` (one, or a segment that runs them one after another) checkpointed as one."""
+
+    def __init__(self, modules: list[nn.Module], context_fn: Callable[[], Any]) -> None:
+        # Weak references: the modules hold the region (hooks, attribute), and a cycle back would
+        # leave a dropped model to the cyclic collector, whose frees can land inside a measured step.
+        self._modules = [weakref.ref(m) for m in modules]
+        self.context_fn = context_fn
+        self.handles: list[RemovableHandle] = []
+        self._open: Generator[None, None, None] | None = None
+        self._calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        for k, module in enumerate(modules):
+            self.handles.append(module.register_forward_pre_hook(self._pre(k), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(k), always_call=True))
+            module.__dict__["_memfit_region"] = self
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [m for ref in self._modules if (m := ref()) is not None]
+
+    def remove(self) -> None:
+        self._close(error=True)
+        for h in self.handles:
+            h.remove()
+        for module in self.modules:
+            module.__dict__.pop("_memfit_region", None)
+
+    def _pre(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if recomputing():
+                return
+            if k == 0:
+                self._close(error=True)  # a region left open by an interrupted forward
+                calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+                self._calls = calls
+                # Keyword arguments travel in the closure, so that names such as ``debug`` in a
+                # unit's forward cannot collide with the generator's own keywords.
+                gen = _checkpoint_without_reentrant_generator(
+                    self._recompute(calls, kwargs), True, self.context_fn, "default", False, True, *args
+                )
+                next(gen)  # inside the region from here: saved tensors are left for recomputation
+                self._open = gen
+            else:
+                # The later units' first argument is the previous unit's output, recomputed; keep
+                # only the rest (masks, positions), so that inner activations are not held.
+                self._calls.append((args[1:], kwargs))
+
+        return hook
+
+    def _post(self, k: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if recomputing():
+                return
+            failed = sys.exc_info()[0] is not None  # always_call hooks run as the forward raises, too
+            if failed or k == len(self.modules) - 1:
+                self._close(error=failed)
+
+        return hook
+
+    def _close(self, *, error: bool) -> None:
+        gen, self._open = self._open, None
+        if gen is None:
+            return
+        if error:
+            gen.close()  # leave the saved-tensor context without checks
+            return
+        try:
+            next(gen)
+        except StopIteration:
+            pass
+
+    def _recompute(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
+                   kwargs: dict[str, Any]) -> Callable[..., None]:
+        def run(*args: Any) -> None:
+            _state["recomputing"] += 1
+            try:
+                out = self.modules[0](*args, **kwargs)
+                for module, (rest, kw) in zip(self.modules[1:], calls, strict=True):
+                    out = module(out, *rest, **kw)
+            finally:
+                _state["recomputing"] -= 1
+
+        return run
