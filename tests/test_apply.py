@@ -197,3 +197,28 @@ def test_units_hooks_see_what_they_see_on_the_plain_model(policies):
     grads = dict(plain.named_parameters())
     assert all(torch.equal(p.grad, grads[n].grad) for n, p in model.named_parameters())
     clear_policies(model)
+
+
+def test_a_forward_that_fails_inside_a_segment_can_be_retried():
+    """Out of memory inside an open region: the retry closes it and computes the plain gradients."""
+    plain, batch = tiny_gpt()
+    model, _ = tiny_gpt()
+    seg = "segment:h.0..h.2"
+    set_policies(model, {"h.0": seg, "h.1": seg, "h.2": seg, "h.3": "full"})
+    fail = {"once": True}
+
+    def out_of_memory(module, args):
+        if fail.pop("once", False):
+            raise torch.OutOfMemoryError("injected")
+
+    handle = model.h[1].register_forward_pre_hook(out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(**batch)
+    torch.manual_seed(3)
+    memfit.default_loss(model(**batch)).backward()
+    torch.manual_seed(3)
+    memfit.default_loss(plain(**batch)).backward()
+    grads = dict(plain.named_parameters())
+    assert all(torch.equal(p.grad, grads[n].grad) for n, p in model.named_parameters())
+    handle.remove()
+    clear_policies(model)

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, PlanDriftWarning, ScheduleMismatchError
-from memfit.runtime.regions import Region
+from memfit.runtime.regions import Region, guard
 from memfit.schedule import Schedule, model_fingerprint, segment_span
 
 _aten = torch.ops.aten
@@ -148,9 +148,9 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     for _, members in plan:
         for name in members:
             _refuse_checkpointed(name, modules[name])
-    for _, members in plan:
-        units = [modules[n] for n in members]
-        Region(units, _context_fn(units))
+    regions = [Region(units, _context_fn(units)) for units in ([modules[n] for n in m] for _, m in plan)]
+    if regions:
+        model.__dict__["_memfit_guard"] = guard(model, regions)
 
 
 def clear_policies(model: nn.Module) -> None:
@@ -158,6 +158,8 @@ def clear_policies(model: nn.Module) -> None:
     regions = {id(r): r for m in model.modules() if (r := m.__dict__.get("_memfit_region")) is not None}
     for region in regions.values():
         region.remove()
+    for handle in model.__dict__.pop("_memfit_guard", []):
+        handle.remove()
 
 
 def is_checkpointed(module: nn.Module) -> bool:

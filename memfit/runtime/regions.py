@@ -64,7 +64,9 @@ class Region:
             if recomputing():
                 return
             if k == 0:
-                self._close(error=True)  # a region left open by an interrupted forward
+                # A forward that raised inside the region (out of memory, say) left it open: its
+                # saved-tensor context ends here, before the retry, or at remove().
+                self._close(error=True)
                 calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
                 self._calls = calls
                 # Keyword arguments travel in the closure, so that names such as ``debug`` in a
@@ -85,11 +87,16 @@ class Region:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if recomputing():
                 return
-            failed = sys.exc_info()[0] is not None  # always_call hooks run as the forward raises, too
-            if failed or k == len(self.modules) - 1:
-                self._close(error=failed)
+            if _raising(output):
+                self._close(error=True)
+            elif k == len(self.modules) - 1:
+                self._close(error=False)
 
         return hook
+
+    def close_failed(self) -> None:
+        """Leave the region after a forward that raised (see ``guard``)."""
+        self._close(error=True)
 
     def _close(self, *, error: bool) -> None:
         gen, self._open = self._open, None
@@ -115,3 +122,24 @@ class Region:
                 _state["recomputing"] -= 1
 
         return run
+
+
+def _raising(output: Any) -> bool:
+    """An ``always_call`` forward hook is called with no output while the forward raises."""
+    return output is None and sys.exc_info()[0] is not None
+
+
+def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
+    """Hooks on the whole model that leave every open region when its forward raises, or
+    before the next forward: an open region would capture whatever autograd saves next."""
+
+    def close_all(*_: Any) -> None:
+        for region in regions:
+            region.close_failed()
+
+    def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if _raising(output):
+            close_all()
+
+    return [model.register_forward_pre_hook(close_all, prepend=True),
+            model.register_forward_hook(after, always_call=True)]
