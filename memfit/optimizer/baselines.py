@@ -21,10 +21,6 @@ from memfit.profile import Profile
 Policies = dict[str, str]
 
 
-def _fits(profile: Profile, policies: Policies, budget: int) -> bool:
-    return predict(profile, policies).peak_bytes <= budget
-
-
 @dataclass(frozen=True, slots=True)
 class Baseline:
     """A strategy as the schedules it may use (independent of the budget) and how it picks one:

@@ -66,15 +66,19 @@ class _Walk:
         """(kept bytes after the block, highest level in the block's forward and backward).
         Every level in the block is the kept bytes ``p0`` plus a constant, so both are ``p0``
         plus constants of the block, worked out once."""
-        move = self._moves.get((i, role))
-        if move is None:
-            move = self._moves[i, role] = (*self._block(i, role), self._cost(i, role))
-        return p0 + move[0], p0 + move[1]
+        kept, worst, _ = self._move(i, role)
+        return p0 + kept, p0 + worst
 
     def cost(self, i: int, role: Role) -> int:
         """Recompute ns of the block."""
-        self.block(i, role, 0)
-        return self._moves[i, role][2]
+        return self._move(i, role)[2]
+
+    def _move(self, i: int, role: Role) -> tuple[int, int, int]:
+        """(kept bytes, highest level, recompute ns) of the block after zero kept bytes, once."""
+        move = self._moves.get((i, role))
+        if move is None:
+            move = self._moves[i, role] = (*self._block(i, role), self._cost(i, role))
+        return move
 
     def _block(self, i: int, role: Role) -> tuple[int, int]:
         model, lay, n, p0 = self.model, self.lay, self.model.n, 0

@@ -11,6 +11,7 @@ from memfit.optimizer.baselines import STRATEGIES, Policies, not_applicable
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.ilp import IntModel, SolverTimeout, solve
 from memfit.optimizer.model import predict
+from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
 from memfit.schedule import Schedule
 
@@ -66,32 +67,15 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if strategy != "ilp" and (why := not_applicable(profile, strategy)):
         raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
-    if strategy == "ilp":
-        model = IntModel.of(profile, segments=segments, max_segment=max_segment)
-        if solver == "dp" and not dp_exact(model):
-            raise MemfitError("the dp solver is exact only when the units run as a chain and each keeps the same "
-                              "memory after the step whatever its role; these units do not: use cpsat or cbc")
-        try:
-            sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
-        except SolverTimeout:
-            return _best_baseline_instead(profile, budget_bytes, solver)
-        if sol is None:
-            least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
-            raise _infeasible(budget_bytes, least, "")
-        policies = {n: r.policy(profile.unit_names) for n, r in zip(profile.unit_names, sol.roles, strict=True)}
-        status, seconds, used = sol.status, sol.seconds, solver
-    else:
-        found = STRATEGIES[strategy](profile, budget_bytes)
-        if found is None:
-            raise _infeasible(budget_bytes, strategy_min_budget(profile, strategy), f" with strategy {strategy}")
-        policies, status, seconds, used = found, "heuristic", 0.0, strategy
+    policies, strategy, used, status, seconds = _choose(
+        profile, budget_bytes, strategy, solver, segments, max_segment, time_limit)
     pred = predict(profile, policies)
-    ladder = _fallbacks(profile, pred.peak_bytes, fallbacks, strategy, solver, segments, max_segment, time_limit)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise MemfitError(
             f"internal check failed: the schedule predicts {pred.peak_bytes} bytes, over the budget of "
             f"{budget_bytes}; please report this with the profile"
         )
+    ladder = _fallbacks(profile, pred.peak_bytes, fallbacks, strategy, solver, segments, max_segment, time_limit)
     return Schedule(
         policies=policies,
         budget_bytes=budget_bytes,
@@ -113,6 +97,40 @@ def plan(
     )
 
 
+def _choose(
+    profile: Profile, budget_bytes: int, strategy: str, solver: str, segments: bool, max_segment: int,
+    time_limit: float | None,
+) -> tuple[Policies, str, str, str, float]:
+    """(policies, strategy, solver, status, seconds) of the cheapest schedule of ``strategy``
+    that fits. When the ILP's time limit passes with no answer, the cheapest fitting baseline
+    stands in, and its strategy and status say so."""
+    if strategy != "ilp":
+        found = STRATEGIES[strategy](profile, budget_bytes)
+        if found is None:
+            raise _infeasible(budget_bytes, strategy_min_budget(profile, strategy), f" with strategy {strategy}")
+        return found, strategy, strategy, "heuristic", 0.0
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+    if solver == "dp" and not dp_exact(model):
+        raise MemfitError("the dp solver is exact only when the units run as a chain and each keeps the same "
+                          "memory after the step whatever its role; these units do not: use cpsat or cbc")
+    try:
+        sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
+    except SolverTimeout:
+        best = _cheapest_fitting(baselines(profile, budget_bytes))
+        if best is None:
+            raise SolverTimeout(
+                f"the {solver} solver found no answer within the time limit and no baseline fits "
+                f"{format_bytes(budget_bytes)}; raise --time-limit"
+            ) from None
+        found = STRATEGIES[best](profile, budget_bytes)
+        assert found is not None  # it fits: baselines() said so
+        return found, best, best, f"time limit: no {solver} answer, best baseline ({best}) used", 0.0
+    if sol is None:
+        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
+        raise _infeasible(budget_bytes, least, "")
+    return policies_of(profile.unit_names, sol.roles), strategy, solver, sol.status, sol.seconds
+
+
 def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: str, segments: bool,
                max_segment: int, time_limit: float | None) -> list[dict[str, Any]]:
     """Up to ``count`` plans with ever lower predicted peaks, the last at the smallest feasible."""
@@ -128,24 +146,11 @@ def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: s
         cap = min(peak - (peak - least) * i // count, above - 1)
         if cap < least:
             break
-        s = plan(profile, cap, strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
-                 time_limit=time_limit)
-        ladder.append({"budget_bytes": cap, "policies": s.policies, "predicted_peak_bytes": s.predicted_peak_bytes,
-                       "predicted_recompute_s": s.predicted_recompute_s, "predicted_overhead": s.predicted_overhead})
+        policies = _choose(profile, cap, strategy, solver, segments, max_segment, time_limit)[0]
+        p = predict(profile, policies)
+        ladder.append({"budget_bytes": cap, "policies": policies, "predicted_peak_bytes": p.peak_bytes,
+                       "predicted_recompute_s": p.recompute_s, "predicted_overhead": p.overhead})
     return ladder
-
-
-def _best_baseline_instead(profile: Profile, budget_bytes: int, solver: str) -> Schedule:
-    """The time limit passed with no ILP answer: the cheapest baseline that fits, said so."""
-    best = _cheapest_fitting(baselines(profile, budget_bytes))
-    if best is None:
-        raise SolverTimeout(
-            f"the {solver} solver found no answer within the time limit and no baseline fits "
-            f"{format_bytes(budget_bytes)}; raise --time-limit"
-        )
-    schedule = plan(profile, budget_bytes, strategy=best)
-    schedule.solver_status = f"time limit: no {solver} answer, best baseline ({best}) used"
-    return schedule
 
 
 def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, Any]]:

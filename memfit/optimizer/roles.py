@@ -48,6 +48,11 @@ class Costs:
     recompute_s: float
 
 
+def policies_of(names: list[str], roles: list[Role]) -> dict[str, str]:
+    """Each unit's policy, as a schedule spells it: the inverse of ``roles_of``."""
+    return {n: r.policy(names) for n, r in zip(names, roles, strict=True)}
+
+
 def roles_of(profile: Profile, policies: Mapping[str, str]) -> list[Role]:
     """Each unit's role; units not named are ``none``. Segments must be contiguous and whole."""
     names = profile.unit_names

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memfit.budget import parse_bytes
@@ -22,9 +22,9 @@ from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.frontier import chain_frontier, read
 from memfit.optimizer.ilp import SOLVERS, IntModel, solve
-from memfit.optimizer.model import predict
+from memfit.optimizer.model import Prediction, predict
 from memfit.optimizer.planner import STRATEGY_NAMES, min_budget_bytes
-from memfit.optimizer.roles import Role
+from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
 
 if TYPE_CHECKING:
@@ -100,24 +100,24 @@ def sweep(
     return frame
 
 
-def _row(profile: Profile, budget: int, strategy: str, status: str, policies: Policies | None,
+def _row(budget: int, strategy: str, status: str, policies: Policies | None, pred: Prediction | None,
          seconds: float) -> dict[str, Any]:
-    if policies is None:
+    """One row; ``pred`` is ``predict(profile, policies)``, made once per distinct plan."""
+    if policies is None or pred is None:
         return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": None,
                 "predicted_overhead": math.nan, "recompute_s": math.nan, "checkpointed": None, "policies": "",
                 "solve_s": seconds, "frontier_violation": False}
-    p = predict(profile, policies)
-    if p.peak_bytes > budget:  # the scaled models round up, so this is a bug if it happens
-        raise MemfitError(f"internal check failed: {strategy} at {budget} bytes predicts {p.peak_bytes}")
-    return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": p.peak_bytes,
-            "predicted_overhead": p.overhead, "recompute_s": p.recompute_s,
+    if pred.peak_bytes > budget:  # the scaled models round up, so this is a bug if it happens
+        raise MemfitError(f"internal check failed: {strategy} at {budget} bytes predicts {pred.peak_bytes}")
+    return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": pred.peak_bytes,
+            "predicted_overhead": pred.overhead, "recompute_s": pred.recompute_s,
             "checkpointed": sum(v != "none" for v in policies.values()), "policies": json.dumps(policies),
             "solve_s": seconds, "frontier_violation": False}
 
 
 def _baseline_rows(profile: Profile, sizes: list[int], strategy: str) -> list[dict[str, Any]]:
     if not_applicable(profile, strategy):
-        return [_row(profile, b, strategy, "n/a", None, 0.0) for b in sizes]
+        return [_row(b, strategy, "n/a", None, None, 0.0) for b in sizes]
     start = time.perf_counter()
     baseline = BASELINES[strategy]
     candidates = baseline.candidates(profile)
@@ -126,8 +126,10 @@ def _baseline_rows(profile: Profile, sizes: list[int], strategy: str) -> list[di
     rows = []
     for b in sizes:
         k = pick(baseline, predictions, b)
-        rows.append(_row(profile, b, strategy, "infeasible" if k is None else "heuristic",
-                         None if k is None else candidates[k], share))
+        if k is None:
+            rows.append(_row(b, strategy, "infeasible", None, None, share))
+        else:
+            rows.append(_row(b, strategy, "heuristic", candidates[k], predictions[k], share))
     return rows
 
 
@@ -135,43 +137,44 @@ def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
               max_segment: int) -> list[dict[str, Any]]:
     start = time.perf_counter()
     model = IntModel.of(profile, segments=segments, max_segment=max_segment)
-    names = profile.unit_names
-
-    def policies(roles: list[Role]) -> Policies:
-        return {n: r.policy(names) for n, r in zip(names, roles, strict=True)}
-
-    found: dict[int, tuple[str, Policies | None]] = {}
     # The DP gives each unit one net change whatever its role; where a profile's differ (a unit
     # whose output outlives it, see profiler._share_outputs) it would be cautious, so the ILP decides.
     points = chain_frontier(model, [b // model.quantum for b in sizes]) if dp_exact(model) else None
-    if points is not None:
+    found: dict[int, tuple[str, Policies | None, Prediction | None]] = {}
+    if points is None:
+        found = _walk_down(profile, model, sizes, solver)
+    else:
+        plans: dict[int, tuple[str, Policies, Prediction]] = {}  # by frontier point: budgets share plans
         for b in sizes:
             point = read(points, b // model.quantum)
-            found[b] = ("infeasible", None) if point is None else ("optimal", policies(point.roles))
-    else:
-        found = _walk_down(profile, model, sizes, solver, policies)
+            if point is None:
+                found[b] = ("infeasible", None, None)
+            else:
+                if id(point) not in plans:
+                    policies = policies_of(profile.unit_names, point.roles)
+                    plans[id(point)] = ("optimal", policies, predict(profile, policies))
+                found[b] = plans[id(point)]
     share = (time.perf_counter() - start) / len(sizes)
-    rows = [_row(profile, b, "ilp", *found[b], share) for b in sizes]
+    rows = [_row(b, "ilp", *found[b], share) for b in sizes]
     _flag_violations(rows)
     return rows
 
 
-def _walk_down(profile: Profile, model: IntModel, sizes: list[int], solver: str,
-               policies: Callable[[list[Role]], Policies]) -> dict[int, tuple[str, Policies | None]]:
-    found: dict[int, tuple[str, Policies | None]] = {}
-    current: tuple[str, Policies, int] | None = None  # status, plan, its predicted peak
+def _walk_down(profile: Profile, model: IntModel, sizes: list[int],
+               solver: str) -> dict[int, tuple[str, Policies | None, Prediction | None]]:
+    found: dict[int, tuple[str, Policies | None, Prediction | None]] = {}
+    current: tuple[str, Policies, Prediction] | None = None  # status, plan, its prediction
     for b in sorted(sizes, reverse=True):
-        if current is not None and current[2] <= b:
-            found[b] = (current[0], current[1])
+        if current is not None and current[2].peak_bytes <= b:
+            found[b] = current
             continue
         sol = solve(model, b, solver=solver)
         if sol is None:
             for rest in (s for s in sizes if s <= b):
-                found[rest] = ("infeasible", None)
+                found[rest] = ("infeasible", None, None)
             break
-        plan = policies(sol.roles)
-        current = (sol.status, plan, predict(profile, plan).peak_bytes)
-        found[b] = (current[0], current[1])
+        plan = policies_of(profile.unit_names, sol.roles)
+        current = found[b] = (sol.status, plan, predict(profile, plan))
     return found
 
 
