@@ -26,6 +26,7 @@ _written: list[Path] = []
 _LIBRARIES = ("torch", "ortools", "pulp", "pandas", "numpy", "tqdm", "matplotlib", "google")
 _MEMFIT_DIR = Path(__file__).resolve().parent
 _MODEL_FILES = {_MEMFIT_DIR / "zoo.py", _MEMFIT_DIR / "hf.py"}  # the built-in models
+_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
 
 
 def install_interrupt_handler() -> None:
@@ -116,5 +117,3 @@ def _kind(filename: str) -> str:
         return "library"
     return "model"
 
-
-_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()

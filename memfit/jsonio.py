@@ -16,15 +16,7 @@ from memfit.errors import FileFormatError, MemfitError
 def check_writable(path: str | os.PathLike[str], what: str = "output file") -> Path:
     """Fail now, not after minutes of profiling, if ``path`` cannot be written: empty, a
     directory, under a file, or in a place this process may not create files in."""
-    if not str(path).strip():
-        raise MemfitError(f"the {what} name is empty; give a file name such as schedule.json")
-    target = Path(path)
-    if target.is_symlink():
-        target = target.resolve()  # write the file the link names, and keep the link
-    if target.exists() and not target.is_dir() and not target.is_file():
-        raise MemfitError(f"{target}: is not a regular file (a device or a pipe); give a file name for the {what}")
-    if target.is_dir():
-        raise MemfitError(f"{target}: is a directory; give a file name for the {what}, e.g. {target / 'out.json'}")
+    target = _target(path, what)
     parent = target.parent
     while not parent.exists():
         parent = parent.parent
@@ -36,6 +28,20 @@ def check_writable(path: str | os.PathLike[str], what: str = "output file") -> P
         os.unlink(probe)
     except OSError as exc:
         raise MemfitError(f"{target}: cannot write the {what} there ({exc.strerror or exc})") from None
+    return target
+
+
+def _target(path: str | os.PathLike[str], what: str) -> Path:
+    """The file to write: a symbolic link's target; never a directory, a device or a pipe."""
+    if not str(path).strip():
+        raise MemfitError(f"the {what} name is empty; give a file name such as schedule.json")
+    target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()  # write the file the link names, and keep the link
+    if target.exists() and not target.is_dir() and not target.is_file():
+        raise MemfitError(f"{target}: is not a regular file (a device or a pipe); give a file name for the {what}")
+    if target.is_dir():
+        raise MemfitError(f"{target}: is a directory; give a file name for the {what}, e.g. {target / 'out.json'}")
     return target
 
 
@@ -69,7 +75,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
     """Have ``write`` fill a temporary file beside ``path``, then rename it over ``path``, so
     that no reader or crash ever sees half a file. The file gets the mode the umask gives a new
     file (mkstemp's 0600 would hide a schedule from the rest of a team)."""
-    target = check_writable(path)  # a symbolic link: its target
+    target = _target(path, "output file")  # creating the temporary file below is the write test
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

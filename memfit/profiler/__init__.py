@@ -20,6 +20,7 @@ from memfit.profiler.step import (
     device_of,
     make_optimizer,
     optimizer_tensors,
+    static_bytes,
     storage_bytes,
     training_step,
     zero_grad,
@@ -91,9 +92,7 @@ def profile(
 
         times, full_times = alternate(timed, 2, repeat)
         zero_grad(model, opt)
-        baseline = storage_bytes(
-            [*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()]
-        )
+        baseline = static_bytes(model, opt, inp)
         state_bytes = storage_bytes(optimizer_tensors(opt))
     params = list(model.parameters())
     return _assemble(

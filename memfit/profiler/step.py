@@ -160,6 +160,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = No
     return total
 
 
+def static_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Inputs) -> int:
+    """What lives across steps: parameters, buffers, optimizer state and inputs (the level at
+    the start of a step, after ``zero_grad(set_to_none=True)``)."""
+    return storage_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), *inputs.tensors()])
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []

@@ -17,8 +17,7 @@ from memfit.profiler.step import (
     default_loss,
     device_of,
     make_optimizer,
-    optimizer_tensors,
-    storage_bytes,
+    static_bytes,
     training_step,
     zero_grad,
 )
@@ -84,7 +83,7 @@ def measure_steps(
         zero_grad(model, opt)
         losses.append(training_step(model, inp, loss, opt))
     zero_grad(model, opt)
-    baseline = storage_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()])
+    baseline = static_bytes(model, opt, inp)
     recorder = memory_recorder(device)
     with recorder:
         recorder.on_mark("start")
@@ -215,7 +214,7 @@ def measure_levels(
         zero_grad(model, opt)
         training_step(model, inp, loss, opt)  # warm-up: the optimizer state exists from here on
         zero_grad(model, opt)
-        level = storage_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(opt), *inp.tensors()])
+        level = static_bytes(model, opt, inp)
         run = stretches(recorded_step(model, list(schedule.policies), inp, loss, opt, device, "memory"))
     finally:
         remove(model)
