@@ -38,6 +38,7 @@ _LAZY = {
     "predict": "memfit.optimizer.model",
     "min_budget_bytes": "memfit.optimizer.planner",
     "plan": "memfit.optimizer.planner",
+    "plan_compiled": "memfit.runtime.compiled",
     "Profile": "memfit.profile",
     "profile": "memfit.profiler",
     "default_loss": "memfit.profiler.step",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from memfit.profiler import profile
     from memfit.profiler.step import default_loss
     from memfit.runtime.apply import apply, remove, tighten
+    from memfit.runtime.compiled import plan_compiled
     from memfit.runtime.memory import keep_freed_cpu_memory
     from memfit.runtime.validate import Validation, validate
     from memfit.schedule import Schedule, load_schedule
@@ -98,6 +100,7 @@ __all__ = [
     "min_budget_bytes",
     "parse_bytes",
     "plan",
+    "plan_compiled",
     "predict",
     "profile",
     "remove",

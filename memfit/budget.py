@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from memfit.errors import BudgetFormatError
+from memfit.errors import BudgetFormatError, MemfitError
 
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 # The unit letter and the "i" may be of either case; "B" must be upper case ("b" is bits).
@@ -57,3 +57,24 @@ def format_bytes(n: float, *, signed: bool = False) -> str:
         if a >= 1024**power:
             return f"{sign}{a / 1024**power:.2f} {unit}"
     return f"{sign}{a:.0f} B"
+
+
+def budget_range(text: str) -> list[int]:
+    """``START:STOP:STEP`` (both ends included when the steps land on STOP) or ``A,B,C``."""
+    if "," in text or ":" not in text:
+        return [parse_bytes(t) for t in text.split(",") if t.strip()] or _bad_range(text)
+    parts = text.split(":")
+    if len(parts) != 3:
+        _bad_range(text)
+    start, stop, step = (parse_bytes(p) for p in parts)
+    if start > stop:
+        raise MemfitError(f"--budgets {text}: the start is above the stop")
+    count = (stop - start) // step + 1
+    if count > 1000:
+        raise MemfitError(f"--budgets {text} makes {count} budgets; at most 1000 (take a larger step)")
+    return [start + k * step for k in range(count)]
+
+
+def _bad_range(text: str) -> list[int]:
+    raise MemfitError(f"--budgets is START:STOP:STEP such as 100MB:500MB:20MB, or a list such as 200MB,300MB; "
+                      f"got {text!r}")

@@ -26,6 +26,7 @@ examples:
   memfit profile -o profile.json && memfit plan --profile profile.json --budget 300MB
   memfit plan --budget 24GB --device cuda:1       # profile on the second GPU (default: cuda if there is one)
   memfit validate --schedule schedule.json        # rebuild the planned model; measure peak, slowdown, gradients
+  memfit plan --budget 200MB --compile inductor   # plan for the torch.compile'd step, measured until it fits
   memfit sweep --plot curve.png                  # the memory-vs-slowdown curve over 30 budgets
   memfit sweep --budgets 150MB:550MB:50MB --measure --csv sweep.csv
   memfit show schedule.json
@@ -150,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
                       "checkpointing, only if given)")
     plan.add_argument("--fallbacks", type=int, default=0, metavar="K",
                       help="also store K tighter plans, for memfit.tighten(model) after an out-of-memory error")
+    plan.add_argument("--compile", metavar="BACKEND",
+                      help="plan for the step under torch.compile with this backend (inductor, aot_eager): each "
+                      "candidate plan is compiled and its peak measured until one fits")
     plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
     plan.set_defaults(func=commands.cmd_plan)
@@ -185,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     _source_args(val, validate=True)
     val.add_argument("--steps", type=int, default=5,
                      help="timed rounds, one plain and one scheduled step counted in each (default: %(default)s)")
+    val.add_argument("--compile", metavar="BACKEND",
+                     help="run both models under torch.compile with this backend (default: the one the schedule "
+                     "was planned for with plan --compile, else none)")
     val.add_argument("--timeline", metavar="FILE",
                      help="draw predicted and measured memory over the step (.png or .svg)")
     val.add_argument("--json", action="store_true", help="print the result as JSON")

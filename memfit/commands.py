@@ -135,15 +135,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise MemfitError(f"--max-segment must be at least 2 (units in one checkpointed run), got {args.max_segment}")
     if not 0 <= args.fallbacks <= 20:
         raise MemfitError(f"--fallbacks is a count of tighter plans from 0 to 20, got {args.fallbacks}")
-    if args.no_segments and args.strategy == "sqrt":
-        raise MemfitError("--no-segments rules out --strategy sqrt, which checkpoints segments of units")
+    if (args.no_segments or args.compile) and args.strategy == "sqrt":
+        raise MemfitError(f"{'--compile' if args.compile else '--no-segments'} rules out --strategy sqrt, which "
+                          "checkpoints segments of units")
+    if args.compile:
+        from memfit.runtime.compiled import check_backend
+
+        check_backend(args.compile)
+        if args.fallbacks:
+            raise MemfitError("--fallbacks is planned for the eager step only; drop it with --compile")
     output = "schedule.json" if args.output is None else args.output
     _check_outputs(args, {"-o": (output, "schedule file")})
     if args.timeline:
         check_plot_path(args.timeline)
     prof = Profile.load(args.profile) if args.profile else _profile(args)
-    schedule = plan(prof, budget, strategy=args.strategy, solver=args.solver, time_limit=args.time_limit,
-                    segments=not args.no_segments, max_segment=args.max_segment, fallbacks=args.fallbacks)
+    options = {"strategy": args.strategy, "solver": args.solver, "time_limit": args.time_limit,
+               "max_segment": args.max_segment}
+    if args.compile:
+        schedule = _plan_compiled(args, prof, budget, options)
+    else:
+        schedule = plan(prof, budget, segments=not args.no_segments, fallbacks=args.fallbacks, **options)
     check_interrupt()
     idle = not schedule.checkpointed
     write = args.output is not None or not idle
@@ -168,6 +179,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\nwrote {output}; in train.py:\n"
           f'    model = memfit.apply(model, memfit.load_schedule("{output}"))')
     return 0
+
+
+def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: dict[str, Any]) -> Any:
+    """The plan whose step, compiled with ``args.compile``, is measured to fit (plan_compiled)."""
+    from memfit.runtime.compiled import plan_compiled
+    from memfit.scenarios import scenario_from_source
+
+    if not prof.source:
+        raise MemfitError("--compile measures the compiled step, but this profile does not record its model (it was "
+                          "made in Python): give --scenario or --model instead of --profile")
+    sc = scenario_from_source(prof.source)
+    model, inputs = _build(sc, prof.device)
+
+    def progress(message: str) -> None:
+        check_interrupt()
+        print(message, file=sys.stderr)
+
+    return plan_compiled(model, inputs, prof, budget, args.compile, optimizer=prof.optimizer, progress=progress,
+                         **options)
 
 
 def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]) -> None:
@@ -210,7 +240,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1 (timed rounds of the plain and the scheduled step)")
     schedule = load_schedule(args.schedule)
+    if args.compile:
+        from memfit.runtime.compiled import check_backend
+
+        check_backend(args.compile)
     if args.timeline:
+        if args.compile or schedule.compile:
+            raise MemfitError("--timeline draws the eager step's marks, which a compiled step does not have")
         check_plot_path(args.timeline)
         if not schedule.levels:
             raise MemfitError("this schedule holds no predicted timeline (made by an older memfit): plan it again "
@@ -220,7 +256,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     check_interrupt()
     optimizer = None if sc.optimizer == "none" else sc.optimizer
     print("measuring the plain and the scheduled step", file=sys.stderr)
-    result = validate(model, inputs, schedule, optimizer=optimizer, steps=args.steps)
+    result = validate(model, inputs, schedule, optimizer=optimizer, steps=args.steps, compile=args.compile)
     check_interrupt()
     if args.timeline:
         measured = measure_levels(model, inputs, schedule, optimizer=optimizer)
@@ -309,33 +345,10 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     return 0
 
 
-def budget_range(text: str) -> list[int]:
-    """``START:STOP:STEP`` (both ends included when the steps land on STOP) or ``A,B,C``."""
-    from memfit.budget import parse_bytes
-
-    if "," in text or ":" not in text:
-        return [parse_bytes(t) for t in text.split(",") if t.strip()] or _bad_range(text)
-    parts = text.split(":")
-    if len(parts) != 3:
-        _bad_range(text)
-    start, stop, step = (parse_bytes(p) for p in parts)
-    if start > stop:
-        raise MemfitError(f"--budgets {text}: the start is above the stop")
-    count = (stop - start) // step + 1
-    if count > 1000:
-        raise MemfitError(f"--budgets {text} makes {count} budgets; at most 1000 (take a larger step)")
-    return [start + k * step for k in range(count)]
-
-
-def _bad_range(text: str) -> list[int]:
-    raise MemfitError(f"--budgets is START:STOP:STEP such as 100MB:500MB:20MB, or a list such as 200MB,300MB; "
-                      f"got {text!r}")
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from memfit.budget import parse_bytes
+    from memfit.budget import budget_range, parse_bytes
     from memfit.jsonio import write_atomic
     from memfit.optimizer.planner import STRATEGY_NAMES
     from memfit.optimizer.sweep import sweep

@@ -90,6 +90,9 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed{in_segments}; "
         f"solver {schedule.solver} ({schedule.solver_status}){took}"
     )
+    if schedule.compile:
+        out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
+                   f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")
     if any(not f.get("applies", True) for f in schedule.baselines.values()):
         out.append("n/a: the strategy has no schedule for these units (sqrt needs a chain of units without BatchNorm)")
     if profile is not None:
@@ -136,7 +139,8 @@ def validation_report(v: Validation) -> str:
         f"(plain model: {format_bytes(v.plain_peak_bytes)})",
         f"losses {'equal' if v.losses_equal else 'DIFFER'}; gradients {'equal' if v.grads_equal else 'DIFFER'} "
         f"(max difference {v.max_grad_diff:.3g}); buffers {'equal' if v.buffers_equal else 'DIFFER'}",
-        f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled",
+        f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
+        + (f", both compiled ({v.compile})" if v.compile else ""),
     ]
     return "\n".join([table(["", "predicted", "measured", "error"], rows), "", *checks, f"validation {verdict}"])
 

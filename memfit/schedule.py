@@ -45,6 +45,8 @@ class Schedule:
     levels: dict[str, list[list[Any]]] = field(default_factory=dict)
     # tighter plans for memfit.tighten: budget_bytes, policies, predicted_peak_bytes, _recompute_s, _overhead
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
+    # planned for a step under torch.compile: {"backend", "peak_bytes" (its compiled step, measured)}
+    compile: dict[str, Any] = field(default_factory=dict)
 
     @property
     def checkpointed(self) -> list[str]:
@@ -95,7 +97,12 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         source=source,
         levels=_levels(f, str(path)),
         fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
+        compile=_compile(f.obj("compile")) if f.data.get("compile") else {},
     )
+
+
+def _compile(f: Fields) -> dict[str, Any]:
+    return {"backend": f.str("backend"), "peak_bytes": f.int("peak_bytes", minimum=1)}
 
 
 def _policies(f: Fields) -> dict[str, str]:

@@ -70,10 +70,10 @@ def step_times(
         set_policies(model, configs[k])
         try:
             zero_grad(model, opt)
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             training_step(model, inp, loss, opt)
-            _sync(device)
+            sync(device)
             return time.perf_counter() - t0
         finally:
             clear_policies(model)
@@ -82,6 +82,6 @@ def step_times(
     return statistics.median(plain), [median_ratio(plain, t) for t in others]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -100,6 +100,8 @@ def _watch_inputs(model: nn.Module, schedule: Schedule) -> RemovableHandle:
         redo += f" --model {schedule.source['model']}"
 
     def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return  # Dynamo guards on shapes itself; describing symbolic shapes would break the graph
         now = Inputs(args, kwargs).describe()
         if now not in seen and schedule.input_shapes:
             seen.add(now)

@@ -7,6 +7,13 @@ with its real input and output: forward hooks (users', FSDP2's all-gather, adapt
 they see on the plain model. The recomputation calls the units again through ``__call__``, as
 ``torch.utils.checkpoint`` around the same modules would.
 
+Under ``torch.compile`` the hooks step aside (Dynamo would trace them as if the saved-tensor
+context were not there, so nothing would be checkpointed): each unit's forward is instead
+wrapped in ``torch.utils.checkpoint.checkpoint``, which Dynamo turns into its activation-
+checkpoint higher-order op and AOTAutograd's partitioner recomputes. A segment then compiles as
+one checkpoint per member, so it keeps every member's input, as ``full`` units do: plan with
+``segments=False`` (``memfit plan --compile``) for a compiled model.
+
 Private API: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, the generator
 form of non-reentrant checkpointing that ``torch.distributed._composable.checkpoint`` builds
 on for one module; a region spanning several modules needs the same split into "enter before
@@ -15,13 +22,16 @@ the first forward" and "exit after the last".
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint
+from torch.utils.checkpoint import noop_context_fn as _noop
 from torch.utils.hooks import RemovableHandle
 
 _state = {"recomputing": 0}
@@ -47,6 +57,8 @@ class Region:
             self.handles.append(module.register_forward_pre_hook(self._pre(k), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(k), always_call=True))
             module.__dict__["_memfit_region"] = self
+            module.__dict__["_memfit_forward"] = module.__dict__.get("forward")
+            module.__dict__["forward"] = functools.partial(_forward, weakref.ref(module), context_fn)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -58,10 +70,14 @@ class Region:
             h.remove()
         for module in self.modules:
             module.__dict__.pop("_memfit_region", None)
+            module.__dict__.pop("forward", None)
+            prior = module.__dict__.pop("_memfit_forward", None)
+            if prior is not None:
+                module.__dict__["forward"] = prior
 
     def _pre(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if recomputing():
+            if recomputing() or torch.compiler.is_compiling():
                 return
             if k == 0:
                 # A forward that raised inside the region (out of memory, say) left it open: its
@@ -85,7 +101,7 @@ class Region:
 
     def _post(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if recomputing():
+            if recomputing() or torch.compiler.is_compiling():
                 return
             if _raising(output):
                 self._close(error=True)
@@ -124,6 +140,21 @@ class Region:
         return run
 
 
+def _forward(ref: weakref.ref[nn.Module], context_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+    """A unit's forward: its own, eagerly (the region's hooks checkpoint it); under
+    ``torch.compile``, inside ``torch.utils.checkpoint.checkpoint``."""
+    module = ref()
+    assert module is not None, "a unit's forward outlived its module"
+    own = module.__dict__["_memfit_forward"] or functools.partial(type(module).forward, module)
+    if not torch.compiler.is_compiling():
+        return own(*args, **kwargs)
+    # Keywords travel in a partial, so that names such as ``debug`` cannot reach checkpoint's own.
+    fn = functools.partial(own, **kwargs) if kwargs else own
+    # Dynamo accepts no context_fn, or a plain function or partial that makes the contexts.
+    extra = {} if context_fn is _noop else {"context_fn": context_fn}
+    return checkpoint(fn, *args, use_reentrant=False, **extra)
+
+
 def _raising(output: Any) -> bool:
     """An ``always_call`` forward hook is called with no output while the forward raises."""
     return output is None and sys.exc_info()[0] is not None
@@ -134,6 +165,8 @@ def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
     before the next forward: an open region would capture whatever autograd saves next."""
 
     def close_all(*_: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # compiled units checkpoint through their forward; no region is ever open
         for region in regions:
             region.close_failed()
 

@@ -51,6 +51,7 @@ class Validation:
     losses_equal: bool
     grads_equal: bool
     buffers_equal: bool
+    compile: str | None = None  # the torch.compile backend both models ran under
 
     @property
     def error(self) -> float:
@@ -68,11 +69,13 @@ class Validation:
 
 def measure_steps(
     model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
-    steps: int = 2, seed: int = 0,
+    steps: int = 2, seed: int = 0, compile: str | None = None,
 ) -> StepRun:
-    """Run ``steps`` training steps (the first warms up) from a fixed seed; the peak is the
-    last step's. The optimizer has learning rate 0, so every step sees the same weights."""
+    """Run ``steps`` training steps (the first warms up, and compiles under ``compile``, a
+    ``torch.compile`` backend) from a fixed seed; the peak is the last step's. The optimizer has
+    learning rate 0, so every step sees the same weights."""
     inp = Inputs.of(inputs)
+    runner = model if compile is None else torch.compile(model, backend=compile)
     loss = loss_fn or default_loss
     device = device_of(model)
     opt = make_optimizer(optimizer, model.parameters())
@@ -81,13 +84,13 @@ def measure_steps(
     losses = []
     for _ in range(steps - 1):
         zero_grad(model, opt)
-        losses.append(training_step(model, inp, loss, opt))
+        losses.append(training_step(runner, inp, loss, opt))
     zero_grad(model, opt)
     baseline = static_bytes(model, opt, inp)
     recorder = memory_recorder(device)
     with recorder:
         recorder.on_mark("start")
-        losses.append(training_step(model, inp, loss, opt))
+        losses.append(training_step(runner, inp, loss, opt))
         recorder.on_mark("end")
     marks = recorder.marks()
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -97,7 +100,7 @@ def measure_steps(
 
 def validate(
     model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "schedule", steps: int = 5,
+    optimizer: str | None = "schedule", steps: int = 5, compile: str | None = None,
 ) -> Validation:
     """Measure the plain model and the scheduled model on the same state and RNG, and compare
     peak memory, losses, gradients and buffers; time ``steps`` rounds of the two in alternation
@@ -105,7 +108,14 @@ def validate(
 
     ``optimizer`` is the one the schedule was planned with unless given; another optimizer, or
     inputs of other shapes than the plan's, raise ``ScheduleMismatchError``: the measured peak
-    would then be another step's and prove nothing about the plan."""
+    would then be another step's and prove nothing about the plan.
+
+    ``compile`` (a ``torch.compile`` backend; by default the one the schedule was planned for,
+    see ``plan_compiled``) runs both models compiled and compares with the compiled peak
+    measured at planning."""
+    from memfit.runtime.compiled import compiled_step_times, with_backend
+
+    backend, predicted_peak = with_backend(schedule, compile)
     if optimizer == "schedule":
         optimizer = schedule.optimizer
     elif optimizer != schedule.optimizer:
@@ -120,20 +130,27 @@ def validate(
             "grows with batch size and sequence length; validate with the planned inputs, or plan again"
         )
     state = copy.deepcopy(model.state_dict())
-    plain = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    plain = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend)
     model.load_state_dict(state)
     apply(model, schedule)
     try:
-        sched = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+        sched = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend)
     finally:
         remove(model)
         model.load_state_dict(state)
     plain_s, ratio = float("nan"), float("nan")
-    if steps > 0:
+    if steps > 0 and backend is not None:
+        plain_s, ratio = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
+                                             optimizer=optimizer, steps=steps)
+    elif steps > 0:
         plain_s, (ratio,) = step_times(
             model, inputs, [schedule.policies], loss_fn=loss_fn, optimizer=optimizer, steps=steps
         )
         model.load_state_dict(state)
+    # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute, and
+    # inductor's fused reductions may sum in another order: there, equal means within 1e-5.
+    exact = device_of(model).type == "cpu" and backend in (None, "eager", "aot_eager")
+    same = _same if exact else _close
     diff = 0.0
     grads_equal = True
     for name, g in plain.grads.items():
@@ -141,15 +158,11 @@ def validate(
         if (g is None) != (h is None):
             grads_equal = False
         elif g is not None and h is not None:
-            d = (g - h).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0
-            diff = max(diff, d)
-            # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute.
-            exact = g.device.type == "cpu"
-            grads_equal &= _same(g, h) if exact else _same(g.isnan(), h.isnan()) and d <= 1e-5 * max(
-                1.0, g.abs().nan_to_num(0.0).max().item())
+            diff = max(diff, (g - h).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0)
+            grads_equal &= same(g, h)
     return Validation(
         budget_bytes=schedule.budget_bytes,
-        predicted_peak_bytes=schedule.predicted_peak_bytes,
+        predicted_peak_bytes=predicted_peak,
         measured_peak_bytes=sched.peak_bytes,
         plain_peak_bytes=plain.peak_bytes,
         predicted_overhead=schedule.predicted_overhead,
@@ -157,9 +170,10 @@ def validate(
         plain_step_s=plain_s,
         step_s=plain_s * ratio,
         max_grad_diff=diff,
-        losses_equal=_same(torch.tensor(plain.losses), torch.tensor(sched.losses)),
+        losses_equal=same(torch.tensor(plain.losses), torch.tensor(sched.losses)),
         grads_equal=grads_equal,
         buffers_equal=all(_same(b, sched.buffers[n]) for n, b in plain.buffers.items()),
+        compile=backend,
     )
 
 
@@ -169,6 +183,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() and a.shape == b.shape and a.dtype == b.dtype:
         return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
     return bool(torch.equal(a, b))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal within 1e-5 of the larger magnitude, NaN where the other is NaN."""
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    d = (a - b).abs().nan_to_num(0.0).max().item() if a.numel() else 0.0
+    return _same(a.isnan(), b.isnan()) and d <= 1e-5 * max(1.0, a.abs().nan_to_num(0.0).max().item())
 
 
 def measure_plans(

@@ -1,0 +1,76 @@
+"""One plan of the default scenario, eager and under torch.compile: measured peak and step time of
+the plain and the scheduled step for each way of running it.
+
+    python benchmarks/compile_step.py                      # ILP plan at 400MB, eager vs aot_eager vs inductor
+    python benchmarks/compile_step.py --budget 300MB --backends aot_eager
+
+The plan is the eager plan without segments (what runs under torch.compile). Peaks come from
+one steady-state step each (memfit.runtime.validate.measure_steps); times from one interleaved
+series over all configurations, built at once (the order reverses every round, each timed step
+follows an untimed step of its own, GC held off), medians over --rounds rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import memfit
+from memfit.budget import format_bytes
+from memfit.profiler.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
+from memfit.profiler.timing import alternate
+from memfit.report import table
+from memfit.runtime.apply import set_policies
+from memfit.runtime.validate import measure_steps
+from memfit.scenarios import load_scenario
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", default="400MB")
+    parser.add_argument("--backends", default="aot_eager,inductor")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    sc = load_scenario("gpt-small")
+    model, inputs = sc.build("cpu")
+    prof = memfit.profile(model, inputs, units=sc.units, optimizer=sc.optimizer, repeat=3)
+    schedule = memfit.plan(prof, args.budget, segments=False)
+    print(f"plan at {args.budget}: {schedule.checkpointed} checkpointed; eager prediction "
+          f"{format_bytes(schedule.predicted_peak_bytes)}, +{schedule.predicted_overhead * 100:.1f}%")
+    modes = [None, *args.backends.split(",")]
+    configs = []  # (mode, policies name, runner, model copy, optimizer)
+    for mode in modes:
+        for name, policies in (("plain", {}), ("plan", schedule.policies)):
+            m = copy.deepcopy(model)
+            set_policies(m, policies)
+            peak = measure_steps(m, inputs, optimizer=sc.optimizer, compile=mode).peak_bytes
+            runner = m if mode is None else torch.compile(m, backend=mode)
+            configs.append((mode or "eager", name, runner, m, make_optimizer(sc.optimizer, m.parameters()), peak))
+    inp = Inputs.of(inputs)
+
+    def step(k: int) -> float:
+        _, _, runner, m, opt, _ = configs[k]
+        zero_grad(m, opt)
+        t0 = time.perf_counter()
+        training_step(runner, inp, default_loss, opt)
+        return time.perf_counter() - t0
+
+    for k in range(len(configs)):
+        step(k)  # compiles
+    times = alternate(step, len(configs), args.rounds)
+    rows = []
+    for k, (mode, name, _, _, _, peak) in enumerate(configs):
+        plain = times[k - 1] if name == "plan" else times[k]
+        ratio = statistics.median(b / a for a, b in zip(plain, times[k], strict=True))
+        rows.append([mode, name, format_bytes(peak), f"{statistics.median(times[k]) * 1e3:.1f} ms",
+                     f"{(ratio - 1) * 100:+.1f}%"])
+    print(table(["run", "model", "measured peak", "step time", "slowdown"], rows,
+                [False, False, True, True, True]))
+
+
+if __name__ == "__main__":
+    main()

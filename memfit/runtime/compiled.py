@@ -1,0 +1,151 @@
+"""Planning for a step that runs under ``torch.compile``.
+
+A compiled step does not keep what the eager one keeps: AOTAutograd's partitioner chooses the
+saved tensors, fuses, and under inductor may keep more than eager at the same plan (measured on
+the tiny GPT: 2.55 MB compiled vs 2.50 MB eager with every block checkpointed). So the eager
+profile's prediction is not promised for a compiled model; the plan is checked against the
+compiled step itself, measured, and tightened until that fits. Segments are ruled out: under
+``torch.compile`` each member of a segment is its own checkpoint (see regions.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.budget import format_bytes, parse_bytes
+from memfit.errors import InfeasibleBudgetError, MemfitError
+from memfit.profile import Profile
+from memfit.profiler.step import Inputs, LossFn, default_loss, device_of, make_optimizer, training_step, zero_grad
+from memfit.profiler.timing import alternate, median_ratio, sync
+from memfit.runtime.apply import clear_policies, set_policies
+from memfit.runtime.validate import measure_steps
+from memfit.schedule import Schedule
+
+ROUNDS = 4  # re-plans at most; each costs a compilation
+
+
+def check_backend(backend: str) -> str:
+    """``backend`` if ``torch.compile`` knows it, else a ``MemfitError`` naming the ones it knows."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise MemfitError(f"unknown torch.compile backend {backend!r}; use one of {', '.join(sorted(known))}")
+    return backend
+
+
+def compiled_peak(model: nn.Module, inputs: Any, policies: dict[str, str], backend: str, *,
+                  loss_fn: LossFn | None = None, optimizer: str | None = "adamw") -> int:
+    """The measured peak of a steady-state compiled step of ``model`` under ``policies``;
+    ``model`` is left as it was."""
+    state = copy.deepcopy(model.state_dict())
+    set_policies(model, policies)
+    try:
+        return measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend).peak_bytes
+    finally:
+        clear_policies(model)
+        model.load_state_dict(state)
+        torch._dynamo.reset()  # the next plan's hooks differ: start it from a clean cache
+
+
+def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str | int, backend: str, *,
+                  loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+                  progress: Callable[[str], None] | None = None, **plan_kwargs: Any) -> Schedule:
+    """The plan for ``model`` compiled with ``backend`` whose measured compiled peak fits ``budget``
+    at the least predicted recompute time among the plans tried.
+
+    Plans from the eager profile without segments, measures the compiled step, and plans again
+    with the eager budget moved by the gap between the compiled peak and ``budget`` (down when
+    it did not fit, up when it left room), until a plan recurs or ``ROUNDS`` are spent. The
+    schedule records the backend and the measured peak in ``schedule.compile``, which
+    ``validate`` compares with. Raises ``InfeasibleBudgetError`` when no plan's compiled step
+    fits. Clears torch.compile's caches after each measurement.
+    """
+    from memfit.optimizer.planner import plan
+
+    check_backend(backend)
+    if plan_kwargs.get("fallbacks"):
+        raise MemfitError("fallbacks are planned for the eager step only; plan a compiled step without them")
+    target = parse_bytes(budget)
+    cap = target
+    seen: set[tuple[str, ...]] = set()
+    tried: list[tuple[int, int]] = []  # (eager predicted, compiled measured)
+    best: Schedule | None = None
+    for _ in range(ROUNDS):
+        try:
+            schedule = plan(profile, cap, **{**plan_kwargs, "segments": False})
+        except InfeasibleBudgetError:
+            break
+        key = tuple(schedule.policies.values())
+        if key in seen:
+            break
+        seen.add(key)
+        if progress is not None:
+            progress(f"compiling ({backend}) and measuring the plan that predicts "
+                     f"{format_bytes(schedule.predicted_peak_bytes)} eager")
+        peak = compiled_peak(model, inputs, schedule.policies, backend, loss_fn=loss_fn, optimizer=optimizer)
+        tried.append((schedule.predicted_peak_bytes, peak))
+        if peak <= target and (best is None or schedule.predicted_recompute_s < best.predicted_recompute_s):
+            schedule.compile = {"backend": backend, "peak_bytes": peak}
+            best = schedule
+        cap = schedule.predicted_peak_bytes + (target - peak)
+    if best is not None:
+        best.budget_bytes = target
+        return best
+    shown = "; ".join(f"{format_bytes(p)} eager -> {format_bytes(m)} compiled" for p, m in tried)
+    least = min((m for _, m in tried), default=target + 1)
+    raise InfeasibleBudgetError(
+        f"no plan's compiled ({backend}) step fits {format_bytes(target)}"
+        + (f" (measured: {shown})" if tried else "") + "; give a larger budget, or plan the eager step",
+        least,
+    )
+
+
+def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str], backend: str, *,
+                        loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+                        steps: int = 5) -> tuple[float, float]:
+    """Median compiled step time of the plain model, and the median ratio of the scheduled
+    compiled step's to it, interleaved as ``alternate`` does, on two copies of ``model`` (a
+    compiled model is not switched between plans: each switch would compile again)."""
+    inp = Inputs.of(inputs)
+    loss = loss_fn or default_loss
+    device = device_of(model)
+    copies = [copy.deepcopy(model), copy.deepcopy(model)]
+    set_policies(copies[1], policies)
+    runners = [torch.compile(m, backend=backend) for m in copies]
+    opts = [make_optimizer(optimizer, m.parameters()) for m in copies]
+    for m in copies:
+        m.train()
+
+    def timed(k: int) -> float:
+        zero_grad(copies[k], opts[k])
+        sync(device)
+        t0 = time.perf_counter()
+        training_step(runners[k], inp, loss, opts[k])
+        sync(device)
+        return time.perf_counter() - t0
+
+    try:
+        for k in range(2):
+            timed(k)  # compiles
+        plain, sched = alternate(timed, 2, steps)
+    finally:
+        torch._dynamo.reset()
+    return statistics.median(plain), median_ratio(plain, sched)
+
+
+def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, int]:
+    """The backend to validate ``schedule`` under (``backend``, else the one it was planned for)
+    and the peak to compare with: the compiled step's measured at planning for that backend,
+    else the eager prediction."""
+    planned = schedule.compile.get("backend")
+    chosen = backend if backend is not None else planned
+    if chosen is not None:
+        check_backend(chosen)
+    peak = schedule.compile["peak_bytes"] if chosen is not None and chosen == planned else schedule.predicted_peak_bytes
+    return chosen, peak
