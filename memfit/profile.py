@@ -2,7 +2,7 @@
 
 The memory part is a timeline of phases. Each phase moves the live-bytes level by ``end_bytes``
 and reaches ``peak_bytes`` above the level it started at. Unit phases carry one such pair per
-option (``none``, ``full``), remainder phases (embedding, head, loss, optimizer step) one pair.
+option (``none``, ``full``, and finer ones), remainder phases (embedding, head, loss, optimizer step) one pair.
 Walking the timeline from ``baseline_bytes`` gives the step's peak for any choice of options.
 """
 
@@ -18,7 +18,16 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PROFILE_FORMAT = "memfit.profile/1"
-OPTIONS = ("none", "full")
+OPTIONS = ("none", "full")  # measured for every unit
+# Finer options, measured when profiled with granularity="fine": ``child:<a>[+<b>...]``
+# checkpoints those direct children of the unit (relative names), ``selective:<policy>`` the
+# whole unit under an op-level policy (see runtime/policies.py).
+FINE_KINDS = ("child", "selective")
+
+
+def is_fine_option(name: str) -> bool:
+    kind, sep, rest = name.partition(":")
+    return kind in FINE_KINDS and bool(sep) and bool(rest) and all(rest.split("+"))
 
 
 @dataclass(slots=True)
@@ -95,6 +104,11 @@ class Profile:
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
 
     @property
+    def fine(self) -> bool:
+        """Some unit has an option finer than none / full (profiled with granularity="fine")."""
+        return any(len(u.options) > len(OPTIONS) for u in self.units)
+
+    @property
     def unit_names(self) -> list[str]:
         return [u.name for u in self.units]
 
@@ -137,7 +151,9 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
     for u in f.items("units"):
         opts = u.obj("options")
         options = {}
-        for name in OPTIONS:
+        for name in [*OPTIONS, *(k for k in opts.data if k not in OPTIONS)]:
+            if name not in OPTIONS and not is_fine_option(name):
+                raise_field(opts.where, "options", f"unknown option {name!r}")
             o = opts.obj(name)
             options[name] = OptionCost(
                 o.int("fwd_peak_bytes"), o.int("stored_bytes"), o.int("bwd_peak_bytes"),

@@ -1,5 +1,6 @@
 """The optimizer finds the true optimum of the memory model: CP-SAT == CBC == DP == brute force."""
 
+import itertools
 import random
 
 import pytest
@@ -166,3 +167,41 @@ def test_time_limit_without_an_answer_falls_back_to_a_baseline():
     if sched.strategy != "ilp":  # the usual case: CP-SAT has not even presolved in 1 ms
         assert sched.solver_status.startswith("time limit: no cpsat answer")
         assert sched.baselines[sched.strategy]["fits"]
+
+
+def fine_assignments(profile, max_segment):
+    """Every assignment with each unit's finer options too (segments stay none/full composed)."""
+    extra = [[Role(k) for k in u.options if k not in ("none", "full")] for u in profile.units]
+    for roles in assignments(len(profile.units), max_segment):
+        choices = [[r, *extra[j]] if r == FULL else [r] for j, r in enumerate(roles)]
+        yield from itertools.product(*choices)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fine_options_optimum_equals_brute_force(seed):
+    """With two finer options per unit, every solver hits the optimum of the memory model, and
+    no plan of module granularity is cheaper."""
+    prof = random_profile(4 + seed % 3, seed, fine=2)
+    names = prof.unit_names
+    hi = memfit.predict(prof, {}).peak_bytes
+    best_peak = min(memfit.predict(prof, {n: r.policy(names) for n, r in zip(names, roles, strict=True)}).peak_bytes
+                    for roles in fine_assignments(prof, 3))
+    assert min_budget_bytes(prof, max_segment=3, fine=True) == best_peak
+    rng = random.Random(seed)
+    for budget in [best_peak, hi, *(rng.randint(best_peak, hi) for _ in range(3))]:
+        expected = None
+        for roles in fine_assignments(prof, 3):
+            pred = memfit.predict(prof, {n: r.policy(names) for n, r in zip(names, roles, strict=True)})
+            if pred.peak_bytes <= budget and (expected is None or pred.recompute_s < expected):
+                expected = pred.recompute_s
+        for solver in ("cpsat", "cbc", "dp"):
+            sched = memfit.plan(prof, budget, solver=solver, max_segment=3, granularity="fine")
+            assert sched.predicted_peak_bytes <= budget
+            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), solver
+        coarse = brute_force(prof, budget, 3)[0]
+        assert coarse is None or expected <= coarse + 1e-12
+
+
+def test_fine_needs_a_fine_profile(gpt_profile):
+    with pytest.raises(memfit.MemfitError, match="granularity='fine'"):
+        memfit.plan(gpt_profile, "1GB", granularity="fine")

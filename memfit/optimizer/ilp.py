@@ -3,8 +3,8 @@
 Every solver (OR-Tools CP-SAT, PuLP with CBC, and the chain DP in dp.py) works on the same
 integer data, ``IntModel``: bytes divided by a quantum and rounded so that whatever fits the
 scaled model fits the real one, and recompute time in whole nanoseconds. Levels are sums
-carried by a few variables, which keeps the model linear in size. A segment's members are
-given the net change of their block as the largest of its units' (what stays after backward).
+carried by a few variables, which keeps the model linear in size. Every role's costs are
+``roles.unit_costs``, as ``predict`` uses them, rounded up.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
-from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role, segment_roles
+from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role, segment_roles, unit_costs
 from memfit.profile import Profile
 
 SOLVERS = ("cpsat", "cbc", "dp")
@@ -49,8 +49,9 @@ class IntModel:
         return len(self.roles)
 
     @staticmethod
-    def of(profile: Profile, *, segments: bool = True, max_segment: int = 8) -> IntModel:
-        """The scaled model; segments (of up to ``max_segment`` units) only for chains."""
+    def of(profile: Profile, *, segments: bool = True, max_segment: int = 8, fine: bool = False) -> IntModel:
+        """The scaled model; segments (of up to ``max_segment`` units) only for chains; the
+        profile's finer options (child modules, op-level policies) only when ``fine``."""
         figures = [profile.baseline_bytes, *(abs(v) for p in profile.phases for v in (p.peak_bytes, p.end_bytes))]
         for u in profile.units:
             for o in u.options.values():
@@ -66,40 +67,23 @@ class IntModel:
             for p in profile.phases
         ]
         units = profile.units
-        net = [max(up(o.stored_bytes) + up(o.bwd_end_bytes) for o in u.options.values()) for u in units]
+        roles: list[list[Role]] = [
+            [NONE, FULL, *(Role(k) for k in u.options if fine and k not in (NONE.kind, FULL.kind))] for u in units
+        ]
+        if segments and profile.chain:
+            for seg in segment_roles(len(units), max_segment):
+                for j in range(seg.first, seg.last + 1):
+                    roles[j].append(seg)
+        # One composition for every solver and for predict(): roles.unit_costs, each figure
+        # rounded up, so that whatever fits the scaled model fits the real one.
         costs: dict[tuple[int, Role], tuple[int, int, int, int]] = {}
         recompute: dict[tuple[int, Role], int] = {}
-        roles: list[list[Role]] = [[NONE, FULL] for _ in units]
-        for j, u in enumerate(units):
-            for role in (NONE, FULL):
-                o = u.options[role.kind]
-                costs[j, role] = (up(o.fwd_peak_bytes), up(o.stored_bytes), up(o.bwd_peak_bytes), up(o.bwd_end_bytes))
-                recompute[j, role] = round(o.recompute_s * 1e9)
-        if segments and profile.chain:
-            rng = int(profile.rng_state_bytes // q)
-            for seg in segment_roles(len(units), max_segment):
-                members = range(seg.first, seg.last + 1)
-                fends = {
-                    j: up(units[j].options["full"].stored_bytes)
-                    - (int((units[j - 1].output_bytes + profile.rng_state_bytes) // q) if j > seg.first else 0)
-                    for j in members
-                }
-                for j in members:
-                    full, none = units[j].options["full"], units[j].options["none"]
-                    if j < seg.last:
-                        freed = rng if j == seg.first else 0  # the region's RNG state goes with it
-                        back = (up(none.bwd_peak_bytes), net[j] - up(none.stored_bytes) - freed)
-                    else:
-                        before = sum(fends.values())
-                        kept = sum(up(units[m].options["none"].stored_bytes) for m in range(seg.first, seg.last))
-                        remat = up(full.stored_bytes) + kept - before
-                        end = sum(net[m] for m in members) - before - sum(
-                            net[m] - up(units[m].options["none"].stored_bytes) for m in range(seg.first, seg.last)
-                        ) + rng
-                        back = (remat + up(full.bwd_peak_bytes), end)
-                    costs[j, seg] = (up(full.fwd_peak_bytes), fends[j], *back)
-                    recompute[j, seg] = round(full.recompute_s * 1e9)
-                    roles[j].append(seg)
+        for j in range(len(units)):
+            for role in roles[j]:
+                c = unit_costs(profile, j, role)
+                costs[j, role] = (up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end))
+                recompute[j, role] = round(c.recompute_s * 1e9)
+        net = [max(costs[j, r][1] + costs[j, r][3] for r in roles[j] if r.kind != SEGMENT) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)
 
 
@@ -180,7 +164,7 @@ def _solve_mip(
 ) -> tuple[list[Role], str, int] | None:
     """CP-SAT and CBC share this formulation; ``_CpSat`` and ``_Cbc`` hide their spelling."""
     b = _CpSat() if solver == "cpsat" else _Cbc()
-    x = [{NONE: b.boolean(f"n{j}"), FULL: b.boolean(f"f{j}")} for j in range(model.n)]
+    x = [{r: b.boolean(f"o{j}_{k}") for k, r in enumerate(model.roles[j]) if r.kind != SEGMENT} for j in range(model.n)]
     for seg in _segments(model):
         var = b.boolean(f"s{seg.first}_{seg.last}")
         b.hint(var, 0)
@@ -188,8 +172,9 @@ def _solve_mip(
             x[j][seg] = var
     for j in range(model.n):
         b.add_eq(list(x[j].values()), 1)
-        b.hint(x[j][FULL], 1)  # checkpointing every unit usually fits: a first answer to improve
-        b.hint(x[j][NONE], 0)
+        for role, var in x[j].items():  # checkpointing every unit usually fits: a first answer to improve
+            if role.kind != SEGMENT:
+                b.hint(var, int(role == FULL))
     any_ckpt = b.boolean("any_ckpt")  # some unit is checkpointed: exactly the OR of the roles
     checkpointed = [var for j in range(model.n) for role, var in x[j].items() if role != NONE]
     for var in checkpointed:

@@ -15,15 +15,26 @@ from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
 from memfit.schedule import Schedule
 
-GRANULARITIES = ("module",)
+GRANULARITIES = ("module", "fine")
 STRATEGY_NAMES = ("ilp", *STRATEGIES)
 
 
+def check_granularity(profile: Profile, granularity: str) -> bool:
+    """True for ``fine``, False for ``module``; a fine plan needs a profile that measured finer options."""
+    if granularity not in GRANULARITIES:
+        raise MemfitError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
+    if granularity == "fine" and not profile.fine:
+        raise MemfitError("granularity 'fine' needs a profile that measured finer options: profile with "
+                          "granularity='fine' (memfit profile --granularity fine)")
+    return granularity == "fine"
+
+
 def min_budget_bytes(
-    profile: Profile, *, solver: str = "cpsat", segments: bool = True, max_segment: int = 8
+    profile: Profile, *, solver: str = "cpsat", segments: bool = True, max_segment: int = 8, fine: bool = False
 ) -> int:
-    """The smallest budget ``plan`` accepts for this profile (strategy ``ilp``)."""
-    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+    """The smallest budget ``plan`` accepts for this profile (strategy ``ilp``; ``fine``: with
+    the profile's finer options)."""
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment, fine=fine)
     sol = solve(model, None, solver=solver, minimize="peak")
     if sol is None:  # pragma: no cover - minimising the peak always has an answer
         raise MemfitError("the solver found no schedule at all")
@@ -51,11 +62,12 @@ def plan(
     ``budget`` is bytes or a size such as ``"24GB"`` (binary units). ``strategy`` is ``ilp`` (the
     optimum, by ``solver`` cpsat, cbc or dp) or a baseline: none, full, every-k, sqrt, first-k,
     greedy. ``segments`` lets the ILP checkpoint runs of up to ``max_segment`` units as one
-    region when the units form a chain. Raises ``InfeasibleBudgetError`` with the smallest
+    region when the units form a chain. ``granularity="fine"`` also lets it choose the finer
+    options a profile made with ``granularity="fine"`` measured (a child module, an op-level
+    policy). Raises ``InfeasibleBudgetError`` with the smallest
     budget that works when nothing fits.
     """
-    if granularity not in GRANULARITIES:
-        raise MemfitError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
+    fine = check_granularity(profile, granularity)
     if strategy not in STRATEGY_NAMES:
         raise MemfitError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_NAMES)}")
     if max_segment < 2:
@@ -68,14 +80,15 @@ def plan(
     if strategy != "ilp" and (why := not_applicable(profile, strategy)):
         raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
     policies, strategy, used, status, seconds = _choose(
-        profile, budget_bytes, strategy, solver, segments, max_segment, time_limit)
+        profile, budget_bytes, strategy, solver, segments, max_segment, time_limit, fine)
     pred = predict(profile, policies)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise MemfitError(
             f"internal check failed: the schedule predicts {pred.peak_bytes} bytes, over the budget of "
             f"{budget_bytes}; please report this with the profile"
         )
-    ladder = _fallbacks(profile, pred.peak_bytes, fallbacks, strategy, solver, segments, max_segment, time_limit)
+    ladder = _fallbacks(profile, pred.peak_bytes, fallbacks, strategy, solver, segments, max_segment, time_limit,
+                        fine)
     return Schedule(
         policies=policies,
         budget_bytes=budget_bytes,
@@ -99,7 +112,7 @@ def plan(
 
 def _choose(
     profile: Profile, budget_bytes: int, strategy: str, solver: str, segments: bool, max_segment: int,
-    time_limit: float | None,
+    time_limit: float | None, fine: bool = False,
 ) -> tuple[Policies, str, str, str, float]:
     """(policies, strategy, solver, status, seconds) of the cheapest schedule of ``strategy``
     that fits. When the ILP's time limit passes with no answer, the cheapest fitting baseline
@@ -109,7 +122,7 @@ def _choose(
         if found is None:
             raise _infeasible(budget_bytes, strategy_min_budget(profile, strategy), f" with strategy {strategy}")
         return found, strategy, strategy, "heuristic", 0.0
-    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment, fine=fine)
     if solver == "dp" and not dp_exact(model):
         raise MemfitError("the dp solver is exact only when the units run as a chain and each keeps the same "
                           "memory after the step whatever its role; these units do not: use cpsat or cbc")
@@ -126,18 +139,18 @@ def _choose(
         assert found is not None  # it fits: baselines() said so
         return found, best, best, f"time limit: no {solver} answer, best baseline ({best}) used", 0.0
     if sol is None:
-        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
+        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment, fine=fine)
         raise _infeasible(budget_bytes, least, "")
     return policies_of(profile.unit_names, sol.roles), strategy, solver, sol.status, sol.seconds
 
 
 def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: str, segments: bool,
-               max_segment: int, time_limit: float | None) -> list[dict[str, Any]]:
+               max_segment: int, time_limit: float | None, fine: bool) -> list[dict[str, Any]]:
     """Up to ``count`` plans with ever lower predicted peaks, the last at the smallest feasible."""
     if count == 0:
         return []
     if strategy == "ilp":
-        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
+        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment, fine=fine)
     else:
         least = strategy_min_budget(profile, strategy)
     ladder: list[dict[str, Any]] = []
@@ -146,7 +159,7 @@ def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: s
         cap = min(peak - (peak - least) * i // count, above - 1)
         if cap < least:
             break
-        policies = _choose(profile, cap, strategy, solver, segments, max_segment, time_limit)[0]
+        policies = _choose(profile, cap, strategy, solver, segments, max_segment, time_limit, fine)[0]
         p = predict(profile, policies)
         ladder.append({"budget_bytes": cap, "policies": policies, "predicted_peak_bytes": p.peak_bytes,
                        "predicted_recompute_s": p.recompute_s, "predicted_overhead": p.overhead})

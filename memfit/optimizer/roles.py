@@ -1,8 +1,10 @@
 """What each unit does in a schedule (its role) and what that costs, from a Profile.
 
-A role is ``none`` (keep everything), ``full`` (checkpoint the unit) or membership of a
-segment ``i..k``: units i to k checkpointed as one region that keeps only unit i's input and
-rematerialises the whole region when the gradient reaches unit k. A schedule's policies spell
+A role is ``none`` (keep everything), ``full`` (checkpoint the unit), a finer option measured
+by the profiler (``child:mlp``: checkpoint only that child; ``selective:gemm``: an op-level
+policy), costed exactly as none and full are, or membership of a segment ``i..k``: units i
+to k checkpointed as one region that keeps only unit i's input and rematerialises the whole
+region when the gradient reaches unit k. A schedule's policies spell
 a segment member as ``segment:<first unit>..<last unit>``.
 
 Segment costs are composed from the two measured options: a member runs its forward as if
@@ -26,7 +28,7 @@ SEGMENT = "segment"
 
 @dataclass(frozen=True, slots=True)
 class Role:
-    kind: str  # "none", "full" or "segment"
+    kind: str  # "none", "full", "segment" or a finer option ("child:mlp", "selective:gemm")
     first: int = -1
     last: int = -1
 
@@ -63,13 +65,16 @@ def roles_of(profile: Profile, policies: Mapping[str, str]) -> list[Role]:
     roles = []
     for j, name in enumerate(names):
         policy = policies.get(name, "none")
-        if policy in OPTIONS:
+        if policy in profile.units[j].options:
             roles.append(Role(policy))
             continue
         span = segment_span(policy)
         if span is None or span[0] not in index or span[1] not in index:
+            finer = [o for o in profile.units[j].options if o not in OPTIONS]
             raise MemfitError(
-                f"unknown policy {policy!r} for unit {name!r}; use none, full or segment:<first>..<last>"
+                f"unknown policy {policy!r} for unit {name!r}; use none, full, segment:<first>..<last>"
+                + (f" or one of its measured options {', '.join(finer)}" if finer else
+                   " (finer options need a profile made with granularity 'fine')")
             )
         role = Role(SEGMENT, index[span[0]], index[span[1]])
         if not role.first <= j <= role.last or role.last - role.first < 1:

@@ -23,7 +23,7 @@ from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.frontier import chain_frontier, read
 from memfit.optimizer.ilp import SOLVERS, IntModel, solve
 from memfit.optimizer.model import Prediction, predict
-from memfit.optimizer.planner import STRATEGY_NAMES, min_budget_bytes
+from memfit.optimizer.planner import STRATEGY_NAMES, check_granularity, min_budget_bytes
 from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
 
@@ -45,14 +45,15 @@ COLUMNS = {  # name -> pandas dtype
 }
 
 
-def default_budgets(profile: Profile, points: int = 30, *, segments: bool = True, max_segment: int = 8) -> list[int]:
+def default_budgets(profile: Profile, points: int = 30, *, segments: bool = True, max_segment: int = 8,
+                    fine: bool = False) -> list[int]:
     """``points`` budgets, evenly spaced from the smallest feasible peak to the peak with
     nothing checkpointed."""
     if points < 2:
         raise MemfitError(f"a sweep needs at least 2 points, got {points}")
-    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment, fine=fine)
     solver = "dp" if dp_exact(model) else "cpsat"  # the same minimum; the DP is quicker
-    lo = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment)
+    lo = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment, fine=fine)
     hi = max(lo, predict(profile, {}).peak_bytes)
     return sorted({lo + (hi - lo) * k // (points - 1) for k in range(points)})
 
@@ -66,6 +67,7 @@ def sweep(
     solver: str = "cpsat",
     segments: bool = True,
     max_segment: int = 8,
+    granularity: str = "module",
 ) -> pd.DataFrame:
     """One row per (budget, strategy): status, predicted peak and overhead, recompute time,
     units checkpointed, the policies as JSON and the solve time (columns: ``COLUMNS``).
@@ -73,6 +75,7 @@ def sweep(
     ``budgets`` are bytes or sizes such as ``"300MB"``; by default ``points`` budgets from the
     smallest feasible peak to the un-checkpointed peak. ``solver`` is used for units that are
     not a chain (on a chain the frontier DP gives the same optimum for every budget at once).
+    ``granularity="fine"`` lets the ILP take the finer options of a fine profile (as ``plan``).
     """
     import pandas as pd
 
@@ -84,8 +87,9 @@ def sweep(
         raise MemfitError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
     if max_segment < 2:
         raise MemfitError("max_segment must be at least 2")
+    fine = check_granularity(profile, granularity)
     if budgets is None:
-        sizes = default_budgets(profile, points, segments=segments, max_segment=max_segment)
+        sizes = default_budgets(profile, points, segments=segments, max_segment=max_segment, fine=fine)
     else:
         sizes = sorted({parse_bytes(b) for b in budgets})
         if not sizes:
@@ -93,7 +97,7 @@ def sweep(
     rows: list[dict[str, Any]] = []
     for strategy in dict.fromkeys(strategies):
         if strategy == "ilp":
-            rows += _ilp_rows(profile, sizes, solver, segments, max_segment)
+            rows += _ilp_rows(profile, sizes, solver, segments, max_segment, fine)
         else:
             rows += _baseline_rows(profile, sizes, strategy)
     frame = pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)  # rows: by strategy as given, budget
@@ -134,9 +138,9 @@ def _baseline_rows(profile: Profile, sizes: list[int], strategy: str) -> list[di
 
 
 def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
-              max_segment: int) -> list[dict[str, Any]]:
+              max_segment: int, fine: bool) -> list[dict[str, Any]]:
     start = time.perf_counter()
-    model = IntModel.of(profile, segments=segments, max_segment=max_segment)
+    model = IntModel.of(profile, segments=segments, max_segment=max_segment, fine=fine)
     # The DP gives each unit one net change whatever its role; where a profile's differ (a unit
     # whose output outlives it, see profiler._share_outputs) it would be cautious, so the ILP decides.
     points = chain_frontier(model, [b // model.quantum for b in sizes]) if dp_exact(model) else None

@@ -7,11 +7,14 @@ import random
 from memfit.profile import OptionCost, Phase, Profile, UnitProfile
 
 
-def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1) -> Profile:
+def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0) -> Profile:
     """A synthetic chain profile with integer bytes (times ``scale``), for solver checks against
     brute force and for timing the solvers. As in a real step, each unit's net change (its
-    gradients) is the same whether it is checkpointed."""
+    gradients) is the same whether it is checkpointed. ``fine`` finer options per unit
+    (``child:c0`` …), each keeping between what ``full`` and ``none`` keep, at a cost between
+    theirs."""
     r = random.Random(seed)
+    rf = random.Random(seed + 10**6)  # its own stream: profiles without finer options stay as they were
     units, phases = [], [Phase("pre", None, "remainder", r.randint(0, 50), r.randint(0, 50), r.randint(50, 60))]
     for i in range(n):
         a = r.randint(10, 100)
@@ -28,6 +31,12 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1) -> 
                 output_bytes=r.randint(1, s),
             )
         )
+        full = units[-1].options["full"]
+        for m in range(fine):
+            kept = rf.randint(s, a)
+            units[-1].options[f"child:c{m}"] = OptionCost(
+                kept + rf.randint(0, 30), kept, rf.randint(0, a - kept + 40), grads - kept,
+                full.recompute_s * rf.uniform(0.1, 1.0))
         phases.append(Phase(f"forward u{i}", i, "forward"))
         phases.append(Phase(f"gap{i}", None, "remainder", r.randint(0, 5), 0, 0))
     phases.append(Phase("head", None, "remainder", r.randint(0, 80), r.randint(-10, 10), r.randint(-10, 10)))
