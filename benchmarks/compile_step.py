@@ -21,8 +21,8 @@ import torch
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.profiler.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
-from memfit.profiler.timing import alternate
+from memfit.measure.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
+from memfit.measure.timing import alternate
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.validate import measure_steps

@@ -8,7 +8,7 @@ Prints one row per (scenario, budget) and a summary. Peaks, losses, gradients an
 from memfit.validate; the slowdowns of all of a scenario's plans are measured in one series of
 rounds (plain, then each plan, each counted step following one of its own; the order reverses
 every round), each plan's step against the plain step of its round
-(memfit.profiler.timing.step_times). The plan with nothing
+(memfit.runtime.validate.step_times). The plan with nothing
 checkpointed is timed too: its "slowdown" shows the measurement's own noise.
 """
 
@@ -20,8 +20,8 @@ import time
 import torch
 
 import memfit
-from memfit.profiler.timing import step_times
 from memfit.report import table
+from memfit.runtime.validate import step_times
 from memfit.scenarios import builtin_names, load_scenario
 
 
@@ -48,7 +48,7 @@ def main() -> None:
         budgets = [int(lo + (hi - lo) * k / max(1, args.budgets - 1)) for k in range(args.budgets)]
         plans = [memfit.plan(prof, b) for b in budgets]
         checks = [memfit.validate(model, inputs, p, optimizer=opt, steps=0) for p in plans]
-        # every plan timed in one series with shared plain steps (see memfit.profiler.timing)
+        # every plan timed in one series with shared plain steps (see memfit.runtime.validate.step_times)
         _, ratios = step_times(model, inputs, [p.policies for p in plans], optimizer=opt, steps=args.steps)
         for budget, sched, v, ratio in zip(budgets, plans, checks, ratios, strict=True):
             worst_mem = max(worst_mem, abs(v.error))

@@ -5,7 +5,7 @@
 
 For each budget: the plan of each strategy that fits (ilp, every-k, sqrt, first-k, greedy,
 full), its measured peak (CPU live-tensor accounting) and its measured slowdown against the
-un-checkpointed step (median over rounds, memfit.profiler.timing.step_times). Identical plans
+un-checkpointed step (median over rounds, memfit.runtime.validate.step_times). Identical plans
 are measured once. The last column is recompute time of the ILP / best fitting baseline (predicted; 1.00 =
 as good, < 1 = better). "cnn-group" is cnn-mixed with GroupNorm, a chain where segments apply.
 """
@@ -17,10 +17,9 @@ import copy
 
 import memfit
 from memfit.optimizer.planner import STRATEGY_NAMES
-from memfit.profiler.timing import step_times
 from memfit.report import table
 from memfit.runtime.apply import set_policies
-from memfit.runtime.validate import measure_steps
+from memfit.runtime.validate import measure_steps, step_times
 from memfit.scenarios import load_scenario
 
 

@@ -41,11 +41,11 @@ _LAZY = {
     "plan_compiled": "memfit.runtime.compiled",
     "Profile": "memfit.profile",
     "profile": "memfit.profiler",
-    "default_loss": "memfit.profiler.step",
+    "default_loss": "memfit.measure.step",
     "apply": "memfit.runtime.apply",
     "remove": "memfit.runtime.apply",
     "tighten": "memfit.runtime.apply",
-    "keep_freed_cpu_memory": "memfit.runtime.memory",
+    "keep_freed_cpu_memory": "memfit.measure.memory",
     "Validation": "memfit.runtime.validate",
     "validate": "memfit.runtime.validate",
     "sweep": "memfit.optimizer.sweep",
@@ -54,15 +54,15 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from memfit.measure.memory import keep_freed_cpu_memory
+    from memfit.measure.step import default_loss
     from memfit.optimizer.model import Prediction, predict
     from memfit.optimizer.planner import min_budget_bytes, plan
     from memfit.optimizer.sweep import sweep
     from memfit.profile import Profile
     from memfit.profiler import profile
-    from memfit.profiler.step import default_loss
     from memfit.runtime.apply import apply, remove, tighten
     from memfit.runtime.compiled import plan_compiled
-    from memfit.runtime.memory import keep_freed_cpu_memory
     from memfit.runtime.validate import Validation, validate
     from memfit.schedule import Schedule, load_schedule
 

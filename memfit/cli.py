@@ -27,6 +27,7 @@ examples:
   memfit plan --budget 24GB --device cuda:1       # profile on the second GPU (default: cuda if there is one)
   memfit validate --schedule schedule.json        # rebuild the planned model; measure peak, slowdown, gradients
   memfit plan --budget 200MB --compile inductor   # plan for the torch.compile'd step, measured until it fits
+  memfit plan --budget 200MB --granularity fine   # may also checkpoint only a block's attention or MLP
   memfit sweep --plot curve.png                  # the memory-vs-slowdown curve over 30 budgets
   memfit sweep --budgets 150MB:550MB:50MB --measure --csv sweep.csv
   memfit show schedule.json
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "command", None):
             parser.print_help()
             return 2
-        from memfit.runtime.memory import keep_freed_cpu_memory
+        from memfit.measure.memory import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()  # steadier, additive CPU step times (see its docstring)
         code = int(args.func(args) or 0)
@@ -129,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
 
     prof = command("profile", "measure a model's training step per unit and write profile JSON")
     _source_args(prof)
+    _granularity(prof, "also measure each unit's finer options (children, op-level policies)")
     prof.add_argument("-o", "--output", default="profile.json", help="profile file to write (default: %(default)s)")
     prof.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
     prof.set_defaults(func=commands.cmd_profile)
@@ -144,6 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-segment", type=int, default=8,
                       help="longest run of units checkpointed as one region, on chains (default: %(default)s)")
     plan.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
+    _granularity(plan, "also choose checkpoints inside units: a child module (attention, MLP) or an op-level "
+                 "policy, each measured (needs a fine profile; profiles the model so when none is given)")
     plan.add_argument("--time-limit", type=float, metavar="SECONDS",
                       help="seconds the solver may take; then its best answer so far, or the best baseline if it "
                       "has none (default: no limit)")
@@ -173,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="ILP backend for units that are not a chain; chains use the exact frontier DP")
     sw.add_argument("--max-segment", type=int, default=8, help="longest checkpointed run of units (default: 8)")
     sw.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
+    _granularity(sw, "let the ILP choose checkpoints inside units too (as plan --granularity fine)")
     sw.add_argument("--measure", action="store_true",
                     help="run every distinct plan: measured peak and slowdown beside the predicted ones")
     sw.add_argument("--steps", type=int, default=3, help="timed rounds with --measure (default: %(default)s)")
@@ -204,6 +209,14 @@ def _parser() -> argparse.ArgumentParser:
     scen = command("scenarios", "list the built-in scenarios")
     scen.set_defaults(func=commands.cmd_scenarios)
     return p
+
+
+def _granularity(p: argparse.ArgumentParser, fine: str) -> None:
+    p.add_argument("--granularity", choices=["module", "fine"], default="module",
+                   help=f"module: whole units only (default); fine: {fine}")
+    p.add_argument("--children", nargs="+", metavar="NAME",
+                   help="with --granularity fine: the unit children to offer, by relative name (attn mlp.0 "
+                   "attn+mlp), instead of the ones memfit picks")
 
 
 def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
 
-_MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat")
+_MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat", "children")
 
 
 def _given(args: argparse.Namespace, names: tuple[str, ...] = _MODEL_FLAGS) -> list[str]:
@@ -85,6 +85,8 @@ def _profile(args: argparse.Namespace) -> Any:
     repeat = 5 if args.repeat is None else args.repeat
     if repeat < 1:
         raise MemfitError("--repeat must be at least 1")
+    if args.children and args.granularity != "fine":
+        raise MemfitError("--children names finer options to measure: give --granularity fine with it")
     sc = _scenario(args)
     device = _device(args.device)
     model, inputs = _build(sc, device)
@@ -98,9 +100,13 @@ def _profile(args: argparse.Namespace) -> Any:
             if started:
                 bar.update(1)
             started.append(message)
+            if len(started) > bar.total:  # fine granularity: a pass for each finer option found
+                bar.total = len(started)
+                bar.refresh()
             bar.set_postfix_str(message)
 
-        result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=repeat, progress=progress)
+        result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=repeat, progress=progress,
+                         granularity=args.granularity, children=args.children)
         bar.update(1)
     result.source = sc.source()
     return result
@@ -150,7 +156,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_plot_path(args.timeline)
     prof = Profile.load(args.profile) if args.profile else _profile(args)
     options = {"strategy": args.strategy, "solver": args.solver, "time_limit": args.time_limit,
-               "max_segment": args.max_segment}
+               "max_segment": args.max_segment, "granularity": args.granularity}
     if args.compile:
         schedule = _plan_compiled(args, prof, budget, options)
     else:
@@ -378,7 +384,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise MemfitError("--measure needs the model: this profile does not say how it was built; profile it with "
                           "memfit profile (or give --scenario/--model instead of --profile)")
     frame = sweep(prof, budgets, points=args.points or 30, strategies=strategies, solver=args.solver,
-                  segments=not args.no_segments, max_segment=args.max_segment)
+                  segments=not args.no_segments, max_segment=args.max_segment, granularity=args.granularity)
     check_interrupt()
     if args.measure:
         plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]

@@ -55,12 +55,13 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         rows: list[list[str]] = []
         for j, (u, policy) in enumerate(zip(profile.units, schedule.policies.values(), strict=True)):
             cost = unit_costs(profile, j, roles[j])
-            rows.append([u.name, policy, format_bytes(u.saved_bytes), format_bytes(cost.fwd_end),
+            rows.append([u.name, policy, recomputes(policy), format_bytes(u.saved_bytes), format_bytes(cost.fwd_end),
                          _ms(cost.recompute_s)])
-        head = ["unit", "policy", "saved for bwd", "kept to bwd", "recompute"]
-        out = [table(head, rows, [False, False, True, True, True])]
+        head = ["unit", "policy", "recomputes", "saved for bwd", "kept to bwd", "recompute"]
+        out = [table(head, rows, [False, False, False, True, True, True])]
     else:
-        out = [table(["unit", "policy"], [[n, p] for n, p in schedule.policies.items()], [False, False])]
+        out = [table(["unit", "policy", "recomputes"], [[n, p, recomputes(p)] for n, p in schedule.policies.items()],
+                     [False, False, False])]
     out.append("")
     budget = schedule.budget_bytes
     best = best_baseline(schedule)
@@ -105,6 +106,23 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     return "\n".join(out)
 
 
+def recomputes(policy: str) -> str:
+    """What a unit's policy recomputes in the backward, in words."""
+    kind, _, rest = policy.partition(":")
+    if policy == "none":
+        return "-"
+    if policy == "full":
+        return "the whole unit"
+    if kind == "child":
+        return "only " + ", ".join(rest.split("+"))
+    if kind == "selective":
+        op_policy, _, child = rest.partition("@")
+        what = f"all but {op_policy} outputs" if op_policy == "gemm" else f"op policy {op_policy}"
+        return f"{child}: {what}" if child else what
+    span = segment_span(policy)
+    return f"segment {span[0]}..{span[1]}, at once" if span else policy
+
+
 def profile_report(profile: Profile) -> str:
     rows = []
     for u in profile.units:
@@ -123,6 +141,12 @@ def profile_report(profile: Profile) -> str:
         f"one step {_ms(profile.step_s)}; measured peak {format_bytes(profile.measured_peak_bytes.get('none', 0))} "
         f"with nothing checkpointed, {format_bytes(profile.measured_peak_bytes.get('full', 0))} with every unit",
     ]
+    if profile.fine:
+        finer = [[u.name, o, recomputes(o), format_bytes(c.stored_bytes), format_bytes(c.bwd_peak_bytes),
+                  _ms(c.recompute_s)] for u in profile.units for o, c in u.options.items() if o not in ("none", "full")]
+        lines += ["", "finer options (for plan --granularity fine; an option that none or full beats is left out):",
+                  table(["unit", "option", "recomputes", "kept", "bwd peak", "recompute"], finer,
+                        [False, False, False, True, True, True])]
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profiler.step import OPTIMIZERS
+from memfit.measure.step import OPTIMIZERS
 
 if sys.version_info >= (3, 11):
     import tomllib

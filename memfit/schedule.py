@@ -11,6 +11,7 @@ from torch import nn
 
 from memfit.errors import FileFormatError
 from memfit.jsonio import Fields, read_json, write_json_atomic
+from memfit.profile import is_fine_option
 
 SCHEDULE_FORMAT = "memfit.schedule/1"
 POLICIES = ("none", "full")  # and "segment:<first>..<last>"
@@ -25,7 +26,7 @@ def segment_span(policy: str) -> tuple[str, str] | None:
 
 @dataclass(slots=True)
 class Schedule:
-    policies: dict[str, str]  # unit name -> "none" | "full", in forward order
+    policies: dict[str, str]  # unit name -> none, full, child:<a>[+<b>], selective:<p>, segment:<i>..<k>; in order
     budget_bytes: int
     predicted_peak_bytes: int
     predicted_recompute_s: float
@@ -107,9 +108,11 @@ def _compile(f: Fields) -> dict[str, Any]:
 
 def _policies(f: Fields) -> dict[str, str]:
     for unit, policy in f.data.items():
-        if policy not in POLICIES and not (isinstance(policy, str) and policy.startswith("segment:")):
+        if policy not in POLICIES and not (isinstance(policy, str) and (
+                segment_span(policy) or is_fine_option(policy))):
             raise FileFormatError(
-                f"{f.where}: unit {unit!r} has the policy {policy!r}; expected none, full or segment:<first>..<last>"
+                f"{f.where}: unit {unit!r} has the policy {policy!r}; expected none, full, child:<children>, "
+                "selective:<policy> or segment:<first>..<last>"
             )
     return dict(f.data)
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.measure.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
 from memfit.profiler.saved import unit_facts
-from memfit.profiler.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
 from memfit.runtime.validate import measure_steps
 from memfit.units import find_units
 
@@ -121,9 +121,9 @@ def test_units_off_the_gradient_path_are_refused():
 def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     """The recompute times add up so that predicting 'every unit checkpointed' gives the median
     ratio of adjacent plain and all-checkpointed steps, and units share it by forward time."""
+    from memfit.measure.timing import alternate
     from memfit.profiler import _recompute_factor
     from memfit.profiler.timeline import Stretch
-    from memfit.profiler.timing import alternate
 
     def run(fwd: list[float], bwd: list[float], rest: float) -> list[Stretch]:
         marks = [Stretch(f"fwd:{i}", 0, 0, t) for i, t in enumerate(fwd)]

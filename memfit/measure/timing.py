@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
-from torch import nn
-
-from memfit.profiler.step import Inputs, LossFn, default_loss, device_of, make_optimizer, training_step, zero_grad
-from memfit.runtime.apply import clear_policies, set_policies
 
 T = TypeVar("T")
 
@@ -50,36 +45,6 @@ def _without_gc(run: Callable[[int], T], k: int) -> T:
 def median_ratio(plain: list[float], other: list[float]) -> float:
     """Median over rounds of other / plain."""
     return statistics.median(b / a for a, b in zip(plain, other, strict=True))
-
-
-def step_times(
-    model: nn.Module, inputs: Any, schedules: list[dict[str, str]], *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "adamw", steps: int = 5,
-) -> tuple[float, list[float]]:
-    """Median step time of the plain model, and the median ratio of each schedule's step time to
-    the plain step's in the same round (see ``alternate``): timing several schedules in one
-    series lets them share the plain steps and the machine's drift."""
-    inp = Inputs.of(inputs)
-    loss = loss_fn or default_loss
-    device = device_of(model)
-    opt = make_optimizer(optimizer, model.parameters())
-    model.train()
-    configs = [{}, *schedules]
-
-    def timed(k: int) -> float:
-        set_policies(model, configs[k])
-        try:
-            zero_grad(model, opt)
-            sync(device)
-            t0 = time.perf_counter()
-            training_step(model, inp, loss, opt)
-            sync(device)
-            return time.perf_counter() - t0
-        finally:
-            clear_policies(model)
-
-    plain, *others = alternate(timed, len(configs), steps)
-    return statistics.median(plain), [median_ratio(plain, t) for t in others]
 
 
 def sync(device: torch.device) -> None:

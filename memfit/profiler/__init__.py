@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profile import OPTIONS, OptionCost, Phase, Profile, UnitProfile
-from memfit.profiler.saved import UnitFacts, unit_facts
-from memfit.profiler.step import (
+from memfit.measure.step import (
     Inputs,
     LossFn,
     default_loss,
@@ -25,8 +23,11 @@ from memfit.profiler.step import (
     training_step,
     zero_grad,
 )
+from memfit.measure.timing import alternate, median_ratio
+from memfit.profile import OPTIONS, OptionCost, Phase, Profile, UnitProfile
+from memfit.profiler.options import fine_options
+from memfit.profiler.saved import UnitFacts, unit_facts
 from memfit.profiler.timeline import Stretch, check_same_shape, recorded_step, stretches
-from memfit.profiler.timing import alternate, median_ratio
 from memfit.runtime.apply import clear_policies, is_checkpointed, set_policies
 from memfit.schedule import model_fingerprint
 from memfit.units import find_units
@@ -43,9 +44,15 @@ def profile(
     optimizer: str | None = "adamw",
     repeat: int = 5,
     progress: Progress | None = None,
+    granularity: str = "module",
+    children: list[str] | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
-    unit checkpointed, and return the per-unit costs the planner needs.
+    unit checkpointed, and return the per-unit costs the planner needs. ``granularity="fine"``
+    also measures finer options (see profiler/options.py), each in a step of its own with every
+    unit that has it in it, for ``plan(..., granularity="fine")``; ``children`` (relative names
+    such as ``["attn", "mlp", "attn+mlp"]``) names the child options to measure instead of the
+    automatic choice.
 
     ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments, on
     the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
@@ -53,6 +60,10 @@ def profile(
     """
     if repeat < 1:
         raise MemfitError("repeat must be at least 1")
+    if granularity not in ("module", "fine"):
+        raise MemfitError(f"unknown granularity {granularity!r}; use module or fine")
+    if children is not None and granularity != "fine":
+        raise MemfitError("children= names finer options: give granularity='fine' with it")
     say = progress or (lambda _msg: None)
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
@@ -73,32 +84,45 @@ def profile(
         training_step(model, inp, loss, opt)  # creates the optimizer state: steady state follows
         say("saved-for-backward bytes")
         facts = unit_facts(model, names, inp, loss)
+        finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
+        options = [*OPTIONS, *dict.fromkeys(o for opts in finer.values() for o in opts)]
+        for c in children or []:
+            if f"child:{c}" not in options:
+                unit = model.get_submodule(names[0])
+                raise MemfitError(f"no unit has the child {c!r}; {names[0]}'s children are "
+                                  f"{', '.join(n for n, _ in unit.named_children())} (nested ones with dots: mlp.0)")
+        configs = [{n: o if o in OPTIONS or o in finer[n] else "none" for n in names} for o in options]
         memory: dict[str, list[Stretch]] = {}
-        for option in OPTIONS:
+        for option, policies in zip(options, configs, strict=True):
             say(f"memory with every unit {option}")
-            with _all_units(model, names, option):
+            with _units_as(model, policies):
                 zero_grad(model, opt)
                 training_step(model, inp, loss, opt)  # warm-up in this configuration
                 memory[option] = stretches(recorded_step(model, names, inp, loss, opt, device, "memory"))
-        check_same_shape(memory["none"], memory["full"], "every unit was checkpointed")
+            check_same_shape(memory["none"], memory[option], f"every unit was {option}")
         _check_order(memory["none"], names)
-        calls = iter(range(4 * repeat))  # four steps a round: two plain, two checkpointed
+        per_round = 2 * len(options)  # each configuration: an untimed step, then a timed one
+        calls = iter(range(per_round * repeat))
 
-        def timed(full: int) -> list[Stretch]:
-            if (call := next(calls)) % 4 == 0:
-                say(f"timing {call // 4 + 1}/{repeat} (plain and checkpointed)")
-            with _all_units(model, names, "full" if full else "none"):
+        def timed(k: int) -> list[Stretch]:
+            if (call := next(calls)) % per_round == 0:
+                say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
+            with _units_as(model, configs[k]):
                 return stretches(recorded_step(model, names, inp, loss, opt, device, "time"))
 
-        times, full_times = alternate(timed, 2, repeat)
+        times, full_times, *finer_times = alternate(timed, len(options), repeat)
         zero_grad(model, opt)
         baseline = static_bytes(model, opt, inp)
         state_bytes = storage_bytes(optimizer_tensors(opt))
     params = list(model.parameters())
-    return _assemble(
+    prof = _assemble(
         model, names, inp, optimizer, device, memory, times, facts, baseline, state_bytes, params,
         _recompute_factor(times, full_times),
     )
+    for option, runs in zip(options[len(OPTIONS):], finer_times, strict=True):
+        _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], times, runs)
+    _prune(prof)
+    return prof
 
 
 def _assemble(
@@ -267,9 +291,50 @@ def _remainder_label(label: str, names: list[str]) -> str:
     return label
 
 
+def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretch],
+                plain: list[list[Stretch]], runs: list[list[Stretch]]) -> None:
+    """A finer option's costs, for the units that ``has`` it, from the step that ran them all so;
+    ``_prune`` then drops it where another option dominates it.
+
+    Its recompute time is the step's measured overhead over the plain step (interleaved, as for
+    ``full``), shared among the units by how much longer each one's forward and backward took
+    (an op-level policy costs in the forward too, where its dispatch mode runs)."""
+    index = {s.label: k for k, s in enumerate(memory)}
+    extra = max(0.0, median_ratio([_seconds(r) for r in plain], [_seconds(r) for r in runs]) - 1.0) * prof.step_s
+
+    def longer(k: int) -> float:
+        return statistics.median(r[k].seconds for r in runs) - statistics.median(r[k].seconds for r in plain)
+
+    units = [j for j in range(len(prof.units)) if has[j]]
+    raw = {j: max(0.0, longer(index[f"fwd:{j}"]) + longer(index[f"bwd:{j}"])) for j in units}
+    total = sum(raw.values())
+    for j in units:
+        f, b = memory[index[f"fwd:{j}"]], memory[index[f"bwd:{j}"]]
+        share = raw[j] / total if total > 0 else 1 / len(units)
+        prof.units[j].options[option] = OptionCost(f.peak, f.end, b.peak, b.end, extra * share)
+    prof.measured_peak_bytes[option] = prof.baseline_bytes + max(0, max(s.peak for s in _cumulative(memory)))
+
+
+def _prune(prof: Profile) -> None:
+    """Drop each finer option that another option of its unit dominates: no plan needs it."""
+    for u in prof.units:
+        for name in [o for o in u.options if o not in OPTIONS]:
+            cost = u.options[name]
+            if any(_dominates(c, cost) for o, c in u.options.items() if o != name):
+                del u.options[name]
+
+
+def _dominates(a: OptionCost, b: OptionCost) -> bool:
+    """``a`` is never worse than ``b`` at any moment of the step, nor dearer: no plan needs ``b``
+    (an op policy that keeps more than autograd would, say)."""
+    return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes
+            and a.stored_bytes <= b.stored_bytes and a.fwd_peak_bytes <= b.fwd_peak_bytes
+            and a.bwd_peak_bytes <= b.bwd_peak_bytes and a.recompute_s <= b.recompute_s)
+
+
 @contextmanager
-def _all_units(model: nn.Module, names: list[str], option: str) -> Iterator[None]:
-    set_policies(model, dict.fromkeys(names, option))
+def _units_as(model: nn.Module, policies: dict[str, str]) -> Iterator[None]:
+    set_policies(model, policies)
     try:
         yield
     finally:

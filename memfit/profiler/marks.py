@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import MemfitError
-from memfit.profiler.step import iter_tensors
-from memfit.runtime.memory import Mark
+from memfit.measure.memory import Mark
+from memfit.measure.step import iter_tensors
 from memfit.runtime.regions import recomputing
 
 

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.measure.step import Inputs, LossFn, iter_tensors, storage_bytes
 from memfit.profiler.marks import UnitMarks
-from memfit.profiler.step import Inputs, LossFn, iter_tensors, storage_bytes
 
 
 class _Producers(TorchDispatchMode):

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.measure.memory import Mark, memory_recorder
+from memfit.measure.step import Inputs, LossFn, training_step, zero_grad
 from memfit.profiler.marks import TimeRecorder, UnitMarks
-from memfit.profiler.step import Inputs, LossFn, training_step, zero_grad
-from memfit.runtime.memory import Mark, memory_recorder
 
 
 @dataclass(slots=True)

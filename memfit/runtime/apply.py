@@ -90,7 +90,7 @@ def _watch_inputs(model: nn.Module, schedule: Schedule) -> RemovableHandle:
     """A forward pre-hook that warns once for each new input signature (shapes and dtypes) that
     differs from the plan's: a longer sequence or a larger batch silently breaks the budget."""
     from memfit.budget import format_bytes
-    from memfit.profiler.step import Inputs  # the one describer of inputs, as the plan recorded them
+    from memfit.measure.step import Inputs  # the one describer of inputs, as the plan recorded them
 
     seen = {schedule.input_shapes}
     redo = f"memfit plan --budget {format_bytes(schedule.budget_bytes).replace(' ', '')}"
@@ -115,8 +115,11 @@ def _watch_inputs(model: nn.Module, schedule: Schedule) -> RemovableHandle:
 
 
 def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
-    """Checkpoint each unit whose policy is ``full``, and each ``segment:<first>..<last>`` as one
-    region; every name must be a submodule, and a segment's units must all say so, in order."""
+    """Checkpoint each unit as its policy says: ``full``; ``child:<a>[+<b>...]`` (only those direct
+    children, each its own region); ``selective:<policy>`` (the unit, under an op-level policy;
+    ``selective:<policy>@<child>``: only that child, under it);
+    ``segment:<first>..<last>`` (those units as one region). Every name must be a submodule, and
+    a segment's units must all say so, in order."""
     modules = {}
     for name in policies:
         try:
@@ -124,33 +127,47 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
         except AttributeError:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
     names = list(policies)
-    plan: list[tuple[str, list[str]]] = []  # (kind, unit names) for each region to checkpoint
+    plan: list[tuple[list[str], str]] = []  # (module names, op policy) for each region to checkpoint
     j = 0
     while j < len(names):
         policy = policies[names[j]]
-        if policy == "none":
-            j += 1
-            continue
-        if policy == "full":
-            plan.append(("full", [names[j]]))
+        kind, _, rest = policy.partition(":")
+        if policy in ("none", "full") or kind in ("child", "selective"):
+            if kind == "child":
+                plan += [([f"{names[j]}.{c}"], "") for c in rest.split("+")]
+            elif kind == "selective":  # selective:<policy>, or selective:<policy>@<child> for one child
+                op_policy, _, child = rest.partition("@")
+                plan.append(([f"{names[j]}.{child}" if child else names[j]], op_policy))
+            elif policy != "none":
+                plan.append(([names[j]], ""))
             j += 1
             continue
         span = segment_span(policy)
         if span is None or span[0] != names[j] or span[1] not in names[j + 1:]:
             raise MemfitError(
-                f"unit {names[j]!r} has the policy {policy!r}; use none, full or segment:<first>..<last> "
-                "naming this unit first and a later unit last"
+                f"unit {names[j]!r} has the policy {policy!r}; use none, full, child:<children>, "
+                "selective:<policy> or segment:<first>..<last> naming this unit first and a later unit last"
             )
         first, last = span
         k = names.index(last)
         if any(policies[n] != policy for n in names[j : k + 1]):
             raise MemfitError(f"every unit from {first!r} to {last!r} must have the policy {policy!r}")
-        plan.append(("segment", names[j : k + 1]))
+        plan.append((names[j : k + 1], ""))
         j = k + 1
-    for _, members in plan:
+    for members, _ in plan:
         for name in members:
+            if name not in modules:
+                try:
+                    modules[name] = model.get_submodule(name)
+                except AttributeError:
+                    raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
+                                                ) from None
             _refuse_checkpointed(name, modules[name])
-    regions = [Region(units, _context_fn(units)) for units in ([modules[n] for n in m] for _, m in plan)]
+    if any(p and p not in SELECTIVE for _, p in plan):
+        bad = next(p for _, p in plan if p and p not in SELECTIVE)
+        raise MemfitError(f"unknown op-level policy selective:{bad}; known: {', '.join(SELECTIVE)}")
+    regions = [Region(units, _context_fn(units, op_policy))
+               for units, op_policy in (([modules[n] for n in m], p) for m, p in plan)]
     if regions:
         model.__dict__["_memfit_guard"] = guard(model, regions)
 
@@ -178,28 +195,48 @@ def _refuse_checkpointed(name: str, module: nn.Module) -> None:
         )
 
 
-def _context_fn(units: list[nn.Module]) -> Callable[[], Any]:
+def _context_fn(units: list[nn.Module], op_policy: str = "") -> Callable[[], Any]:
+    """What the region's checkpoint saves instead of recomputing: nothing (plain), BatchNorm's
+    outputs and counter (so that running statistics update once), and the op policy's choice."""
     has_bn = any(
         isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training
         for unit in units
         for m in unit.modules()
     )
-    if not has_bn:
+    if not has_bn and not op_policy:
         from torch.utils.checkpoint import noop_context_fn
 
         return noop_context_fn
-    # Recomputing a BatchNorm would update its running statistics twice: save its outputs and
-    # the num_batches_tracked increment instead of recomputing them.
+    keep = SELECTIVE[op_policy] if op_policy else frozenset()
     return functools.partial(
-        create_selective_checkpoint_contexts, _batch_norm_policy, allow_cache_entry_mutation=True
+        create_selective_checkpoint_contexts, functools.partial(_op_policy, keep, has_bn),
+        allow_cache_entry_mutation=has_bn,
     )
 
 
-def _batch_norm_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op in _BATCH_NORM_OPS:
+def _op_policy(keep: frozenset[Any], batch_norm: bool, ctx: Any, op: Any, *args: Any,
+               **kwargs: Any) -> CheckpointPolicy:
+    if op in keep:
         return CheckpointPolicy.MUST_SAVE
-    target = args[0] if args else None
-    counter = isinstance(target, torch.Tensor) and target.dtype == torch.long and target.dim() == 0
-    if op is _aten.add_.Tensor and counter:
-        return CheckpointPolicy.MUST_SAVE
+    if batch_norm:
+        if op in _BATCH_NORM_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        target = args[0] if args else None
+        if op is _aten.add_.Tensor and isinstance(target, torch.Tensor) and target.dtype == torch.long and (
+                target.dim() == 0):
+            return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    return frozenset(getattr(_aten, n).default for n in names if hasattr(_aten, n))
+
+
+# Op-level policies: the outputs each keeps (MUST_SAVE); everything else in the unit is recomputed.
+SELECTIVE: dict[str, frozenset[Any]] = {
+    # matrix products, convolutions and attention kernels: the dear ops; the cheap elementwise
+    # ones between them (norms, activations, dropout, softmax) come back in the backward
+    "gemm": _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"),
+}

@@ -21,9 +21,9 @@ from torch import nn
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
+from memfit.measure.step import Inputs, LossFn, default_loss, device_of, make_optimizer, training_step, zero_grad
+from memfit.measure.timing import alternate, median_ratio, sync
 from memfit.profile import Profile
-from memfit.profiler.step import Inputs, LossFn, default_loss, device_of, make_optimizer, training_step, zero_grad
-from memfit.profiler.timing import alternate, median_ratio, sync
 from memfit.runtime.apply import clear_policies, set_policies
 from memfit.runtime.validate import measure_steps
 from memfit.schedule import Schedule

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +13,8 @@ import torch
 from torch import nn
 
 from memfit.errors import ScheduleMismatchError
-from memfit.profiler.step import (
+from memfit.measure.memory import memory_recorder
+from memfit.measure.step import (
     Inputs,
     LossFn,
     default_loss,
@@ -21,9 +24,8 @@ from memfit.profiler.step import (
     training_step,
     zero_grad,
 )
-from memfit.profiler.timing import step_times
+from memfit.measure.timing import alternate, median_ratio, sync
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
-from memfit.runtime.memory import memory_recorder
 from memfit.schedule import Schedule
 
 
@@ -96,6 +98,37 @@ def measure_steps(
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level)
+
+
+def step_times(
+    model: nn.Module, inputs: Any, schedules: list[dict[str, str]], *, loss_fn: LossFn | None = None,
+    optimizer: str | None = "adamw", steps: int = 5,
+) -> tuple[float, list[float]]:
+    """Median step time of the plain model, and the median ratio of each schedule's step time to
+    the plain step's in the same round (see ``alternate``): timing several schedules in one
+    series lets them share the plain steps and the machine's drift."""
+    inp = Inputs.of(inputs)
+    loss = loss_fn or default_loss
+    device = device_of(model)
+    opt = make_optimizer(optimizer, model.parameters())
+    model.train()
+    configs = [{}, *schedules]
+
+    def timed(k: int) -> float:
+        set_policies(model, configs[k])
+        try:
+            zero_grad(model, opt)
+            sync(device)
+            t0 = time.perf_counter()
+            training_step(model, inp, loss, opt)
+            sync(device)
+            return time.perf_counter() - t0
+        finally:
+            clear_policies(model)
+
+    plain, *others = alternate(timed, len(configs), steps)
+    return statistics.median(plain), [median_ratio(plain, t) for t in others]
+
 
 
 def validate(

@@ -1,0 +1,161 @@
+"""memfit's plans against torch.compile's own activation memory budget, on the default scenario.
+
+    python benchmarks/vs_compile_budget.py                       # budgets 0.1 ... 0.9, 9 rounds (~12 min)
+    python benchmarks/vs_compile_budget.py --budgets 0.3 0.6 --rounds 9 --plot frontier.png
+
+For each ``torch._functorch.config.activation_memory_budget`` the model is compiled (backend
+aot_eager, whose partitioner then recomputes what its runtime estimates say is cheapest) and its
+steady-state peak measured. At that peak memfit plans twice from one fine profile: at module
+granularity and with ``granularity="fine"`` (children, op-level policies), both run eagerly.
+Every configuration is built at once and timed in one interleaved series (each timed step after
+an untimed step of its own, the order reversing every round, GC held off), medians over
+--rounds rounds; slowdowns are against the plain eager step of the same rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import memfit
+from memfit.budget import format_bytes
+from memfit.measure.memory import memory_recorder
+from memfit.measure.step import Inputs, default_loss, make_optimizer, static_bytes, training_step, zero_grad
+from memfit.measure.timing import alternate
+from memfit.report import table
+from memfit.runtime.apply import set_policies
+from memfit.scenarios import load_scenario
+
+
+@dataclass
+class Config:
+    label: str
+    runner: Any
+    model: torch.nn.Module
+    opt: Any
+    peak: int = 0
+    times: list[float] | None = None
+
+
+def budget_backend(budget: float) -> Any:
+    """aot_eager partitioning under this activation memory budget. A backend object of its own
+    per budget: Dynamo guards on the backend, so copies compiled for other budgets do not share
+    (they would, with one backend: nn.Modules are graph inputs, the guards pass for any copy)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+def steady_peak(cfg: Config, inputs: Inputs) -> int:
+    """Peak of a steady-state step (after one warm-up, which also compiles), as validate measures."""
+    for _ in range(2):
+        zero_grad(cfg.model, cfg.opt)
+        training_step(cfg.runner, inputs, default_loss, cfg.opt)
+    zero_grad(cfg.model, cfg.opt)
+    base = static_bytes(cfg.model, cfg.opt, inputs)
+    rec = memory_recorder(torch.device("cpu"))
+    with rec:
+        rec.on_mark("start")
+        training_step(cfg.runner, inputs, default_loss, cfg.opt)
+        rec.on_mark("end")
+    marks = rec.marks()
+    return base + max(m.peak for m in marks) - marks[0].level
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[round(0.1 * k, 1) for k in range(1, 10)])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--plot", help="draw both frontiers (memory, slowdown) to this .png/.svg")
+    args = parser.parse_args()
+    for name in ("cache_size_limit", "recompile_limit"):  # one entry per budget: keep every one compiled
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    sc = load_scenario("gpt-small")
+    model, raw_inputs = sc.build("cpu")
+    inputs = Inputs.of(raw_inputs)
+    prof = memfit.profile(model, raw_inputs, units=sc.units, optimizer=sc.optimizer, repeat=5, granularity="fine")
+
+    def config(label: str, policies: dict[str, str] | None = None, budget: float | None = None) -> Config:
+        m = copy.deepcopy(model)
+        m.train()
+        if policies:
+            set_policies(m, policies)
+        runner = m if budget is None else torch.compile(m, backend=budget_backend(budget))
+        cfg = Config(label, runner, m, make_optimizer(sc.optimizer, m.parameters()))
+        cfg.peak = steady_peak(cfg, inputs)  # compiles, for a budget
+        print(f"{label}: {format_bytes(cfg.peak)}", flush=True)
+        return cfg
+
+    configs = [config("plain eager")]
+    rows: list[tuple[float, Config, Config | None, Config | None]] = []
+    for b in args.budgets:
+        compiled = config(f"compile {b:.1f}", budget=b)
+        plans = []
+        for granularity in ("module", "fine"):
+            try:
+                s = memfit.plan(prof, compiled.peak, granularity=granularity)
+            except memfit.InfeasibleBudgetError:
+                plans.append(None)
+                continue
+            plans.append(config(f"memfit {granularity} @ {b:.1f}", s.policies))
+        rows.append((b, compiled, *plans))
+        configs += [c for c in (compiled, *plans) if c is not None]
+
+    def step(k: int) -> float:
+        cfg = configs[k]
+        zero_grad(cfg.model, cfg.opt)
+        t0 = time.perf_counter()
+        training_step(cfg.runner, inputs, default_loss, cfg.opt)
+        return time.perf_counter() - t0
+
+    times = alternate(step, len(configs), args.rounds)
+    for cfg, t in zip(configs, times, strict=True):
+        cfg.times = t
+
+    def slowdown(cfg: Config | None) -> float:
+        if cfg is None or cfg.times is None:
+            return float("nan")
+        return statistics.median(b / a for a, b in zip(configs[0].times or [], cfg.times, strict=True)) - 1
+
+    def cell(cfg: Config | None) -> list[str]:
+        return ["does not fit", "-"] if cfg is None else [format_bytes(cfg.peak), f"{slowdown(cfg) * 100:+.1f}%"]
+
+    out = [[f"{b:.1f}", *cell(c), *cell(m), *cell(f)] for b, c, m, f in rows]
+    print(f"\nplain eager step {statistics.median(configs[0].times or [0]) * 1e3:.1f} ms, peak "
+          f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds")
+    print(table(["budget", "compile peak", "compile", "memfit module peak", "module", "memfit fine peak", "fine"],
+                out))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for idx, name, style in ((1, "torch.compile activation_memory_budget (aot_eager)", "o-"),
+                                 (2, "memfit, module granularity", "s--"), (3, "memfit, fine granularity", "^-")):
+            pts = sorted((r[idx].peak / 2**20, slowdown(r[idx]) * 100) for r in rows if r[idx] is not None)
+            ax.plot([p for p, _ in pts], [s for _, s in pts], style, label=name)
+        ax.set_xlabel("measured peak (MiB)")
+        ax.set_ylabel("slowdown vs plain eager step (%)")
+        ax.set_title("gpt-small on the CPU: memory vs time")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

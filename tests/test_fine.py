@@ -1,0 +1,164 @@
+"""Finer than a block: child-module and op-level options, measured, predicted and applied."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+import memfit
+from memfit.runtime.apply import set_policies
+from memfit.runtime.validate import measure_steps
+
+from .conftest import tiny_gpt
+from .test_apply import _assert_identical, _run, _schedule
+from .test_fidelity import cnn_mixed, hf_gpt2, hf_llama
+
+FACTORIES = {"gpt": tiny_gpt, "hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "cnn": cnn_mixed}
+TOLERANCE = 0.01
+# The BatchNorm CNN's whole-unit regions (full, selective) are predicted 32 KiB (1.6%) high, as
+# full always was there (test_fidelity allows 3%): the memory model books a shared block output
+# cautiously. Child options and the transformers are predicted exactly.
+CAUTION = {"cnn": 0.03}
+
+
+def _fine(name):
+    model, inputs = FACTORIES[name]()
+    units = "blocks.*" if name == "cnn" else "auto"
+    optimizer = "sgd-momentum" if name == "cnn" else "adamw"
+    prof = memfit.profile(model, inputs, units=units, optimizer=optimizer, repeat=1, granularity="fine")
+    return model, inputs, prof, optimizer
+
+
+@pytest.fixture(scope="module", params=list(FACTORIES))
+def fine(request):
+    return request.param, *_fine(request.param)
+
+
+def test_children_and_policies_are_found_and_measured(fine):
+    name, _, _, prof, _ = fine
+    options = {o for u in prof.units for o in u.options} - {"none", "full"}
+    # the CNN's blocks: every child keeps more than it frees or frees nothing; keeping every conv
+    # output, as BatchNorm needs it anyway, costs more than keeping nothing: all dominated, dropped
+    expected = {"gpt": {"child:attn", "child:mlp"}, "hf-gpt2": {"child:attn", "child:mlp"},
+                "hf-llama": {"child:self_attn", "child:mlp"}, "cnn": set()}[name]
+    assert expected <= options and prof.fine == bool(options)
+    if name != "cnn":  # the op policy inside a child, where it is not dominated
+        assert any(o.startswith("selective:gemm@") for o in options)
+    for option in options:
+        has = [u.name for u in prof.units if option in u.options]
+        if len(has) < len(prof.units):
+            continue  # dropped where dominated: the step that measured it differs from this plan
+        # every unit that has it ran it in one step: the walk of that step is what was measured
+        # (up to the remainder phases, which the walk takes as the larger of the none and full steps')
+        predicted = memfit.predict(prof, dict.fromkeys(has, option)).peak_bytes
+        measured = prof.measured_peak_bytes[option]
+        assert 0 <= predicted - measured <= CAUTION.get(name, 0.001) * measured
+
+
+def test_mixed_fine_plans_predicted_within_one_percent(fine):
+    name, model, inputs, prof, optimizer = fine
+    rng = random.Random(0)
+    for _ in range(3):
+        policies = {u.name: rng.choice(list(u.options)) for u in prof.units}
+        twin = copy.deepcopy(model)
+        set_policies(twin, policies)
+        measured = measure_steps(twin, inputs, optimizer=optimizer).peak_bytes
+        predicted = memfit.predict(prof, policies).peak_bytes
+        assert abs(predicted - measured) / measured <= CAUTION.get(name, TOLERANCE), (policies, predicted, measured)
+        assert predicted >= measured
+
+
+def test_fine_plan_fits_and_is_never_dearer_than_module_plan(fine):
+    _, model, inputs, prof, optimizer = fine
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    for frac in (0.3, 0.7):
+        budget = int(lo + frac * (hi - lo))
+        coarse = memfit.plan(prof, budget)
+        sched = memfit.plan(prof, budget, granularity="fine")
+        assert sched.predicted_recompute_s <= coarse.predicted_recompute_s + 1e-12
+        measured = measure_steps(memfit.apply(copy.deepcopy(model), sched), inputs, optimizer=optimizer).peak_bytes
+        assert measured <= budget
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_every_fine_option_gives_the_plain_models_results(name):
+    """Loss, outputs, gradients, weights and buffers (BatchNorm statistics), dropout included,
+    with every unit under each finer option and under a mix of them."""
+    model, inputs = FACTORIES[name]()
+    units = memfit.units.find_units(model, "blocks.*" if name == "cnn" else "auto")
+    unit = model.get_submodule(units[0])
+    children = [c for c, m in unit.named_children() if any(True for _ in m.parameters())]
+    options = [f"child:{c}" for c in children] + ["selective:gemm", f"child:{'+'.join(children[:2])}",
+                                                  f"selective:gemm@{children[-1]}"]
+    mixes = [dict.fromkeys(units, o) for o in options]
+    mixes.append({u: options[k % len(options)] for k, u in enumerate(units)})
+    pristine = copy.deepcopy(model)
+    expected = _run(model, inputs)
+    for policies in mixes:
+        twin = copy.deepcopy(pristine)
+        memfit.apply(twin, _schedule(pristine, policies))
+        _assert_identical(expected, _run(twin, inputs))
+
+
+def test_fine_schedule_round_trips_and_is_refused_when_wrong(tmp_path):
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, repeat=1, granularity="fine")
+    lo, hi = memfit.min_budget_bytes(prof, fine=True), memfit.predict(prof, {}).peak_bytes
+    sched = memfit.plan(prof, (lo + hi) // 2, granularity="fine", fallbacks=2)
+    sched.save(tmp_path / "s.json")
+    loaded = memfit.load_schedule(tmp_path / "s.json")
+    assert loaded.policies == sched.policies and loaded.fallbacks == sched.fallbacks
+    with pytest.raises(memfit.ScheduleMismatchError, match=r"h\.0\.nothing"):
+        memfit.apply(copy.deepcopy(model), _schedule(model, {"h.0": "child:nothing"}))
+    with pytest.raises(memfit.MemfitError, match="selective:magic"):
+        memfit.apply(copy.deepcopy(model), _schedule(model, {"h.0": "selective:magic"}))
+    with pytest.raises(memfit.MemfitError, match="measured options"):
+        memfit.predict(prof, {"h.0": "child:ln_1"})
+
+
+def test_fine_options_under_compile():
+    model, batch = tiny_gpt()
+    twin = copy.deepcopy(model)
+    set_policies(twin, {"h.0": "child:attn", "h.1": "selective:gemm@mlp", "h.2": "selective:gemm", "h.3": "full"})
+    torch._dynamo.reset()
+    try:
+        plain = measure_steps(model, batch, optimizer=None, compile="aot_eager")
+        sched = measure_steps(twin, batch, optimizer=None, compile="aot_eager")
+    finally:
+        torch._dynamo.reset()
+    assert sched.peak_bytes < plain.peak_bytes
+    assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
+
+
+def test_named_children_replace_the_automatic_choice():
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, repeat=1, granularity="fine", children=["mlp.0", "attn+mlp"])
+    assert set(prof.units[0].options) <= {"none", "full", "child:mlp.0", "child:attn+mlp", "selective:gemm@mlp.0"}
+    assert "child:attn+mlp" in prof.units[0].options  # frees both children's tensors: never dominated
+    with pytest.raises(memfit.MemfitError, match=r"no unit has the child 'nope'.*ln_1, attn, ln_2, mlp"):
+        memfit.profile(model, batch, repeat=1, granularity="fine", children=["nope"])
+    with pytest.raises(memfit.MemfitError, match="granularity='fine'"):
+        memfit.profile(model, batch, repeat=1, children=["attn"])
+
+
+def test_cli_plans_fine_and_shows_what_each_unit_recomputes(tmp_path, capsys):
+    from memfit.cli import main
+
+    from .conftest import TINY
+
+    (tmp_path / "tiny.toml").write_text(TINY)
+    prof, out = tmp_path / "p.json", tmp_path / "s.json"
+    assert main(["profile", "--scenario", str(tmp_path / "tiny.toml"), "--granularity", "fine", "--repeat", "1",
+                 "-o", str(prof)]) == 0
+    text = capsys.readouterr().out
+    assert "finer options" in text and "child:attn" in text and "only attn" in text
+    p = memfit.Profile.load(prof)
+    budget = (memfit.min_budget_bytes(p, fine=True) + memfit.predict(p, {}).peak_bytes) // 2
+    assert main(["plan", "--profile", str(prof), "--budget", str(budget), "--granularity", "fine",
+                 "-o", str(out)]) == 0
+    assert "recomputes" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(prof), "--budget", str(budget), "--children", "attn"]) == 2
+    assert "--children" in capsys.readouterr().err
+    assert main(["plan", "--budget", "1GB", "--children", "attn"]) == 2
+    assert "--granularity fine" in capsys.readouterr().err
