@@ -41,6 +41,7 @@ _LAZY = {
     "plan_compiled": "memfit.runtime.compiled",
     "Profile": "memfit.profile",
     "profile": "memfit.profiler",
+    "estimate": "memfit.profiler.estimate",
     "default_loss": "memfit.measure.step",
     "apply": "memfit.runtime.apply",
     "remove": "memfit.runtime.apply",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from memfit.optimizer.sweep import sweep
     from memfit.profile import Profile
     from memfit.profiler import profile
+    from memfit.profiler.estimate import estimate
     from memfit.runtime.apply import apply, remove, tighten
     from memfit.runtime.compiled import plan_compiled
     from memfit.runtime.validate import Validation, validate
@@ -94,6 +96,7 @@ __all__ = [
     "Validation",
     "apply",
     "default_loss",
+    "estimate",
     "format_bytes",
     "keep_freed_cpu_memory",
     "load_schedule",

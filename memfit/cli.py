@@ -19,18 +19,20 @@ from memfit.errors import MemfitError
 
 EPILOG = """\
 examples:
-  memfit plan --budget 200MB                      # the built-in GPT scenario: profile, plan, write schedule.json
-  memfit plan --budget 24GB --scenario hf-llama   # another built-in scenario (memfit scenarios lists them)
+  memfit plan --budget 24GB                       # the default 1.1B GPT: estimated for an RTX 4090 without a GPU
+  memfit plan --budget 80GB --scenario llama2-7b --target h100   # any scenario, estimated for any device
+  memfit plan --budget 300MB --scenario gpt-small # a small GPT, measured here (CPU or GPU)
   memfit plan --budget 8GiB --model mypkg.models:build --input-shape 8x3x224x224
-  memfit plan --budget 200MB --strategy every-k   # a baseline instead of the optimum
-  memfit profile -o profile.json && memfit plan --profile profile.json --budget 300MB
-  memfit plan --budget 24GB --device cuda:1       # profile on the second GPU (default: cuda if there is one)
+  memfit plan --budget 300MB --scenario gpt-small --strategy every-k   # a baseline instead of the optimum
+  memfit plan --budget 300MB --scenario gpt-small --granularity fine   # may checkpoint only an attention or MLP
+  memfit plan --budget 300MB --scenario gpt-small --compile inductor   # for the torch.compile'd step, measured
+  memfit profile --scenario gpt-small -o p.json && memfit plan --profile p.json --budget 300MB
+  memfit plan --budget 24GB --device cuda:1       # measure on the second GPU (default: cuda if there is one)
   memfit validate --schedule schedule.json        # rebuild the planned model; measure peak, slowdown, gradients
-  memfit plan --budget 200MB --compile inductor   # plan for the torch.compile'd step, measured until it fits
-  memfit plan --budget 200MB --granularity fine   # may also checkpoint only a block's attention or MLP
-  memfit sweep --plot curve.png                  # the memory-vs-slowdown curve over 30 budgets
-  memfit sweep --budgets 150MB:550MB:50MB --measure --csv sweep.csv
+  memfit sweep --scenario gpt-small --plot curve.png   # the memory-vs-slowdown curve over 30 budgets
+  memfit sweep --scenario gpt-small --budgets 150MB:550MB:50MB --measure --csv sweep.csv
   memfit show schedule.json
+  memfit scenarios                                # the built-in models, and which are estimated here
 
 memory sizes are binary: 24GB = 24GiB = 24G = 24 x 2^30 bytes; 1536MB; 0.5TB; a bare number is bytes.
 in train.py:  model = memfit.apply(model, memfit.load_schedule("schedule.json"))
@@ -221,7 +223,7 @@ def _granularity(p: argparse.ArgumentParser, fine: str) -> None:
 
 def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     title = ("model (default: the one the schedule was made for)" if validate
-             else "model (default: the built-in gpt-small scenario)")
+             else "model (default: the built-in gpt-1b scenario)")
     g = p.add_argument_group(title)
     g.add_argument("--scenario", help="a built-in scenario name or a scenario .toml file")
     g.add_argument("--model", help="your own model: module:factory returning a model or (model, inputs)")
@@ -231,6 +233,11 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
                    help="optimizer whose state and step count (default: the scenario's, else adamw)")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     if not validate:
+        from memfit.profiler.devices import DEVICES
+
+        g.add_argument("--target", help=f"estimate for this device without having it, from shapes: "
+                       f"{', '.join(DEVICES)} "
+                       "(default: measure here; with no GPU here, a scenario's own target)")
         g.add_argument("--repeat", type=int,
                        help="timed rounds of plain and all-checkpointed steps when profiling (default: 5)")
 

@@ -11,105 +11,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from memfit import modelflags
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
-
-_MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat", "children")
-
-
-def _given(args: argparse.Namespace, names: tuple[str, ...] = _MODEL_FLAGS) -> list[str]:
-    """The model flags the user gave, spelled as on the command line."""
-    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) is not None]
-
-
-def _scenario(args: argparse.Namespace) -> Any:
-    from memfit.scenarios import DEFAULT, Scenario, load_scenario
-
-    if args.scenario and args.model:
-        raise MemfitError("give either --scenario or --model, not both")
-    if args.model:
-        shape = _shape(args.input_shape) if args.input_shape else None
-        sc = Scenario(name=args.model, model=args.model, input_shape=shape)
-    else:
-        sc = load_scenario(args.scenario or DEFAULT)
-        if args.input_shape:
-            sc.input_shape = _shape(args.input_shape)
-    if args.units:
-        sc.units = args.units
-    if args.optimizer:
-        sc.optimizer = args.optimizer
-    return sc
-
-
-def _shape(text: str) -> list[int]:
-    try:
-        dims = [int(d) for d in text.lower().replace(",", "x").split("x")]
-    except ValueError:
-        raise MemfitError(f"--input-shape is dimensions joined by x, e.g. 8x3x224x224; got {text!r}") from None
-    if not dims or any(d <= 0 for d in dims):
-        raise MemfitError(f"--input-shape needs positive dimensions, got {text!r}")
-    return dims
-
-
-def _device(text: str | None) -> str:
-    """--device, checked; by default CUDA when there is a GPU, else the CPU."""
-    import torch
-
-    if text is None:
-        text = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}") from None
-    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
-        raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise MemfitError(f"--device {text}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise MemfitError(f"--device {text}: there are {torch.cuda.device_count()} CUDA devices (0-based)")
-        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"  # as profiles say
-    return "cpu"
-
-
-def _build(sc: Any, device: str) -> tuple[Any, Any]:
-    print(f"building {sc.name} ({sc.model}) on {device}", file=sys.stderr)
-    return sc.build(device)
-
-
-def _profile(args: argparse.Namespace) -> Any:
-    from tqdm import tqdm
-
-    from memfit.profiler import profile
-
-    repeat = 5 if args.repeat is None else args.repeat
-    if repeat < 1:
-        raise MemfitError("--repeat must be at least 1")
-    if args.children and args.granularity != "fine":
-        raise MemfitError("--children names finer options to measure: give --granularity fine with it")
-    sc = _scenario(args)
-    device = _device(args.device)
-    model, inputs = _build(sc, device)
-    check_interrupt()
-    optimizer = None if sc.optimizer == "none" else sc.optimizer
-    with tqdm(total=4 + repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
-        started = []
-
-        def progress(message: str) -> None:  # called as each pass begins
-            check_interrupt()  # an interrupt swallowed during the last pass stops the run here
-            if started:
-                bar.update(1)
-            started.append(message)
-            if len(started) > bar.total:  # fine granularity: a pass for each finer option found
-                bar.total = len(started)
-                bar.refresh()
-            bar.set_postfix_str(message)
-
-        result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=repeat, progress=progress,
-                         granularity=args.granularity, children=args.children)
-        bar.update(1)
-    result.source = sc.source()
-    return result
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -117,7 +21,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from memfit.report import profile_report
 
     check_replaceable(args.output, "profile file")  # before minutes of profiling, not after
-    prof = _profile(args)
+    prof = modelflags.profile_of(args)
     write_output(prof.save, args.output)
     if args.json:
         print(json.dumps({"format": "memfit.profile/1", **asdict(prof)}, indent=2))
@@ -154,7 +58,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_outputs(args, {"-o": (output, "schedule file")})
     if args.timeline:
         check_plot_path(args.timeline)
-    prof = Profile.load(args.profile) if args.profile else _profile(args)
+    prof = Profile.load(args.profile) if args.profile else modelflags.profile_of(args)
     options = {"strategy": args.strategy, "solver": args.solver, "time_limit": args.time_limit,
                "max_segment": args.max_segment, "granularity": args.granularity}
     if args.compile:
@@ -196,7 +100,7 @@ def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: di
         raise MemfitError("--compile measures the compiled step, but this profile does not record its model (it was "
                           "made in Python): give --scenario or --model instead of --profile")
     sc = scenario_from_source(prof.source)
-    model, inputs = _build(sc, prof.device)
+    model, inputs = modelflags.build_model(sc, prof.device)
 
     def progress(message: str) -> None:
         check_interrupt()
@@ -213,7 +117,7 @@ def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]
     from memfit.jsonio import check_replaceable, check_writable
 
     if args.profile:
-        if given := _given(args):
+        if given := modelflags.given(args):
             raise MemfitError(
                 f"{', '.join(given)} cannot change a profile that was already measured: drop "
                 f"{'it' if len(given) == 1 else 'them'}, or profile again with those flags instead of --profile"
@@ -257,8 +161,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if not schedule.levels:
             raise MemfitError("this schedule holds no predicted timeline (made by an older memfit): plan it again "
                               "to draw --timeline")
-    sc, device = _validation_setup(args, schedule)
-    model, inputs = _build(sc, device)
+    sc, device = modelflags.validation_setup(args, schedule)
+    model, inputs = modelflags.build_model(sc, device)
     check_interrupt()
     optimizer = None if sc.optimizer == "none" else sc.optimizer
     print("measuring the plain and the scheduled step", file=sys.stderr)
@@ -276,46 +180,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     else:
         print(validation_report(result))
     return 0 if result.ok else 1
-
-
-def _validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]:
-    """The model, optimizer and device the schedule was made for; flags that say otherwise are
-    refused with the one that differs, since measuring another setup would prove nothing."""
-    from memfit.scenarios import cli_flag, load_scenario, scenario_from_source
-
-    source = schedule.source
-    planned_opt = schedule.optimizer or "none"
-    if args.optimizer and args.optimizer != planned_opt:
-        raise MemfitError(f"the schedule was planned with --optimizer {planned_opt}, not {args.optimizer}: its "
-                          "peak counts that optimizer's state; drop --optimizer, or plan again with yours")
-    if args.device and _device(args.device) != schedule.device:
-        raise MemfitError(f"the schedule was profiled on {schedule.device}, not {args.device}: memory differs "
-                          f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
-    model_flags = ("scenario", "model", "input_shape", "units")
-    if not source:  # a schedule from memfit.plan() in Python, or from an older memfit
-        if not _given(args, model_flags):
-            raise MemfitError("this schedule does not record which model it was made for (it was made in Python "
-                              "or by an older memfit): give --scenario or --model, as when it was planned")
-        sc = _scenario(args)
-    else:
-        sc = scenario_from_source(source)
-        made_for = f"the schedule was made for {cli_flag(source)}"
-        if args.scenario is not None or args.model is not None:
-            flag, mine = (("--scenario", load_scenario(args.scenario).origin) if args.scenario is not None
-                          else ("--model", args.model))
-            theirs = source.get(flag[2:])
-            if mine != theirs:
-                raise MemfitError(f"{made_for}, not {flag} {args.scenario or args.model}; drop the model flags to "
-                                  "validate what it was made for")
-        if args.input_shape is not None and _shape(args.input_shape) != source.get("input_shape"):
-            planned = "x".join(map(str, source.get("input_shape") or [])) or "the factory's own inputs"
-            raise MemfitError(f"{made_for} with input shape {planned}, not --input-shape {args.input_shape}")
-        if args.units is not None and args.units != source.get("units"):
-            planned_units = source.get("units")
-            shown = " ".join(planned_units) if isinstance(planned_units, list) else planned_units
-            raise MemfitError(f"{made_for} with units {shown}, not --units {' '.join(args.units)}")
-    sc.optimizer = planned_opt
-    return sc, _device(args.device or schedule.device)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -336,9 +200,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
+    import torch
+
     from memfit.report import table
     from memfit.scenarios import BUILTIN_DIR, DEFAULT, builtin_names, load_scenario
 
+    cuda = torch.cuda.is_available()
     names = builtin_names()
     if not names:
         raise MemfitError(f"no built-in scenarios in {BUILTIN_DIR}: this memfit installation is incomplete; "
@@ -346,8 +213,11 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     rows = []
     for name in names:
         sc = load_scenario(name)
-        rows.append([name + (" (default)" if name == DEFAULT else ""), sc.model, sc.description])
-    print(table(["scenario", "factory", "description"], rows, [False, False, False]))
+        mode = "measured" if not sc.target or cuda else f"estimated ({sc.target})"
+        rows.append([name + (" (default)" if name == DEFAULT else ""), sc.model, mode, sc.description])
+    print(table(["scenario", "factory", "here", "description"], rows, [False, False, False, False]))
+    print("\nhere: measured on this machine, or estimated from shapes for the scenario's target device (no GPU "
+          "here); --target NAME estimates any scenario for a device")
     return 0
 
 
@@ -379,7 +249,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_outputs(args, outputs)
     if args.plot:
         check_plot_path(args.plot)
-    prof = Profile.load(args.profile) if args.profile else _profile(args)
+    prof = Profile.load(args.profile) if args.profile else modelflags.profile_of(args)
     if args.measure and not prof.source:
         raise MemfitError("--measure needs the model: this profile does not say how it was built; profile it with "
                           "memfit profile (or give --scenario/--model instead of --profile)")
@@ -388,7 +258,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_interrupt()
     if args.measure:
         plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]
-        model, inputs = _build(scenario_from_source(prof.source), prof.device)
+        model, inputs = modelflags.build_model(scenario_from_source(prof.source), prof.device)
         with tqdm(total=len(plans), desc="measuring plans", unit="plan", file=sys.stderr, leave=False,
                   disable=None) as bar:
             peaks, overheads = measure_plans(model, inputs, [json.loads(p) for p in plans], optimizer=prof.optimizer,

@@ -37,14 +37,57 @@ def gpt2(
 
 def llama(
     batch: int = 4, seq: int = 128, n_layer: int = 4, hidden: int = 256, n_head: int = 4, vocab: int = 4096,
-    seed: int = 0,
+    seed: int = 0, intermediate: int | None = None, kv_heads: int | None = None,
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A Llama; ``intermediate`` (default 8/3 of ``hidden``) and ``kv_heads`` (default half the
+    heads) as in the published configs, e.g. Llama-2-7B: 32 layers, 4096, 11008, 32 heads, 32 KV heads."""
     tf = _transformers()
     torch.manual_seed(seed)
     config = tf.LlamaConfig(
-        num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-        num_attention_heads=n_head, num_key_value_heads=max(1, n_head // 2), vocab_size=vocab,
+        num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=intermediate or hidden * 8 // 3,
+        num_attention_heads=n_head, num_key_value_heads=kv_heads or max(1, n_head // 2), vocab_size=vocab,
         max_position_embeddings=max(seq, 128), use_cache=False, attn_implementation="sdpa",
         bos_token_id=0, eos_token_id=0,
     )
     return tf.LlamaForCausalLM(config), _tokens(batch, seq, vocab)
+
+
+def bert(
+    batch: int = 8, seq: int = 128, n_layer: int = 4, hidden: int = 256, n_head: int = 4, vocab: int = 30522,
+    intermediate: int | None = None, seed: int = 0,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """BERT for masked-language-model pre-training (every token a label, for a loss)."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    config = tf.BertConfig(
+        num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=n_head, vocab_size=vocab,
+        intermediate_size=intermediate or 4 * hidden, max_position_embeddings=max(seq, 512),
+        attn_implementation="sdpa",
+    )
+    ids = torch.randint(0, vocab, (batch, seq))
+    return tf.BertForMaskedLM(config), {"input_ids": ids, "labels": ids.clone()}
+
+
+def vit(
+    batch: int = 8, image: int = 224, patch: int = 16, n_layer: int = 4, hidden: int = 256, n_head: int = 4,
+    intermediate: int | None = None, classes: int = 1000, seed: int = 0,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A Vision Transformer classifier on random images."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    config = tf.ViTConfig(
+        num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=n_head, image_size=image,
+        patch_size=patch, intermediate_size=intermediate or 4 * hidden, num_labels=classes,
+        attn_implementation="sdpa",
+    )
+    try:
+        model = tf.ViTForImageClassification(config)
+    except Exception as exc:  # fake tensors (estimate mode) hold no values for the truncated-normal init
+        if "DataDependent" not in type(exc).__name__:
+            raise
+        import transformers.initialization as init  # transformers >= 5; 4.x kept it in modeling_utils
+
+        with init.no_init_weights():
+            model = tf.ViTForImageClassification(config)
+    pixels = torch.randn(batch, 3, image, image)
+    return model, {"pixel_values": pixels, "labels": torch.randint(0, classes, (batch,))}

@@ -102,6 +102,8 @@ class Profile:
     rng_state_bytes: int = 0  # device bytes of the RNG state a checkpoint keeps (CPU: 5056, CUDA: 0)
     torch_version: str = ""
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
+    mode: str = "measured"  # or "estimated": from shapes on fake tensors, for ``target``
+    target: str = ""  # the device estimated for (profiler/devices.py); "" when measured
 
     @property
     def fine(self) -> bool:
@@ -208,7 +210,16 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         rng_state_bytes=int(data.get("rng_state_bytes", 0)),
         recompute_factor=float(data.get("recompute_factor", 1.0)),
         source=f.obj("source").data if "source" in data else {},
+        mode=_choice(f, "mode", ("measured", "estimated"), "measured"),
+        target=str(data.get("target", "")),
     )
+
+
+def _choice(f: Fields, key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = f.data.get(key, default)
+    if value not in allowed:
+        raise_field(f.where, key, value)
+    return str(value)
 
 
 def _positive(f: Fields, key: str) -> float:

@@ -91,6 +91,16 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed{in_segments}; "
         f"solver {schedule.solver} ({schedule.solver_status}){took}"
     )
+    if schedule.target:
+        from memfit.profiler.devices import device_spec
+
+        spec = device_spec(schedule.target)
+        out.append(f"estimated for {spec.title} ({spec.name}) from shapes on fake tensors, nothing allocated: memory "
+                   "exact from shapes, times a roofline; check it on the GPU with memfit validate")
+        if schedule.predicted_peak_bytes > spec.usable_bytes:
+            out.append(f"warning: {spec.title} leaves about {format_bytes(spec.usable_bytes)} to a training step "
+                       "(the rest is the CUDA context): this plan's peak will not fit there; plan with a smaller "
+                       "budget")
     if schedule.compile:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
                    f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")
@@ -124,6 +134,7 @@ def recomputes(policy: str) -> str:
 
 
 def profile_report(profile: Profile) -> str:
+    where = f"estimated for {profile.target}" if profile.mode == "estimated" else f"on {profile.device}"
     rows = []
     for u in profile.units:
         none, full = u.options["none"], u.options["full"]
@@ -132,7 +143,7 @@ def profile_report(profile: Profile) -> str:
                      format_bytes(none.bwd_peak_bytes), format_bytes(full.bwd_peak_bytes)])
     head = ["unit", "fwd", "bwd", "input", "saved", "kept (none)", "kept (full)", "bwd peak (none)", "bwd peak (full)"]
     lines = [
-        f"{profile.model_class} on {profile.device}, optimizer {profile.optimizer}; inputs: {profile.input_shapes}",
+        f"{profile.model_class} {where}, optimizer {profile.optimizer}; inputs: {profile.input_shapes}",
         table(head, rows, [False, *([True] * 8)]),
         "",
         f"parameters {format_bytes(profile.param_bytes)}, gradients {format_bytes(profile.grad_bytes)}, "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 BUILTIN_DIR = Path(__file__).parent / "builtin_scenarios"
-DEFAULT = "gpt-small"
+DEFAULT = "gpt-1b"  # does not fit 24 GB unplanned; estimated for an RTX 4090 where there is no GPU
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,14 +37,19 @@ class Scenario:
     units: str | list[str] = "auto"
     dtype: str = "float32"
     origin: str | None = None  # a built-in scenario's name or a TOML file's absolute path; None for --model
+    target: str | None = None  # the device to estimate for when no GPU is at hand (profiler/devices.py)
 
     def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
         """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
         factory = load_factory(self.model)
         if not callable(factory):
             raise MemfitError(f"{self.model} is not a function or class that builds a model")
+        dtype = DTYPES[self.dtype]
         try:
-            made = factory(**self.args)
+            # Built in the dtype, not cast after: half the memory while building, and fake
+            # parameters (estimate mode) cannot be cast.
+            with _default_dtype(dtype):
+                made = factory(**self.args)
         except TypeError as exc:
             if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
                 raise  # raised inside the factory: the user's own error, reported with its place
@@ -66,9 +73,9 @@ class Scenario:
             model, inputs = made, (torch.randn(*self.input_shape),)
         else:
             raise MemfitError(f"{self.model} must return an nn.Module or (module, inputs)")
-        dtype = DTYPES[self.dtype]
-        if dtype != torch.float32:
+        if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
             model = model.to(dtype)
+        if dtype != torch.float32:
             inputs = _cast(inputs, dtype)
         device = torch.device(device)
         if device.type != "cpu":
@@ -145,6 +152,16 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
 
 
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def load_scenario(name_or_path: str) -> Scenario:
     """A built-in scenario by name, or a TOML file by path; every field is checked."""
     path = Path(name_or_path)
@@ -166,7 +183,7 @@ def load_scenario(name_or_path: str) -> Scenario:
         raise MemfitError(f"{path}: not valid TOML ({exc})") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise MemfitError(f"{path}: cannot read ({exc})") from None
-    known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires"}
+    known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -176,7 +193,7 @@ def load_scenario(name_or_path: str) -> Scenario:
     def bad(key: str, what: str) -> MemfitError:
         return MemfitError(f"{path}: field {key!r} must be {what}, got {data[key]!r}")
 
-    for key in ("model", "description", "requires"):
+    for key in ("model", "description", "requires", "target"):
         if key in data and not isinstance(data[key], str):
             raise bad(key, "a string")
     if not isinstance(data.get("args", {}), dict):
@@ -196,6 +213,11 @@ def load_scenario(name_or_path: str) -> Scenario:
     dtype = data.get("dtype", "float32")
     if dtype not in DTYPES:
         raise bad("dtype", f"one of {', '.join(DTYPES)}")
+    if "target" in data:
+        from memfit.profiler.devices import DEVICES
+
+        if data["target"] not in DEVICES:
+            raise bad("target", f"one of {', '.join(DEVICES)}")
     return Scenario(
         name=path.stem,
         model=data["model"],
@@ -206,4 +228,5 @@ def load_scenario(name_or_path: str) -> Scenario:
         units=units,
         dtype=dtype,
         origin=name_or_path if builtin else str(path.resolve()),
+        target=data.get("target"),
     )

@@ -48,6 +48,7 @@ class Schedule:
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
     # planned for a step under torch.compile: {"backend", "peak_bytes" (its compiled step, measured)}
     compile: dict[str, Any] = field(default_factory=dict)
+    target: str = ""  # the device the profile was estimated for (profiler/devices.py); "" when measured
 
     @property
     def checkpointed(self) -> list[str]:
@@ -99,6 +100,7 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         levels=_levels(f, str(path)),
         fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
         compile=_compile(f.obj("compile")) if f.data.get("compile") else {},
+        target=str(f.data.get("target", "")),
     )
 
 

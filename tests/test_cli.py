@@ -102,6 +102,6 @@ def test_help_and_scenarios(workdir):
     proc = run("plan", "--help", cwd=workdir)
     assert proc.returncode == 0 and "24GB" in proc.stdout and "examples:" in proc.stdout
     proc = run("scenarios", cwd=workdir)
-    assert "gpt-small (default)" in proc.stdout and "hf-llama" in proc.stdout
+    assert "gpt-1b (default)" in proc.stdout and "hf-llama" in proc.stdout and "estimated (rtx4090)" in proc.stdout
     proc = run(cwd=workdir)
     assert proc.returncode == 2

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.errors import MemfitError
 
@@ -127,7 +128,7 @@ def training_step(
     if optimizer is not None:
         optimizer.step()
     mark("done")
-    return float(loss.detach())
+    return float("nan") if is_fake(loss) else float(loss.detach())  # fake tensors (estimate mode) hold no values
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -144,6 +145,12 @@ def zero_grad(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None
         model.zero_grad(set_to_none=True)
 
 
+def storage_key(st: torch.UntypedStorage) -> int:
+    """One key per live storage, fake ones (estimate mode, no data pointer) included: the address
+    of its StorageImpl (``_cdata``, private but the identity PyTorch's own weak maps use)."""
+    return int(st._cdata)
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
     seen: set[int] = set(exclude or ())
@@ -152,7 +159,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = No
         if t.device.type == "meta":
             continue
         st = t.untyped_storage()
-        key = st.data_ptr() if st.data_ptr() else id(st)
+        key = storage_key(st)
         if key in seen:
             continue
         seen.add(key)

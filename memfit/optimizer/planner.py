@@ -107,6 +107,7 @@ def plan(
         source=dict(profile.source),
         levels={"plan": [list(e) for e in pred.levels], "none": [list(e) for e in predict(profile, {}).levels]},
         fallbacks=ladder,
+        target=profile.target,
     )
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memfit.measure.step import Inputs, LossFn, iter_tensors, storage_bytes
+from memfit.measure.step import Inputs, LossFn, iter_tensors, storage_bytes, storage_key
 from memfit.profiler.marks import UnitMarks
 
 
@@ -116,14 +116,14 @@ def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:
 
 
 def _input_counter(i: int, out: list[int], model: nn.Module) -> Callable[..., None]:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {storage_key(p.untyped_storage()) for p in model.parameters()}
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         seen: set[int] = set()
         for t in iter_tensors((args, kwargs)):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params and ptr not in seen:
-                seen.add(ptr)
+            key = storage_key(t.untyped_storage())
+            if key not in params and key not in seen:
+                seen.add(key)
                 out[i] += t.untyped_storage().nbytes()
 
     return hook

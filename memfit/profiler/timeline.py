@@ -12,6 +12,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.measure.memory import Mark, memory_recorder
 from memfit.measure.step import Inputs, LossFn, training_step, zero_grad
+from memfit.profiler import estimate
 from memfit.profiler.marks import TimeRecorder, UnitMarks
 
 
@@ -36,7 +37,11 @@ def recorded_step(
 ) -> list[Mark]:
     """One training step with marks; ``what`` is ``memory`` or ``time``."""
     zero_grad(model, optimizer)
-    recorder: Any = memory_recorder(device) if what == "memory" else TimeRecorder(device)
+    target = estimate.active()
+    if target is not None:  # fake tensors: live bytes of fake storages, roofline time
+        recorder: Any = estimate.FakeMemoryRecorder(target) if what == "memory" else estimate.RooflineClock(target)
+    else:
+        recorder = memory_recorder(device) if what == "memory" else TimeRecorder(device)
     with recorder, UnitMarks(model, unit_names, recorder.on_mark):
         training_step(model, inputs, loss_fn, optimizer, on_mark=recorder.on_mark)
     return recorder.marks()

@@ -47,7 +47,25 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
         raise MemfitError("a schedule is already applied to this model; call memfit.remove(model) first")
     set_policies(model, schedule.policies)
     model.__dict__["_memfit_applied"] = _Applied(schedule, 0, _watch_inputs(model, schedule))
+    _check_target(model, schedule)
     return model
+
+
+def _check_target(model: nn.Module, schedule: Schedule) -> None:
+    """An estimated plan holds for the device it was estimated for; say so on another one."""
+    if not schedule.target:
+        return
+    from memfit.profiler.devices import device_spec
+
+    spec = device_spec(schedule.target)
+    param = next(model.parameters(), None)
+    here = param.device if param is not None else torch.device("cpu")
+    name = torch.cuda.get_device_name(here) if here.type == "cuda" else "the CPU"
+    if (here.type == "cuda") != spec.cuda or (here.type == "cuda" and spec.title.lower() not in name.lower()):
+        warnings.warn(PlanDriftWarning(
+            f"memfit: this schedule was estimated for {spec.title} ({schedule.target}), not measured, and the model "
+            f"runs on {name}: its peak may differ; plan on this device (memfit plan without --target) or check it "
+            "with memfit validate"), stacklevel=3)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,182 @@
+"""From the command line's model flags to a model, its inputs and a profile: a scenario, a
+``module:factory``, or the model a schedule or profile was made for; measured here or estimated
+for a target device."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from memfit.console import check_interrupt
+from memfit.errors import MemfitError
+
+MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat", "children", "target")
+
+
+def given(args: argparse.Namespace, names: tuple[str, ...] = MODEL_FLAGS) -> list[str]:
+    """The model flags the user gave, spelled as on the command line."""
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) is not None]
+
+
+def scenario_of(args: argparse.Namespace) -> Any:
+    from memfit.scenarios import DEFAULT, Scenario, load_scenario
+
+    if args.scenario and args.model:
+        raise MemfitError("give either --scenario or --model, not both")
+    if args.model:
+        shape = parse_shape(args.input_shape) if args.input_shape else None
+        sc = Scenario(name=args.model, model=args.model, input_shape=shape)
+    else:
+        sc = load_scenario(args.scenario or DEFAULT)
+        if args.input_shape:
+            sc.input_shape = parse_shape(args.input_shape)
+    if args.units:
+        sc.units = args.units
+    if args.optimizer:
+        sc.optimizer = args.optimizer
+    return sc
+
+
+def parse_shape(text: str) -> list[int]:
+    try:
+        dims = [int(d) for d in text.lower().replace(",", "x").split("x")]
+    except ValueError:
+        raise MemfitError(f"--input-shape is dimensions joined by x, e.g. 8x3x224x224; got {text!r}") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise MemfitError(f"--input-shape needs positive dimensions, got {text!r}")
+    return dims
+
+
+def parse_device(text: str | None) -> str:
+    """--device, checked; by default CUDA when there is a GPU, else the CPU."""
+    import torch
+
+    if text is None:
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise MemfitError(f"--device must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MemfitError(f"--device {text}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise MemfitError(f"--device {text}: there are {torch.cuda.device_count()} CUDA devices (0-based)")
+        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"  # as profiles say
+    return "cpu"
+
+
+def target_of(args: argparse.Namespace, sc: Any) -> str | None:
+    """The device to estimate for: --target; else, with no GPU here and no --device, the
+    scenario's own target; else None (measure here)."""
+    import torch
+
+    from memfit.profiler.devices import device_spec
+
+    if args.target is not None:
+        if args.device is not None:
+            raise MemfitError("--target estimates for a device without using one; drop --device (or --target to "
+                              "measure on the device)")
+        return device_spec(args.target).name
+    if sc.target and args.device is None and not torch.cuda.is_available():
+        return str(sc.target)
+    return None
+
+
+def build_model(sc: Any, device: str) -> tuple[Any, Any]:
+    print(f"building {sc.name} ({sc.model}) on {device}", file=sys.stderr)
+    return sc.build(device)
+
+
+def profile_of(args: argparse.Namespace) -> Any:
+    from tqdm import tqdm
+
+    from memfit.profiler import profile
+
+    repeat = 5 if args.repeat is None else args.repeat
+    if repeat < 1:
+        raise MemfitError("--repeat must be at least 1")
+    if args.children and args.granularity != "fine":
+        raise MemfitError("--children names finer options to measure: give --granularity fine with it")
+    sc = scenario_of(args)
+    target = target_of(args, sc)
+    optimizer = None if sc.optimizer == "none" else sc.optimizer
+    if target is not None:
+        from memfit.profiler.estimate import estimate
+
+        print(f"estimating {sc.name} ({sc.model}) for {target} from shapes (fake tensors, nothing allocated)",
+              file=sys.stderr)
+        result = estimate(lambda: sc.build("cpu"), target=target, units=sc.units, optimizer=optimizer,
+                          granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt())
+        result.source = sc.source()
+        return result
+    device = parse_device(args.device)
+    model, inputs = build_model(sc, device)
+    check_interrupt()
+    with tqdm(total=4 + repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:
+        started = []
+
+        def progress(message: str) -> None:  # called as each pass begins
+            check_interrupt()  # an interrupt swallowed during the last pass stops the run here
+            if started:
+                bar.update(1)
+            started.append(message)
+            if len(started) > bar.total:  # fine granularity: a pass for each finer option found
+                bar.total = len(started)
+                bar.refresh()
+            bar.set_postfix_str(message)
+
+        result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=repeat, progress=progress,
+                         granularity=args.granularity, children=args.children)
+        bar.update(1)
+    result.source = sc.source()
+    return result
+
+
+def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]:
+    """The model, optimizer and device the schedule was made for; flags that say otherwise are
+    refused with the one that differs, since measuring another setup would prove nothing."""
+    from memfit.scenarios import cli_flag, load_scenario, scenario_from_source
+
+    source = schedule.source
+    planned_opt = schedule.optimizer or "none"
+    if args.optimizer and args.optimizer != planned_opt:
+        raise MemfitError(f"the schedule was planned with --optimizer {planned_opt}, not {args.optimizer}: its "
+                          "peak counts that optimizer's state; drop --optimizer, or plan again with yours")
+    if args.device and parse_device(args.device) != schedule.device:
+        raise MemfitError(f"the schedule was profiled on {schedule.device}, not {args.device}: memory differs "
+                          f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
+    model_flags = ("scenario", "model", "input_shape", "units")
+    if not source:  # a schedule from memfit.plan() in Python, or from an older memfit
+        if not given(args, model_flags):
+            raise MemfitError("this schedule does not record which model it was made for (it was made in Python "
+                              "or by an older memfit): give --scenario or --model, as when it was planned")
+        sc = scenario_of(args)
+    else:
+        sc = scenario_from_source(source)
+        made_for = f"the schedule was made for {cli_flag(source)}"
+        if args.scenario is not None or args.model is not None:
+            flag, mine = (("--scenario", load_scenario(args.scenario).origin) if args.scenario is not None
+                          else ("--model", args.model))
+            theirs = source.get(flag[2:])
+            if mine != theirs:
+                raise MemfitError(f"{made_for}, not {flag} {args.scenario or args.model}; drop the model flags to "
+                                  "validate what it was made for")
+        if args.input_shape is not None and parse_shape(args.input_shape) != source.get("input_shape"):
+            planned = "x".join(map(str, source.get("input_shape") or [])) or "the factory's own inputs"
+            raise MemfitError(f"{made_for} with input shape {planned}, not --input-shape {args.input_shape}")
+        if args.units is not None and args.units != source.get("units"):
+            planned_units = source.get("units")
+            shown = " ".join(planned_units) if isinstance(planned_units, list) else planned_units
+            raise MemfitError(f"{made_for} with units {shown}, not --units {' '.join(args.units)}")
+    sc.optimizer = planned_opt
+    if schedule.target and not args.device:
+        import torch
+
+        if schedule.device == "cuda" and not torch.cuda.is_available():
+            raise MemfitError(f"this schedule was estimated for {schedule.target} without one; validate it on that "
+                              "GPU (memfit validate there measures the step and compares)")
+    return sc, parse_device(args.device or schedule.device)
