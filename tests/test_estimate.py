@@ -154,3 +154,20 @@ def test_llama_7b_is_planned_for_an_h100_from_shapes():
     closed = (26 + 8 * 11008 / 4096) * s_b_h
     kept = prof.units[5].saved_bytes
     assert abs(kept - closed) / closed <= 0.10, (kept, closed)
+
+
+def test_apply_warns_when_an_estimated_plan_runs_elsewhere():
+    """A schedule estimated for an H100 applied to a model on the CPU: memfit says the plan was
+    estimated for another device; one estimated for the CPU target says nothing."""
+    prof = estimate(tiny_gpt, target="h100")
+    sched = memfit.plan(prof, memfit.predict(prof, {}).peak_bytes)
+    model, _ = tiny_gpt()
+    with pytest.warns(memfit.PlanDriftWarning, match=r"estimated for NVIDIA H100 80GB HBM3 \(h100\).*the CPU"):
+        memfit.apply(model, sched)
+    memfit.remove(model)
+    here = memfit.plan(estimate(tiny_gpt, target="cpu"), 2**40)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memfit.apply(model, here)
