@@ -92,9 +92,10 @@ def build_model(sc: Any, device: str) -> tuple[Any, Any]:
 
 
 def profile_of(args: argparse.Namespace) -> Any:
-    from tqdm import tqdm
+    """The profile the flags ask for: estimated for a target, or measured here."""
+    import torch
 
-    from memfit.profiler import profile
+    from memfit.profiler.devices import DEVICES
 
     repeat = 5 if args.repeat is None else args.repeat
     if repeat < 1:
@@ -114,6 +115,20 @@ def profile_of(args: argparse.Namespace) -> Any:
         result.source = sc.source()
         return result
     device = parse_device(args.device)
+    try:
+        return _measured(args, sc, device, optimizer, repeat)
+    except torch.OutOfMemoryError:
+        raise MemfitError(
+            f"{sc.name} does not fit {device} unplanned, and memfit measures the plain step: estimate it instead "
+            f"with --target (one of {', '.join(DEVICES)}), which needs no GPU memory"
+        ) from None
+
+
+def _measured(args: argparse.Namespace, sc: Any, device: str, optimizer: str | None, repeat: int) -> Any:
+    from tqdm import tqdm
+
+    from memfit.profiler import profile
+
     model, inputs = build_model(sc, device)
     check_interrupt()
     with tqdm(total=4 + repeat, desc="profiling", unit="pass", file=sys.stderr, leave=False, disable=None) as bar:

@@ -171,3 +171,21 @@ def test_apply_warns_when_an_estimated_plan_runs_elsewhere():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         memfit.apply(model, here)
+
+
+def test_a_model_too_large_to_measure_points_to_estimate_mode(monkeypatch, tmp_path, capsys):
+    """A GPU smaller than the plain step runs out of memory while profiling: the error says to
+    estimate with --target, with exit code 2 and no traceback."""
+    from memfit.cli import main
+
+    from .conftest import TINY
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr("memfit.profiler.profile", out_of_memory)
+    (tmp_path / "tiny.toml").write_text(TINY)
+    assert main(["plan", "--budget", "1GB", "--scenario", str(tmp_path / "tiny.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "tiny does not fit cpu unplanned" in err and "--target (one of a100-40gb" in err
+    assert "Traceback" not in err
