@@ -1,6 +1,6 @@
 """A complete small training loop that applies a memfit schedule.
 
-    memfit plan --budget 300MB --fallbacks 2 -o schedule.json   # plan for the built-in gpt-small scenario
+    memfit plan --scenario gpt-small --budget 300MB --fallbacks 2 -o schedule.json
     python examples/train.py --schedule schedule.json --steps 20
 
 The model comes from the same scenario the schedule was planned for; in your own script it is

@@ -28,6 +28,7 @@ examples:
   memfit plan --budget 300MB --scenario gpt-small --compile inductor   # for the torch.compile'd step, measured
   memfit profile --scenario gpt-small -o p.json && memfit plan --profile p.json --budget 300MB
   memfit plan --budget 24GB --device cuda:1       # measure on the second GPU (default: cuda if there is one)
+  memfit plan --budget 300MB --scenario gpt-small --parallel fsdp --world-size 2   # a plan per rank
   memfit validate --schedule schedule.json        # rebuild the planned model; measure peak, slowdown, gradients
   memfit sweep --scenario gpt-small --plot curve.png   # the memory-vs-slowdown curve over 30 budgets
   memfit sweep --scenario gpt-small --budgets 150MB:550MB:50MB --measure --csv sweep.csv
@@ -238,6 +239,10 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
         g.add_argument("--target", help=f"estimate for this device without having it, from shapes: "
                        f"{', '.join(DEVICES)} "
                        "(default: measure here; with no GPU here, a scenario's own target)")
+        g.add_argument("--parallel", choices=["fsdp", "ddp"],
+                       help="plan per rank: measure one of --world-size processes under FSDP2 (fully_shard per unit "
+                       "and the root) or DDP (gloo on the CPU, one GPU each with NCCL)")
+        g.add_argument("--world-size", type=int, help="ranks for --parallel (default: 2)")
         g.add_argument("--repeat", type=int,
                        help="timed rounds of plain and all-checkpointed steps when profiling (default: 5)")
 

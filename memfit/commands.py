@@ -77,7 +77,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
         return 0
     if idle and args.strategy in ("ilp", "none"):
-        print(f"fits without checkpointing: the step peaks at {format_bytes(schedule.predicted_peak_bytes)} "
+        per_rank = (f" on each of {schedule.parallel['world_size']} {schedule.parallel['kind']} ranks"
+                    if schedule.parallel else "")
+        print(f"fits without checkpointing: the step peaks at {format_bytes(schedule.predicted_peak_bytes)}{per_rank} "
               f"of the {format_bytes(budget)} budget ({format_bytes(budget - schedule.predicted_peak_bytes)} "
               "to spare), so memfit has nothing to recompute.")
         print("memfit.apply is not needed at this budget; to use the spare memory, raise the batch size or "

@@ -11,7 +11,8 @@ from typing import Any
 from memfit.console import check_interrupt
 from memfit.errors import MemfitError
 
-MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat", "children", "target")
+MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat", "children", "target",
+               "parallel", "world_size")
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...] = MODEL_FLAGS) -> list[str]:
@@ -105,6 +106,18 @@ def profile_of(args: argparse.Namespace) -> Any:
     sc = scenario_of(args)
     target = target_of(args, sc)
     optimizer = None if sc.optimizer == "none" else sc.optimizer
+    if args.world_size is not None and args.parallel is None:
+        raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
+    if args.parallel is not None:
+        if target is not None:
+            raise MemfitError("--parallel measures the ranks for real; estimate mode (--target, or a scenario's "
+                              "target without a GPU) does not model sharding yet: drop one of them")
+        from memfit.parallel import profile_ranks
+
+        ranks = 2 if args.world_size is None else args.world_size
+        print(f"measuring {sc.name} on one of {ranks} {args.parallel} ranks", file=sys.stderr)
+        return profile_ranks(sc, parallel=args.parallel, world_size=ranks, repeat=repeat,
+                             granularity=args.granularity, device=parse_device(args.device))
     if target is not None:
         from memfit.profiler.estimate import estimate
 
@@ -188,6 +201,10 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
             shown = " ".join(planned_units) if isinstance(planned_units, list) else planned_units
             raise MemfitError(f"{made_for} with units {shown}, not --units {' '.join(args.units)}")
     sc.optimizer = planned_opt
+    if schedule.parallel:
+        raise MemfitError(f"this schedule is per rank, for {schedule.parallel['kind']} on "
+                          f"{schedule.parallel['world_size']} ranks: check it in a distributed run "
+                          "(examples/train_fsdp.py prints each rank's measured peak)")
     if schedule.target and not args.device:
         import torch
 

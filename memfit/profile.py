@@ -104,6 +104,7 @@ class Profile:
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
     mode: str = "measured"  # or "estimated": from shapes on fake tensors, for ``target``
     target: str = ""  # the device estimated for (profiler/devices.py); "" when measured
+    parallel: dict[str, Any] = field(default_factory=dict)  # {"kind": fsdp|ddp, "world_size"}: one rank's
 
     @property
     def fine(self) -> bool:
@@ -212,7 +213,18 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         source=f.obj("source").data if "source" in data else {},
         mode=_choice(f, "mode", ("measured", "estimated"), "measured"),
         target=str(data.get("target", "")),
+        parallel=_parallel(f),
     )
+
+
+def _parallel(f: Fields) -> dict[str, Any]:
+    if not f.data.get("parallel"):
+        return {}
+    p = f.obj("parallel")
+    kind = p.str("kind")
+    if kind not in ("fsdp", "ddp"):
+        raise_field(p.where, "kind", kind)
+    return {"kind": kind, "world_size": p.int("world_size", minimum=2)}
 
 
 def _choice(f: Fields, key: str, allowed: tuple[str, ...], default: str) -> str:

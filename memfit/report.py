@@ -101,6 +101,14 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
             out.append(f"warning: {spec.title} leaves about {format_bytes(spec.usable_bytes)} to a training step "
                        "(the rest is the CUDA context): this plan's peak will not fit there; plan with a smaller "
                        "budget")
+    if schedule.parallel:
+        p = schedule.parallel
+        out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks (measured on one of them)")
+        if profile is not None and p["kind"] == "fsdp":
+            from memfit.parallel import fsdp_headroom
+
+            out.append(f"leave {format_bytes(fsdp_headroom(profile))} of headroom: a rank's peak moves by up to one "
+                       "unit's gathered parameters from step to step, as collectives finish")
     if schedule.compile:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
                    f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")

@@ -49,6 +49,7 @@ class Schedule:
     # planned for a step under torch.compile: {"backend", "peak_bytes" (its compiled step, measured)}
     compile: dict[str, Any] = field(default_factory=dict)
     target: str = ""  # the device the profile was estimated for (profiler/devices.py); "" when measured
+    parallel: dict[str, Any] = field(default_factory=dict)  # {"kind": fsdp|ddp, "world_size"}: a plan per rank
 
     @property
     def checkpointed(self) -> list[str]:
@@ -101,6 +102,7 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
         compile=_compile(f.obj("compile")) if f.data.get("compile") else {},
         target=str(f.data.get("target", "")),
+        parallel=dict(f.obj("parallel").data) if f.data.get("parallel") else {},
     )
 
 
@@ -147,7 +149,9 @@ def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]
     for name, p in model.named_parameters():
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
         count += p.numel()
-    base = getattr(type(model), "_memfit_base", type(model))
+    base = type(model)
+    # FSDP2's fully_shard swaps in a subclass (FSDP<Name>): the model is still its own class
+    base = next((c for c in base.__mro__ if not c.__name__.startswith("FSDP")), base)
     return {
         "model_class": f"{base.__module__}.{base.__qualname__}",
         "units": list(unit_names),

@@ -145,6 +145,13 @@ def zero_grad(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None
         model.zero_grad(set_to_none=True)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: a DTensor's local shard (FSDP2's parameters, gradients and
+    optimizer state; its own ``untyped_storage()`` reports the whole tensor), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def storage_key(st: torch.UntypedStorage) -> int:
     """One key per live storage, fake ones (estimate mode, no data pointer) included: the address
     of its StorageImpl (``_cdata``, private but the identity PyTorch's own weak maps use)."""
@@ -158,7 +165,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = No
     for t in tensors:
         if t.device.type == "meta":
             continue
-        st = t.untyped_storage()
+        st = local(t).untyped_storage()
         key = storage_key(st)
         if key in seen:
             continue

@@ -108,6 +108,7 @@ def plan(
         levels={"plan": [list(e) for e in pred.levels], "none": [list(e) for e in predict(profile, {}).levels]},
         fallbacks=ladder,
         target=profile.target,
+        parallel=dict(profile.parallel),
     )
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memfit.measure.step import Inputs, LossFn, iter_tensors, storage_bytes, storage_key
+from memfit.measure.step import Inputs, LossFn, iter_tensors, local, storage_bytes, storage_key
 from memfit.profiler.marks import UnitMarks
 
 
@@ -48,7 +48,7 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
     n = len(unit_names)
     known = WeakIdKeyDictionary()  # storages that exist before the step: parameters, buffers, inputs
     for t in [*model.parameters(), *model.buffers(), *inputs.tensors()]:
-        known[t.untyped_storage()] = True
+        known[local(t).untyped_storage()] = True
     producers = _Producers()
     seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
     input_bytes = [0] * n
@@ -116,7 +116,7 @@ def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:
 
 
 def _input_counter(i: int, out: list[int], model: nn.Module) -> Callable[..., None]:
-    params = {storage_key(p.untyped_storage()) for p in model.parameters()}
+    params = {storage_key(local(p).untyped_storage()) for p in model.parameters()}
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         seen: set[int] = set()

@@ -1,0 +1,217 @@
+"""Planning per rank under FSDP2 or DDP: the profile is measured in one of N processes that run
+the real thing (PyTorch's ``fully_shard`` per unit and on the root, or ``DistributedDataParallel``).
+
+Measuring beats modelling here: a rank's memory holds its shards of parameters, gradients and
+optimizer state, the unit parameters FSDP2 all-gathers (and prefetches) in forward and again in
+backward, the reduce-scatter buffers, DDP's gradient buckets; all of it is in the per-rank
+profile's phases, so the plan is per rank and ``predict`` holds for it (tests/test_parallel.py).
+The processes run on the CPU with gloo here, or one per GPU with NCCL.
+
+Under FSDP2 a rank's peak moves from step to step by up to one unit's gathered parameters (the
+collectives free their buffers when they finish, on their own threads or streams):
+``fsdp_headroom`` says how much to leave (the plan report prints it).
+
+Apply the schedule to the model after ``fully_shard`` (or to ``ddp.module``), as the profile was
+measured: memfit's regions then open after FSDP2's all-gather hooks, and unit names are the plain
+model's (examples/train_fsdp.py). Applied before ``fully_shard`` the gradients are the same, but
+the gathered parameters land inside the regions and the peak moves (+7% measured on the test GPT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.profile import Profile, profile_from_dict
+
+PARALLEL = ("fsdp", "ddp")
+TIMEOUT_S = 600
+
+
+def shard(model: nn.Module, units: list[str], parallel: str) -> nn.Module:
+    """FSDP2 on each unit then the root (in place), or DDP around the model (a new wrapper)."""
+    import torch.distributed as dist
+
+    if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        for name in units:
+            fully_shard(model.get_submodule(name), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
+
+
+def fsdp_headroom(profile: Profile) -> int:
+    """Bytes a per-rank FSDP2 plan should leave free: one unit's parameters, gathered."""
+    if profile.parallel.get("kind") != "fsdp":
+        return 0
+    return max(u.param_bytes for u in profile.units) * int(profile.parallel["world_size"])
+
+
+def profile_ranks(scenario: Any, *, parallel: str, world_size: int, repeat: int = 5,
+                  granularity: str = "module", device: str = "cpu") -> Profile:
+    """The profile of one rank of ``world_size`` running ``scenario`` (a ``memfit.scenarios.Scenario``)
+    under ``parallel``; unit names are the plain model's. Spawns the ranks (gloo on the CPU,
+    NCCL on GPUs) and waits at most ``TIMEOUT_S``."""
+    return profile_from_dict(_spawn(_profile_rank, scenario, parallel, world_size, device,
+                                    {"repeat": repeat, "granularity": granularity}), "rank 0's profile")
+
+
+def measure_ranks(scenario: Any, plans: list[dict[str, str]], *, parallel: str, world_size: int,
+                  device: str = "cpu") -> dict[str, Any]:
+    """Rank 0's measured peak for each plan (policies applied before sharding, as in training),
+    and its loss and gradients (full tensors) for each, to compare with one process."""
+    return _spawn(_measure_rank, scenario, parallel, world_size, device, {"plans": plans})
+
+
+def _spawn(target: Any, scenario: Any, parallel: str, world_size: int, device: str, extra: dict[str, Any]) -> Any:
+    import torch.multiprocessing as mp
+
+    if parallel not in PARALLEL:
+        raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
+    if world_size < 2:
+        raise MemfitError(f"--world-size must be at least 2 for {parallel}, got {world_size}")
+    if device.startswith("cuda") and torch.cuda.device_count() < world_size:
+        raise MemfitError(f"{world_size} ranks need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(target, r, world_size, port, device, scenario, parallel, extra, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        status, payload = _answer(queue, procs, f"the {world_size} {parallel} ranks")
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise MemfitError(f"a {parallel} rank failed: {payload}")
+    return payload
+
+
+def _answer(queue: Any, procs: list[Any], who: str) -> tuple[str, Any]:
+    """Rank 0's answer; an error as soon as a rank dies without one (a script without the
+    ``if __name__ == "__main__":`` guard that spawning needs, say), or after ``TIMEOUT_S``."""
+    import queue as queues
+    import time
+
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise MemfitError(f"{who}: a rank exited with code {dead[0]} before answering (in a script, start "
+                                  "them under if __name__ == '__main__':)") from None
+    raise MemfitError(f"{who} gave no answer within {TIMEOUT_S} s")
+
+
+def _rank(target: Any, rank: int, world_size: int, port: int, device: str, scenario: Any, parallel: str,
+          extra: dict[str, Any], queue: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    try:
+        result = target(scenario, parallel, f"cuda:{rank}" if cuda else "cpu", **extra)
+        if rank == 0:
+            queue.put(("ok", result))
+    except Exception as exc:  # reported by the parent, which has the terminal
+        if rank == 0:
+            queue.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _built(scenario: Any, parallel: str, device: str) -> tuple[nn.Module, nn.Module, Any, list[str]]:
+    from memfit.units import find_units
+
+    model, inputs = scenario.build(device)
+    names = find_units(model, scenario.units)
+    return model, shard(model, names, parallel), inputs, names
+
+
+def _held_by_wrapper(scenario: Any, parallel: str, device: str) -> int:
+    """Bytes the parallel wrapper itself keeps across steps, which no parameter, gradient or
+    optimizer tensor shows: DDP's gradient buckets, a second copy of every trainable gradient
+    (``gradient_as_bucket_view=False``, its default), from shapes. (Measuring them on the CPU
+    was not repeatable: gloo's threads allocate some of them outside the profiler's view.)"""
+    if parallel != "ddp":
+        return 0
+    model, _ = scenario.build(device)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _wrapped_names(wrapped: nn.Module, model: nn.Module, names: list[str]) -> list[str]:
+    return [f"module.{n}" for n in names] if wrapped is not model else names
+
+
+def _profile_rank(scenario: Any, parallel: str, device: str, *, repeat: int, granularity: str) -> dict[str, Any]:
+    from memfit.profiler import profile
+    from memfit.schedule import model_fingerprint
+
+    model, wrapped, inputs, names = _built(scenario, parallel, device)
+    optimizer = None if scenario.optimizer == "none" else scenario.optimizer
+    prof = profile(wrapped, inputs, units=_wrapped_names(wrapped, model, names), optimizer=optimizer,
+                   repeat=repeat, granularity=granularity)
+    for unit, name in zip(prof.units, names, strict=True):
+        unit.name = name
+    prof.phases = [dataclasses.replace(p, label=p.label.replace("module.", "")) for p in prof.phases]
+    prof.fingerprint = model_fingerprint(model, names)
+    prof.model_class = prof.fingerprint["model_class"]
+    prof.parallel = {"kind": parallel, "world_size": torch.distributed.get_world_size()}
+    prof.baseline_bytes += _held_by_wrapper(scenario, parallel, device)
+    prof.source = scenario.source()
+    return dataclasses.asdict(prof)
+
+
+def _measure_rank(scenario: Any, parallel: str, device: str, *, plans: list[dict[str, str]]) -> dict[str, Any]:
+    from memfit.runtime.apply import set_policies
+    from memfit.runtime.validate import measure_steps
+    from memfit.units import find_units
+
+    out: dict[str, Any] = {"peaks": [], "losses": [], "grads": []}
+    optimizer = None if scenario.optimizer == "none" else scenario.optimizer
+    held = _held_by_wrapper(scenario, parallel, device)
+    for policies in plans:
+        model, inputs = scenario.build(device)
+        names = find_units(model, scenario.units)
+        wrapped = shard(model, names, parallel)
+        set_policies(model, {n: policies.get(n, "none") for n in names})  # after sharding, as profiled
+        # three steps: DDP rebuilds its buckets and FSDP2 initialises lazily in the first ones
+        run = measure_steps(wrapped, inputs, optimizer=optimizer, steps=3)
+        out["peaks"].append(run.peak_bytes + held)
+        out["losses"].append(run.losses)
+        out["grads"].append({n.removeprefix("module."): _full(g) for n, g in run.grads.items()})
+    return out
+
+
+def _full(grad: torch.Tensor | None) -> Any:
+    if grad is None:
+        return None
+    full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return full.detach().cpu().numpy().copy()

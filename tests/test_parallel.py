@@ -1,0 +1,83 @@
+"""Per-rank plans under FSDP2 and DDP, on 2 gloo ranks on the CPU: the profile measured on a
+rank predicts each plan's per-rank peak, and the gradients equal one process's."""
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+import memfit
+from memfit.parallel import fsdp_headroom, measure_ranks, profile_ranks
+from memfit.runtime.validate import measure_steps
+from memfit.scenarios import load_scenario
+from memfit.units import find_units
+
+from .conftest import TINY
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("parallel") / "tiny.toml"
+    # [args] is the last table: dropout off, and activations large beside a unit's parameters
+    path.write_text(TINY.replace("batch = 2", "batch = 8").replace("seq = 32", "seq = 64") + "dropout = 0.0\n")
+    return load_scenario(str(path))
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_per_rank_plans_predict_the_per_rank_peak(tiny, parallel):
+    prof = profile_ranks(tiny, parallel=parallel, world_size=2, repeat=1)
+    assert prof.parallel == {"kind": parallel, "world_size": 2}
+    assert prof.unit_names == ["h.0", "h.1", "h.2", "h.3"]
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    scheds = [memfit.plan(prof, int(lo + f * (hi - lo))) for f in (0.0, 0.5, 1.0)]
+    assert scheds[0].parallel == prof.parallel
+    plans = [{}, *(s.policies for s in scheds)]
+    got = measure_ranks(tiny, plans, parallel=parallel, world_size=2)
+    headroom = fsdp_headroom(prof)
+    assert (headroom > 0) == (parallel == "fsdp")
+    for s, measured in zip(scheds, got["peaks"][1:], strict=True):
+        assert abs(s.predicted_peak_bytes - measured) / measured <= 0.05, (s.policies, s.predicted_peak_bytes, measured)
+        assert measured <= s.budget_bytes + headroom
+    # checkpointed or not, the ranks compute one process's loss and gradients (every rank has the
+    # same batch here, so averaging over ranks changes nothing)
+    model, batch = tiny.build()
+    one = measure_steps(model, batch, steps=3)
+    for losses, grads in zip(got["losses"], got["grads"], strict=True):
+        assert losses == one.losses
+        assert grads.keys() == one.grads.keys()
+        assert all(np.allclose(grads[k], one.grads[k].numpy(), rtol=1e-6, atol=1e-7) for k in grads)
+
+
+def test_fsdp_shards_what_one_process_holds(tiny):
+    """Each of 2 FSDP2 ranks starts its step with about half the parameters and optimizer state
+    one process holds (the shards; replicated inputs and buffers aside)."""
+    model, batch = tiny.build()
+    single = memfit.profile(model, batch, units=find_units(model, tiny.units), repeat=1)
+    rank = profile_ranks(tiny, parallel="fsdp", world_size=2, repeat=1)
+    held = single.param_bytes + single.optimizer_state_bytes
+    assert abs(rank.baseline_bytes - rank.input_bytes - held / 2) <= 0.02 * held
+
+
+def test_bad_parallel_settings(tiny):
+    with pytest.raises(memfit.MemfitError, match="unknown parallelism 'tp'"):
+        profile_ranks(tiny, parallel="tp", world_size=2)
+    with pytest.raises(memfit.MemfitError, match="at least 2"):
+        profile_ranks(tiny, parallel="ddp", world_size=1)
+
+
+def test_cli_plans_per_rank_and_refuses_what_it_cannot_check(tiny, tmp_path, capsys):
+    from memfit.cli import main
+
+    out = tmp_path / "ranks.json"
+    assert main(["plan", "--scenario", tiny.origin, "--budget", "1GB", "--parallel", "ddp", "--repeat", "1",
+                 "-o", str(out)]) == 0
+    assert "on each of 2 ddp ranks" in capsys.readouterr().out
+    assert memfit.load_schedule(out).parallel == {"kind": "ddp", "world_size": 2}
+    assert main(["validate", "--schedule", str(out)]) == 2
+    assert "this schedule is per rank, for ddp on 2 ranks" in capsys.readouterr().err
+    assert main(["plan", "--budget", "1GB", "--world-size", "4"]) == 2
+    assert "give --parallel too" in capsys.readouterr().err
+    assert main(["plan", "--budget", "24GB", "--parallel", "fsdp", "--target", "h100"]) == 2
+    assert "does not model sharding yet" in capsys.readouterr().err
