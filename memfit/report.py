@@ -66,7 +66,8 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     budget = schedule.budget_bytes
     best = best_baseline(schedule)
     summary = [[f"memfit plan ({schedule.strategy})", format_bytes(schedule.predicted_peak_bytes),
-                "yes", _pct(schedule.predicted_overhead)]]
+                "yes" if schedule.predicted_peak_bytes <= budget else "compiled",  # plan_compiled: measured to fit
+                _pct(schedule.predicted_overhead)]]
     for key, figures in schedule.baselines.items():
         name = BASELINE_NAMES.get(key, key) + ("  <- best baseline" if key == best else "")
         if not figures.get("applies", True):
