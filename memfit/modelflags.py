@@ -108,13 +108,10 @@ def profile_of(args: argparse.Namespace) -> Any:
     optimizer = None if sc.optimizer == "none" else sc.optimizer
     if args.world_size is not None and args.parallel is None:
         raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
-    if args.parallel is not None:
-        if target is not None:
-            raise MemfitError("--parallel measures the ranks for real; estimate mode (--target, or a scenario's "
-                              "target without a GPU) does not model sharding yet: drop one of them")
+    ranks = 2 if args.world_size is None else args.world_size
+    if args.parallel is not None and target is None:
         from memfit.parallel import profile_ranks
 
-        ranks = 2 if args.world_size is None else args.world_size
         print(f"measuring {sc.name} on one of {ranks} {args.parallel} ranks", file=sys.stderr)
         return profile_ranks(sc, parallel=args.parallel, world_size=ranks, repeat=repeat,
                              granularity=args.granularity, device=parse_device(args.device))
@@ -124,7 +121,8 @@ def profile_of(args: argparse.Namespace) -> Any:
         print(f"estimating {sc.name} ({sc.model}) for {target} from shapes (fake tensors, nothing allocated)",
               file=sys.stderr)
         result = estimate(lambda: sc.build("cpu"), target=target, units=sc.units, optimizer=optimizer,
-                          granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt())
+                          granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt(),
+                          parallel=args.parallel, world_size=ranks if args.parallel else 1)
         result.source = sc.source()
         return result
     device = parse_device(args.device)

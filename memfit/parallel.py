@@ -35,16 +35,18 @@ PARALLEL = ("fsdp", "ddp")
 TIMEOUT_S = 600
 
 
-def shard(model: nn.Module, units: list[str], parallel: str) -> nn.Module:
-    """FSDP2 on each unit then the root (in place), or DDP around the model (a new wrapper)."""
+def shard(model: nn.Module, units: list[str], parallel: str, mesh: Any = None) -> nn.Module:
+    """FSDP2 on each unit then the root (in place), or DDP around the model (a new wrapper).
+    ``mesh``: the FSDP2 device mesh, made here over every rank when not given."""
     import torch.distributed as dist
 
     if parallel == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        device = "cuda" if next(model.parameters()).is_cuda else "cpu"
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        if mesh is None:
+            device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+            mesh = init_device_mesh(device, (dist.get_world_size(),))
         for name in units:
             fully_shard(model.get_submodule(name), mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("parallel") / "tiny.toml"
     # [args] is the last table: dropout off, and activations large beside a unit's parameters
-    path.write_text(TINY.replace("batch = 2", "batch = 8").replace("seq = 32", "seq = 64") + "dropout = 0.0\n")
+    path.write_text(TINY.replace("batch = 2", "batch = 16").replace("seq = 32", "seq = 128") + "dropout = 0.0\n")
     return load_scenario(str(path))
 
 
@@ -79,5 +79,36 @@ def test_cli_plans_per_rank_and_refuses_what_it_cannot_check(tiny, tmp_path, cap
     assert "this schedule is per rank, for ddp on 2 ranks" in capsys.readouterr().err
     assert main(["plan", "--budget", "1GB", "--world-size", "4"]) == 2
     assert "give --parallel too" in capsys.readouterr().err
-    assert main(["plan", "--budget", "24GB", "--parallel", "fsdp", "--target", "h100"]) == 2
-    assert "does not model sharding yet" in capsys.readouterr().err
+    assert main(["plan", "--budget", "24GB", "--parallel", "fsdp", "--world-size", "8", "-o", str(out)]) == 0
+    assert "on each of 8 fsdp ranks" in capsys.readouterr().out  # gpt-1b estimated for 8 RTX 4090s
+    assert memfit.load_schedule(out).parallel == {"kind": "fsdp", "world_size": 8}
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_estimated_ranks_predict_the_measured_ones(tiny, parallel):
+    """Estimate mode for N ranks: FSDP2 runs on fake tensors over PyTorch's fake process group,
+    in this process; its per-rank plans are checked against 2 real gloo ranks."""
+    from memfit.profiler.estimate import estimate
+
+    prof = estimate(lambda: tiny.build("cpu"), target="cpu", units=tiny.units, parallel=parallel, world_size=2)
+    assert prof.parallel == {"kind": parallel, "world_size": 2} and prof.mode == "estimated"
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    scheds = [memfit.plan(prof, int(lo + f * (hi - lo))) for f in (0.0, 0.5, 1.0)]
+    got = measure_ranks(tiny, [s.policies for s in scheds], parallel=parallel, world_size=2)
+    for s, measured in zip(scheds, got["peaks"], strict=True):
+        assert abs(s.predicted_peak_bytes - measured) / measured <= 0.05, (s.policies, s.predicted_peak_bytes, measured)
+
+
+def test_eight_fsdp_ranks_hold_an_eighth_of_the_static_memory():
+    """A 1.1B-parameter GPT in bf16 with AdamW, estimated for 8 H100s: each rank starts its step
+    with an eighth of the parameters and optimizer state, and peaks with the activations and the
+    gathered units on top."""
+    from memfit.profiler.estimate import estimate
+
+    sc = load_scenario("gpt-1b")
+    one = estimate(lambda: sc.build("cpu"), target="h100", units=sc.units)
+    eight = estimate(lambda: sc.build("cpu"), target="h100", units=sc.units, parallel="fsdp", world_size=8)
+    held = one.param_bytes + one.optimizer_state_bytes
+    assert abs(eight.baseline_bytes - eight.input_bytes - held / 8) <= 0.01 * held / 8
+    activations = memfit.predict(one, {}).peak_bytes - one.baseline_bytes
+    assert memfit.predict(eight, {}).peak_bytes - eight.baseline_bytes >= 0.9 * activations

@@ -26,6 +26,7 @@ from memfit.measure.memory import Mark
 from memfit.measure.step import iter_tensors, storage_key
 from memfit.profile import Profile
 from memfit.profiler.devices import Device
+from memfit.units import find_units
 
 _ACTIVE: list[Device] = []
 CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
@@ -133,6 +134,32 @@ def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> float:
 
 
 @contextmanager
+def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
+    """Rank 0 of ``world_size`` over the fake process group (its collectives move nothing), and
+    the FSDP2 mesh, made before fake tensors are on (a mesh holds a real rank table)."""
+    if parallel is None:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # Private: PyTorch's own fake process group for tracing distributed code without peers.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if parallel not in ("fsdp", "ddp"):
+        raise MemfitError(f"unknown parallelism {parallel!r}; use fsdp or ddp")
+    if world_size < 2:
+        raise MemfitError(f"world_size must be at least 2 for {parallel}, got {world_size}")
+    if dist.is_initialized():
+        raise MemfitError("estimate(parallel=...) runs its own fake ranks; call it outside a distributed run")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,)) if parallel == "fsdp" else None
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
 def _fused_attention(fused: bool) -> Iterator[None]:
     """On CUDA targets, attention with dropout runs as one fused kernel that keeps q, k, v, the
     output and the log-sum-exp (and a seed), never the s×s matrix; fake CPU tensors would take
@@ -167,25 +194,41 @@ def estimate(
     granularity: str = "module",
     children: list[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    parallel: str | None = None,
+    world_size: int = 1,
 ) -> Profile:
     """A Profile for ``target`` (a name in devices.py: h100, a100-80gb, l4, …, or cpu) without
     the device and without allocating the model: ``build()`` returns ``(model, inputs)`` and is
     called under ``FakeTensorMode``; build low-precision models with ``torch.set_default_dtype``
     (``module.to(dtype)`` does not work on fake parameters). Times are a roofline of the
-    target's published figures; memory is exact from shapes, as the CUDA allocator rounds it."""
+    target's published figures; memory is exact from shapes, as the CUDA allocator rounds it.
+
+    ``parallel="fsdp"``: one rank of ``world_size`` under FSDP2 (``fully_shard`` on each unit and
+    the root), in this process, over PyTorch's fake process group, whose collectives move no
+    data: the shards, the gathered units and the reduce-scatter inputs are fake tensors like
+    the rest. ``"ddp"``: the whole model per rank, plus DDP's gradient buckets."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memfit.profiler import profile
     from memfit.profiler.devices import device_spec
 
     spec = device_spec(target)
-    with FakeTensorMode(), estimating(spec), _fused_attention(spec.cuda):
+    with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), estimating(spec), _fused_attention(spec.cuda):
         built = build()
         if not (isinstance(built, tuple) and len(built) == 2):
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built
-        prof = profile(model, inputs, loss_fn=loss_fn, units=units, optimizer=optimizer, repeat=1,
+        names = find_units(model, units)
+        if parallel == "fsdp":
+            from memfit.parallel import shard
+
+            shard(model, names, "fsdp", mesh)
+        prof = profile(model, inputs, loss_fn=loss_fn, units=names, optimizer=optimizer, repeat=1,
                        progress=progress, granularity=granularity, children=children)
+    if parallel is not None:
+        prof.parallel = {"kind": parallel, "world_size": world_size}
+        if parallel == "ddp":  # gradient buckets: a second copy of every trainable gradient
+            prof.baseline_bytes += prof.grad_bytes
     prof.mode, prof.target = "estimated", spec.name
     if spec.cuda:
         prof.device = "cuda"
