@@ -12,6 +12,9 @@ States that keep more bytes at a higher cost are dropped (Pareto front), which k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from memfit.errors import MemfitError
 from memfit.optimizer.ilp import IntModel, Layout, chain_layout
 from memfit.optimizer.roles import NONE, Role
@@ -167,16 +170,22 @@ def _run(
     if not finals:
         return None
     score, key = min(finals)
+    return trace_back(n, key, lambda pos, k: frontier[pos][k][2]), score[0]
+
+
+def trace_back(n: int, key: Any, back: Callable[[int, Any], tuple[int, Any, Role] | None]) -> list[Role]:
+    """Each unit's role, from the state ``key`` after the last unit: ``back(pos, key)`` is the
+    (first unit, state before it, role) of the block that ends at ``pos``."""
     roles: list[Role] = [NONE] * n
     pos = n
     while pos > 0:
-        back = frontier[pos][key][2]
-        assert back is not None
-        start, key, role = back
+        step = back(pos, key)
+        assert step is not None
+        start, key, role = step
         for j in range(start, pos):
             roles[j] = role
         pos = start
-    return roles, score[0]
+    return roles
 
 
 def _score(entry: tuple[int, int, object], by_peak: bool) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from memfit.optimizer.dp import _Walk
+from memfit.optimizer.dp import _Walk, trace_back
 from memfit.optimizer.ilp import IntModel, chain_layout
 from memfit.optimizer.roles import NONE, Role
 
@@ -85,7 +85,7 @@ def _run(walk: _Walk, n: int, any_ckpt: bool, grid: list[int] | None) -> list[Fr
     for peak, cost, k in ends:
         if peak == _NEVER or (points and cost >= points[-1].recompute_ns):
             continue
-        points.append(FrontierPoint(peak, cost, _roles(stages, n, k)))
+        points.append(FrontierPoint(peak, cost, trace_back(n, k, lambda pos, idx: stages[pos][idx][4])))
     return points
 
 
@@ -107,16 +107,3 @@ def _prune(entries: list[_Entry]) -> list[_Entry]:
             costs[k:end], worsts[k:end] = [cost], [worst]
             kept.append(e)
     return kept
-
-
-def _roles(stages: list[list[_Entry]], n: int, k: int) -> list[Role]:
-    roles: list[Role] = [NONE] * n
-    pos, idx = n, k
-    while pos > 0:
-        back = stages[pos][idx][4]
-        assert back is not None
-        start, idx, role = back
-        for j in range(start, pos):
-            roles[j] = role
-        pos = start
-    return roles
