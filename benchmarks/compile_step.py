@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
-from memfit.measure.timing import alternate
+from memfit.measure.step import Inputs, default_loss, make_optimizer
+from memfit.measure.timing import alternate, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.validate import measure_steps
@@ -37,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     sc = load_scenario("gpt-small")
     model, inputs = sc.build("cpu")
-    prof = memfit.profile(model, inputs, units=sc.units, optimizer=sc.optimizer, repeat=3)
+    prof = memfit.profile(model, inputs, units=sc.units, optimizer=sc.step_optimizer, repeat=3)
     schedule = memfit.plan(prof, args.budget, segments=False)
     print(f"plan at {args.budget}: {schedule.checkpointed} checkpointed; eager prediction "
           f"{format_bytes(schedule.predicted_peak_bytes)}, +{schedule.predicted_overhead * 100:.1f}%")
@@ -47,17 +46,14 @@ def main() -> None:
         for name, policies in (("plain", {}), ("plan", schedule.policies)):
             m = copy.deepcopy(model)
             set_policies(m, policies)
-            peak = measure_steps(m, inputs, optimizer=sc.optimizer, compile=mode).peak_bytes
+            peak = measure_steps(m, inputs, optimizer=sc.step_optimizer, compile=mode).peak_bytes
             runner = m if mode is None else torch.compile(m, backend=mode)
             configs.append((mode or "eager", name, runner, m, make_optimizer(sc.optimizer, m.parameters()), peak))
     inp = Inputs.of(inputs)
 
     def step(k: int) -> float:
         _, _, runner, m, opt, _ = configs[k]
-        zero_grad(m, opt)
-        t0 = time.perf_counter()
-        training_step(runner, inp, default_loss, opt)
-        return time.perf_counter() - t0
+        return timed_step(runner, m, inp, default_loss, opt, torch.device("cpu"))
 
     for k in range(len(configs)):
         step(k)  # compiles

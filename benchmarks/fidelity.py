@@ -40,7 +40,7 @@ def main() -> None:
     for name in args.scenarios:
         sc = load_scenario(name)
         model, inputs = sc.build()
-        opt = None if sc.optimizer == "none" else sc.optimizer
+        opt = sc.step_optimizer
         t0 = time.perf_counter()
         prof = memfit.profile(model, inputs, units=sc.units, optimizer=opt, repeat=args.repeat)
         prof_s = time.perf_counter() - t0

@@ -52,12 +52,12 @@ def main() -> None:
         try:
             model, inputs = sc.build(args.device)
             started = time.perf_counter()
-            prof = memfit.profile(model, inputs, units=sc.units, optimizer=sc.optimizer)
+            prof = memfit.profile(model, inputs, units=sc.units, optimizer=sc.step_optimizer)
             took = time.perf_counter() - started
         except (torch.OutOfMemoryError, memfit.MemfitError) as exc:
             print(f"{name}: skipped ({str(exc).splitlines()[0][:100]})", flush=True)
             continue
-        est = estimate(lambda sc=sc: sc.build("cpu"), target=target, units=sc.units, optimizer=sc.optimizer)
+        est = estimate(lambda sc=sc: sc.build("cpu"), target=target, units=sc.units, optimizer=sc.step_optimizer)
         lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
         for frac in (0.2, 0.5, 0.8):
             sched = memfit.plan(prof, int(lo + frac * (hi - lo)))

@@ -49,7 +49,7 @@ def main() -> None:
 def scenario_rows(name: str, budgets: int, steps: int) -> list[list[str]]:
     rows = []
     sc, model, inputs = build(name)
-    opt = None if sc.optimizer == "none" else sc.optimizer
+    opt = sc.step_optimizer
     prof = memfit.profile(model, inputs, units=sc.units, optimizer=opt, repeat=5)
     lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
     measured: dict[tuple[str, ...], tuple[int, float]] = {}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +24,11 @@ import torch
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.memory import memory_recorder
-from memfit.measure.step import Inputs, default_loss, make_optimizer, static_bytes, training_step, zero_grad
-from memfit.measure.timing import alternate
+from memfit.measure.step import Inputs, default_loss, make_optimizer
+from memfit.measure.timing import alternate, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
+from memfit.runtime.validate import measure_steps
 from memfit.scenarios import load_scenario
 
 
@@ -56,22 +55,6 @@ def budget_backend(budget: float) -> Any:
     return backend
 
 
-def steady_peak(cfg: Config, inputs: Inputs) -> int:
-    """Peak of a steady-state step (after one warm-up, which also compiles), as validate measures."""
-    for _ in range(2):
-        zero_grad(cfg.model, cfg.opt)
-        training_step(cfg.runner, inputs, default_loss, cfg.opt)
-    zero_grad(cfg.model, cfg.opt)
-    base = static_bytes(cfg.model, cfg.opt, inputs)
-    rec = memory_recorder(torch.device("cpu"))
-    with rec:
-        rec.on_mark("start")
-        training_step(cfg.runner, inputs, default_loss, cfg.opt)
-        rec.on_mark("end")
-    marks = rec.marks()
-    return base + max(m.peak for m in marks) - marks[0].level
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=float, nargs="+", default=[round(0.1 * k, 1) for k in range(1, 10)])
@@ -84,16 +67,19 @@ def main() -> None:
     sc = load_scenario("gpt-small")
     model, raw_inputs = sc.build("cpu")
     inputs = Inputs.of(raw_inputs)
-    prof = memfit.profile(model, raw_inputs, units=sc.units, optimizer=sc.optimizer, repeat=5, granularity="fine")
+    prof = memfit.profile(model, raw_inputs, units=sc.units, optimizer=sc.step_optimizer, repeat=5, granularity="fine")
 
     def config(label: str, policies: dict[str, str] | None = None, budget: float | None = None) -> Config:
         m = copy.deepcopy(model)
         m.train()
         if policies:
             set_policies(m, policies)
-        runner = m if budget is None else torch.compile(m, backend=budget_backend(budget))
+        backend = None if budget is None else budget_backend(budget)
+        runner = m if backend is None else torch.compile(m, backend=backend)
         cfg = Config(label, runner, m, make_optimizer(sc.optimizer, m.parameters()))
-        cfg.peak = steady_peak(cfg, inputs)  # compiles, for a budget
+        # a steady-state step, as validate measures it (compiles, for a budget: the runner's
+        # backend is the same object, so it finds this compilation)
+        cfg.peak = measure_steps(m, raw_inputs, optimizer=sc.step_optimizer, compile=backend).peak_bytes
         print(f"{label}: {format_bytes(cfg.peak)}", flush=True)
         return cfg
 
@@ -114,10 +100,7 @@ def main() -> None:
 
     def step(k: int) -> float:
         cfg = configs[k]
-        zero_grad(cfg.model, cfg.opt)
-        t0 = time.perf_counter()
-        training_step(cfg.runner, inputs, default_loss, cfg.opt)
-        return time.perf_counter() - t0
+        return timed_step(cfg.runner, cfg.model, inputs, default_loss, cfg.opt, torch.device("cpu"))
 
     times = alternate(step, len(configs), args.rounds)
     for cfg, t in zip(configs, times, strict=True):

@@ -166,7 +166,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     sc, device = modelflags.validation_setup(args, schedule)
     model, inputs = modelflags.build_model(sc, device)
     check_interrupt()
-    optimizer = None if sc.optimizer == "none" else sc.optimizer
+    optimizer = sc.step_optimizer
     print("measuring the plain and the scheduled step", file=sys.stderr)
     result = validate(model, inputs, schedule, optimizer=optimizer, steps=args.steps, compile=args.compile)
     check_interrupt()

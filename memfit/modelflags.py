@@ -105,7 +105,7 @@ def profile_of(args: argparse.Namespace) -> Any:
         raise MemfitError("--children names finer options to measure: give --granularity fine with it")
     sc = scenario_of(args)
     target = target_of(args, sc)
-    optimizer = None if sc.optimizer == "none" else sc.optimizer
+    optimizer = sc.step_optimizer
     if args.world_size is not None and args.parallel is None:
         raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
     ranks = 2 if args.world_size is None else args.world_size

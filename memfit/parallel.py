@@ -58,6 +58,24 @@ def shard(model: nn.Module, units: list[str], parallel: str, mesh: Any = None) -
     raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
 
 
+def check_parallel(parallel: str, world_size: int) -> None:
+    """Refuse a parallelism memfit cannot plan, or fewer than two ranks."""
+    if parallel not in PARALLEL:
+        raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
+    if world_size < 2:
+        raise MemfitError(f"--world-size must be at least 2 for {parallel}, got {world_size}")
+
+
+def held_by_wrapper(model: nn.Module, parallel: str) -> int:
+    """Bytes the parallel wrapper itself keeps across steps, which no parameter, gradient or
+    optimizer tensor shows: DDP's gradient buckets, a second copy of every trainable gradient
+    (``gradient_as_bucket_view=False``, its default), from shapes. (Measuring them on the CPU
+    was not repeatable: gloo's threads allocate some of them outside the profiler's view.)"""
+    from memfit.measure.step import storage_bytes
+
+    return storage_bytes([p for p in model.parameters() if p.requires_grad]) if parallel == "ddp" else 0
+
+
 def fsdp_headroom(profile: Profile) -> int:
     """Bytes a per-rank FSDP2 plan should leave free: one unit's parameters, gathered."""
     if profile.parallel.get("kind") != "fsdp":
@@ -76,18 +94,15 @@ def profile_ranks(scenario: Any, *, parallel: str, world_size: int, repeat: int 
 
 def measure_ranks(scenario: Any, plans: list[dict[str, str]], *, parallel: str, world_size: int,
                   device: str = "cpu") -> dict[str, Any]:
-    """Rank 0's measured peak for each plan (policies applied before sharding, as in training),
-    and its loss and gradients (full tensors) for each, to compare with one process."""
+    """Rank 0's measured peak for each plan (policies applied after sharding, as profiled), and
+    its loss and gradients (full tensors) for each, to compare with one process."""
     return _spawn(_measure_rank, scenario, parallel, world_size, device, {"plans": plans})
 
 
 def _spawn(target: Any, scenario: Any, parallel: str, world_size: int, device: str, extra: dict[str, Any]) -> Any:
     import torch.multiprocessing as mp
 
-    if parallel not in PARALLEL:
-        raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
-    if world_size < 2:
-        raise MemfitError(f"--world-size must be at least 2 for {parallel}, got {world_size}")
+    check_parallel(parallel, world_size)
     if device.startswith("cuda") and torch.cuda.device_count() < world_size:
         raise MemfitError(f"{world_size} ranks need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
     with socket.socket() as s:
@@ -157,17 +172,6 @@ def _built(scenario: Any, parallel: str, device: str) -> tuple[nn.Module, nn.Mod
     return model, shard(model, names, parallel), inputs, names
 
 
-def _held_by_wrapper(scenario: Any, parallel: str, device: str) -> int:
-    """Bytes the parallel wrapper itself keeps across steps, which no parameter, gradient or
-    optimizer tensor shows: DDP's gradient buckets, a second copy of every trainable gradient
-    (``gradient_as_bucket_view=False``, its default), from shapes. (Measuring them on the CPU
-    was not repeatable: gloo's threads allocate some of them outside the profiler's view.)"""
-    if parallel != "ddp":
-        return 0
-    model, _ = scenario.build(device)
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
 def _wrapped_names(wrapped: nn.Module, model: nn.Module, names: list[str]) -> list[str]:
     return [f"module.{n}" for n in names] if wrapped is not model else names
 
@@ -177,7 +181,7 @@ def _profile_rank(scenario: Any, parallel: str, device: str, *, repeat: int, gra
     from memfit.schedule import model_fingerprint
 
     model, wrapped, inputs, names = _built(scenario, parallel, device)
-    optimizer = None if scenario.optimizer == "none" else scenario.optimizer
+    optimizer = scenario.step_optimizer
     prof = profile(wrapped, inputs, units=_wrapped_names(wrapped, model, names), optimizer=optimizer,
                    repeat=repeat, granularity=granularity)
     for unit, name in zip(prof.units, names, strict=True):
@@ -186,7 +190,7 @@ def _profile_rank(scenario: Any, parallel: str, device: str, *, repeat: int, gra
     prof.fingerprint = model_fingerprint(model, names)
     prof.model_class = prof.fingerprint["model_class"]
     prof.parallel = {"kind": parallel, "world_size": torch.distributed.get_world_size()}
-    prof.baseline_bytes += _held_by_wrapper(scenario, parallel, device)
+    prof.baseline_bytes += held_by_wrapper(model, parallel)
     prof.source = scenario.source()
     return dataclasses.asdict(prof)
 
@@ -197,8 +201,7 @@ def _measure_rank(scenario: Any, parallel: str, device: str, *, plans: list[dict
     from memfit.units import find_units
 
     out: dict[str, Any] = {"peaks": [], "losses": [], "grads": []}
-    optimizer = None if scenario.optimizer == "none" else scenario.optimizer
-    held = _held_by_wrapper(scenario, parallel, device)
+    optimizer = scenario.step_optimizer
     for policies in plans:
         model, inputs = scenario.build(device)
         names = find_units(model, scenario.units)
@@ -206,7 +209,7 @@ def _measure_rank(scenario: Any, parallel: str, device: str, *, plans: list[dict
         set_policies(model, {n: policies.get(n, "none") for n in names})  # after sharding, as profiled
         # three steps: DDP rebuilds its buckets and FSDP2 initialises lazily in the first ones
         run = measure_steps(wrapped, inputs, optimizer=optimizer, steps=3)
-        out["peaks"].append(run.peak_bytes + held)
+        out["peaks"].append(run.peak_bytes + held_by_wrapper(model, parallel))
         out["losses"].append(run.losses)
         out["grads"].append({n.removeprefix("module."): _full(g) for n, g in run.grads.items()})
     return out

@@ -39,6 +39,11 @@ class Scenario:
     origin: str | None = None  # a built-in scenario's name or a TOML file's absolute path; None for --model
     target: str | None = None  # the device to estimate for when no GPU is at hand (profiler/devices.py)
 
+    @property
+    def step_optimizer(self) -> str | None:
+        """The optimizer as ``profile``, ``make_optimizer`` and schedules take it: None for "none"."""
+        return None if self.optimizer == "none" else self.optimizer
+
     def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
         """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
         factory = load_factory(self.model)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import gc
 import statistics
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+from torch import nn
+
+from memfit.measure.step import Inputs, LossFn, training_step, zero_grad
 
 T = TypeVar("T")
 
@@ -50,3 +54,15 @@ def median_ratio(plain: list[float], other: list[float]) -> float:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_step(runner: Any, model: nn.Module, inputs: Inputs, loss_fn: LossFn,
+               optimizer: torch.optim.Optimizer | None, device: torch.device) -> float:
+    """Seconds of one training step of ``runner`` (``model`` itself, or ``model`` compiled),
+    from a cleared gradient, with CUDA synchronised on both sides."""
+    zero_grad(model, optimizer)
+    sync(device)
+    t0 = time.perf_counter()
+    training_step(runner, inputs, loss_fn, optimizer)
+    sync(device)
+    return time.perf_counter() - t0

@@ -146,10 +146,9 @@ def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
     # Private: PyTorch's own fake process group for tracing distributed code without peers.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if parallel not in ("fsdp", "ddp"):
-        raise MemfitError(f"unknown parallelism {parallel!r}; use fsdp or ddp")
-    if world_size < 2:
-        raise MemfitError(f"world_size must be at least 2 for {parallel}, got {world_size}")
+    from memfit.parallel import check_parallel
+
+    check_parallel(parallel, world_size)
     if dist.is_initialized():
         raise MemfitError("estimate(parallel=...) runs its own fake ranks; call it outside a distributed run")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -225,10 +224,11 @@ def estimate(
             shard(model, names, "fsdp", mesh)
         prof = profile(model, inputs, loss_fn=loss_fn, units=names, optimizer=optimizer, repeat=1,
                        progress=progress, granularity=granularity, children=children)
-    if parallel is not None:
-        prof.parallel = {"kind": parallel, "world_size": world_size}
-        if parallel == "ddp":  # gradient buckets: a second copy of every trainable gradient
-            prof.baseline_bytes += prof.grad_bytes
+        if parallel is not None:
+            from memfit.parallel import held_by_wrapper
+
+            prof.parallel = {"kind": parallel, "world_size": world_size}
+            prof.baseline_bytes += held_by_wrapper(model, parallel)
     prof.mode, prof.target = "estimated", spec.name
     if spec.cuda:
         prof.device = "cuda"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +20,8 @@ from torch import nn
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
-from memfit.measure.step import Inputs, LossFn, default_loss, device_of, make_optimizer, training_step, zero_grad
-from memfit.measure.timing import alternate, median_ratio, sync
+from memfit.measure.step import Inputs, LossFn, default_loss, device_of, make_optimizer
+from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.profile import Profile
 from memfit.runtime.apply import clear_policies, set_policies
 from memfit.runtime.validate import measure_steps
@@ -123,12 +122,7 @@ def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str],
         m.train()
 
     def timed(k: int) -> float:
-        zero_grad(copies[k], opts[k])
-        sync(device)
-        t0 = time.perf_counter()
-        training_step(runners[k], inp, loss, opts[k])
-        sync(device)
-        return time.perf_counter() - t0
+        return timed_step(runners[k], copies[k], inp, loss, opts[k], device)
 
     try:
         for k in range(2):

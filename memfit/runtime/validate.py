@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from memfit.measure.step import (
     training_step,
     zero_grad,
 )
-from memfit.measure.timing import alternate, median_ratio, sync
+from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.schedule import Schedule
 
@@ -71,11 +70,11 @@ class Validation:
 
 def measure_steps(
     model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
-    steps: int = 2, seed: int = 0, compile: str | None = None,
+    steps: int = 2, seed: int = 0, compile: str | Callable[..., Any] | None = None,
 ) -> StepRun:
     """Run ``steps`` training steps (the first warms up, and compiles under ``compile``, a
-    ``torch.compile`` backend) from a fixed seed; the peak is the last step's. The optimizer has
-    learning rate 0, so every step sees the same weights."""
+    ``torch.compile`` backend, by name or as a callable) from a fixed seed; the peak is the last
+    step's. The optimizer has learning rate 0, so every step sees the same weights."""
     inp = Inputs.of(inputs)
     runner = model if compile is None else torch.compile(model, backend=compile)
     loss = loss_fn or default_loss
@@ -117,12 +116,7 @@ def step_times(
     def timed(k: int) -> float:
         set_policies(model, configs[k])
         try:
-            zero_grad(model, opt)
-            sync(device)
-            t0 = time.perf_counter()
-            training_step(model, inp, loss, opt)
-            sync(device)
-            return time.perf_counter() - t0
+            return timed_step(model, model, inp, loss, opt, device)
         finally:
             clear_policies(model)
 
