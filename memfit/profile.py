@@ -20,14 +20,14 @@ if TYPE_CHECKING:
 PROFILE_FORMAT = "memfit.profile/1"
 OPTIONS = ("none", "full")  # measured for every unit
 # Finer options, measured when profiled with granularity="fine": ``child:<a>[+<b>...]``
-# checkpoints those direct children of the unit (relative names), ``selective:<policy>`` the
-# whole unit under an op-level policy (see runtime/policies.py).
+# checkpoints those modules of the unit (relative names), ``a>b`` a chain of them as one region;
+# ``selective:<policy>[@<child>]`` the unit or a child under an op-level policy (runtime/apply.py).
 FINE_KINDS = ("child", "selective")
 
 
 def is_fine_option(name: str) -> bool:
     kind, sep, rest = name.partition(":")
-    return kind in FINE_KINDS and bool(sep) and bool(rest) and all(rest.split("+"))
+    return kind in FINE_KINDS and bool(sep) and all(m for part in rest.split("+") for m in part.split(">"))
 
 
 @dataclass(slots=True)

@@ -132,8 +132,8 @@ def recomputes(policy: str) -> str:
         return "-"
     if policy == "full":
         return "the whole unit"
-    if kind == "child":
-        return "only " + ", ".join(rest.split("+"))
+    if kind == "child":  # a chain (a>b) recomputes a, and b only where b holds more than one product
+        return "only " + ", ".join(part.replace(">", "→") for part in rest.split("+"))
     if kind == "selective":
         op_policy, _, child = rest.partition("@")
         what = f"all but {op_policy} outputs" if op_policy == "gemm" else f"op policy {op_policy}"

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 import memfit
-from memfit.runtime.apply import set_policies
+from memfit.measure.step import Inputs, default_loss
+from memfit.profiler.options import fine_options
+from memfit.profiler.saved import unit_facts
+from memfit.runtime.apply import clear_policies, set_policies
 from memfit.runtime.validate import measure_steps
 
 from .conftest import tiny_gpt
@@ -40,7 +43,13 @@ def test_children_and_policies_are_found_and_measured(fine):
     options = {o for u in prof.units for o in u.options} - {"none", "full"}
     # the CNN's blocks: every child keeps more than it frees or frees nothing; keeping every conv
     # output, as BatchNorm needs it anyway, costs more than keeping nothing: all dominated, dropped
-    expected = {"gpt": {"child:attn", "child:mlp"}, "hf-gpt2": {"child:attn", "child:mlp"},
+    # the transformers with a norm or an activation feeding one product: the chains, alone and
+    # along with each child (its own norm in front); Llama's norms feed three products, its
+    # activation a product with another branch: no chain there
+    expected = {"gpt": {"child:ln_1>attn.qkv+ln_2>mlp.0+mlp.1>mlp.2", "child:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2",
+                        "child:ln_2>mlp+ln_1>attn.qkv"},
+                "hf-gpt2": {"child:ln_1>attn.c_attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj",
+                            "child:ln_1>attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj", "child:ln_2>mlp+ln_1>attn.c_attn"},
                 "hf-llama": {"child:self_attn", "child:mlp"}, "cnn": set()}[name]
     assert expected <= options and prof.fine == bool(options)
     if name != "cnn":  # the op policy inside a child, where it is not dominated
@@ -91,6 +100,8 @@ def test_every_fine_option_gives_the_plain_models_results(name):
     children = [c for c, m in unit.named_children() if any(True for _ in m.parameters())]
     options = [f"child:{c}" for c in children] + ["selective:gemm", f"child:{'+'.join(children[:2])}",
                                                   f"selective:gemm@{children[-1]}"]
+    facts = unit_facts(model, units, Inputs.of(inputs), default_loss)
+    options += fine_options(model, units, Inputs.of(inputs), default_loss, facts.saved)[units[0]]  # chains
     mixes = [dict.fromkeys(units, o) for o in options]
     mixes.append({u: options[k % len(options)] for k, u in enumerate(units)})
     pristine = copy.deepcopy(model)
@@ -120,7 +131,8 @@ def test_fine_schedule_round_trips_and_is_refused_when_wrong(tmp_path):
 def test_fine_options_under_compile():
     model, batch = tiny_gpt()
     twin = copy.deepcopy(model)
-    set_policies(twin, {"h.0": "child:attn", "h.1": "selective:gemm@mlp", "h.2": "selective:gemm", "h.3": "full"})
+    set_policies(twin, {"h.0": "child:attn", "h.1": "selective:gemm@mlp", "h.2": "selective:gemm",
+                        "h.3": "child:ln_2>mlp+ln_1>attn.qkv"})
     torch._dynamo.reset()
     try:
         plain = measure_steps(model, batch, optimizer=None, compile="aot_eager")
@@ -129,6 +141,41 @@ def test_fine_options_under_compile():
         torch._dynamo.reset()
     assert sched.peak_bytes < plain.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
+
+
+def test_a_chain_recomputes_only_its_producer():
+    """Early stop: the product at the chain's end saves its input before it computes, so the
+    backward recomputes the norm or activation and no matrix product (FLOPs as plain), and the
+    producer's output is not kept (peak lower)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch = tiny_gpt()
+    units = [f"h.{k}" for k in range(4)]
+
+    def step(policy: str) -> tuple[int, int]:
+        twin = copy.deepcopy(model)
+        set_policies(twin, dict.fromkeys(units, policy) if policy else {})
+        with FlopCounterMode(display=False) as counter:
+            twin(**batch)["loss"].backward()
+        return counter.get_total_flops(), measure_steps(twin, batch).peak_bytes
+
+    plain, chains, mlp = step(""), step("child:ln_1>attn.qkv+ln_2>mlp.0+mlp.1>mlp.2"), step("child:mlp")
+    assert chains[0] == plain[0] < mlp[0]
+    assert chains[1] < plain[1]
+
+
+def test_a_chain_refuses_a_forward_that_does_not_feed_it():
+    model, batch = tiny_gpt()
+    set_policies(model, {"h.0": "child:mlp.0>mlp.2"})  # mlp.2 takes the GELU's output, not mlp.0's
+    with pytest.raises(memfit.MemfitError, match="called with the output of Linear"):
+        model(**batch)
+    clear_policies(model)  # the failed region left no saved-tensor context open: plain results follow
+    torch.manual_seed(0)
+    model(**batch)["loss"].backward()
+    fresh, _ = tiny_gpt()
+    torch.manual_seed(0)
+    fresh(**batch)["loss"].backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), fresh.parameters(), strict=True))
 
 
 def test_named_children_replace_the_automatic_choice():
@@ -152,7 +199,7 @@ def test_cli_plans_fine_and_shows_what_each_unit_recomputes(tmp_path, capsys):
     assert main(["profile", "--scenario", str(tmp_path / "tiny.toml"), "--granularity", "fine", "--repeat", "1",
                  "-o", str(prof)]) == 0
     text = capsys.readouterr().out
-    assert "finer options" in text and "child:attn" in text and "only attn" in text
+    assert "finer options" in text and "child:ln_1>attn+" in text and "only ln_1→attn, ln_2→mlp.0" in text
     p = memfit.Profile.load(prof)
     budget = (memfit.min_budget_bytes(p, fine=True) + memfit.predict(p, {}).peak_bytes) // 2
     assert main(["plan", "--profile", str(prof), "--budget", str(budget), "--granularity", "fine",

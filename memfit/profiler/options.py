@@ -1,5 +1,12 @@
-"""Which finer options to measure for each unit: its children worth checkpointing alone, and
-op-level policies on the whole unit and on each of those children.
+"""Which finer options to measure for each unit: its children worth checkpointing alone, cheap
+chains, and op-level policies on the whole unit and on each of those children.
+
+A **chain** is a cheap producer (a module with no weight matrix: a norm, an activation) whose
+output only the next product saves (``ln_2>mlp.0``, ``mlp.1>mlp.2``): checkpointed as one region
+it costs only the producer's recomputation (see runtime/regions.py) and frees its output, what
+the compilers' partitioners recompute first. Every unit with chains is offered all of them at
+once, and each child option takes the chains outside that child along, with its own producer
+in front (``child:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2``).
 
 A child is a candidate when it has parameters (it computes something dear enough to be worth
 keeping the rest of the unit) and makes at least ``MIN_SHARE`` of the bytes the unit saves for
@@ -9,10 +16,13 @@ the choice, made once on the first of them.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.measure.step import Inputs, LossFn
+from memfit.measure.step import Inputs, LossFn, storage_key
 from memfit.profiler.saved import unit_facts
 
 MIN_SHARE = 0.1  # of the unit's saved bytes
@@ -21,7 +31,8 @@ MAX_CHILDREN = 3  # child options per unit class, the largest savers first
 
 def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: LossFn,
                  unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[str]]:
-    """Unit name -> its finer options (``child:<name>``, ``selective:gemm``), in a fixed order.
+    """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
+    ``selective:gemm[@<name>]``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
     out: dict[str, list[str]] = {}
@@ -31,13 +42,18 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
         key = (type(unit), *((n, tuple(p.shape), p.dtype) for n, p in unit.named_parameters()))
         if key not in chosen:
             if children is None:
-                chosen[key] = _children(model, name, inputs, loss_fn, unit_saved[j])
+                chains = _chains(model, name, inputs, loss_fn)
+                kids = _children(model, name, inputs, loss_fn, unit_saved[j])
+                chosen[key] = [_with_chains(f"child:{c}", chains) for c in kids]
+                if chains:
+                    chosen[key].insert(0, "child:" + "+".join(f"{p}>{recv[-1]}" for p, recv in chains))
             else:
-                chosen[key] = [f"child:{c}" for c in children if all(_has(unit, m) for m in c.split("+"))]
+                kids = [c for c in children if all(_has(unit, m) for part in c.split("+") for m in part.split(">"))]
+                chosen[key] = [f"child:{c}" for c in kids]
             # the op policy inside each chosen child (measured cheaper than on the whole unit, whose
             # child options beat it: GPT block 30 MiB kept for 25 ms, attention alone 26 MiB for 23 ms);
             # on the whole unit only where no child stands out
-            inner = [c for c in (o[len("child:"):] for o in chosen[key]) if "+" not in c]
+            inner = [c for c in kids if "+" not in c and ">" not in c]
             chosen[key] += [f"selective:gemm@{c}" for c in inner if _has_products(unit.get_submodule(c))]
             if not inner and _has_products(unit):
                 chosen[key].append("selective:gemm")
@@ -69,4 +85,86 @@ def _children(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, save
         return []
     ranked = sorted(((s, c) for c, s in zip(children, facts.saved, strict=True) if s >= MIN_SHARE * saved),
                     key=lambda t: -t[0])
-    return [f"child:{c}" for _, c in ranked[:MAX_CHILDREN]]
+    return [c for _, c in ranked[:MAX_CHILDREN]]
+
+
+def _with_chains(option: str, chains: list[tuple[str, list[str]]]) -> str:
+    """``child:X`` with X's own producer in front (``ln_2>mlp``) and the chains outside X."""
+    x = option[len("child:"):]
+    parts = [x]
+    for p, recv in chains:
+        if x in recv:
+            parts[0] = f"{p}>{x}"
+        elif not any(_within(m, x) or _within(x, m) for m in (p, recv[-1])):
+            parts.append(f"{p}>{recv[-1]}")
+    return "child:" + "+".join(parts)
+
+
+def _within(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer + ".")
+
+
+def _chains(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> list[tuple[str, list[str]]]:
+    """(producer, the modules it feeds, outermost first) for each chain in the unit: a module
+    without weight matrices, called once, whose output goes straight (no tensor saved in
+    between) into modules of which the innermost has products, and which nothing but that
+    innermost module saves."""
+    unit = model.get_submodule(name)
+    mods = {rel: m for rel, m in unit.named_modules() if rel}
+    events: list[tuple[str, str, Any]] = []  # ("in"|"out", module, tensor) or ("save", stack, storage key)
+    stack: list[str] = []
+    active = [False]
+
+    def pre(rel: str) -> Any:
+        def hook(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            if active[0]:
+                stack.append(rel)
+                events.append(("in", rel, args[0] if args and isinstance(args[0], torch.Tensor) else None))
+        return hook
+
+    def post(rel: str) -> Any:
+        def hook(_m: nn.Module, _args: tuple[Any, ...], out: Any) -> None:
+            if active[0]:
+                stack.pop()
+                events.append(("out", rel, out if isinstance(out, torch.Tensor) else None))
+        return hook
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if active[0]:
+            events.append(("save", "/".join(stack), storage_key(t.untyped_storage())))
+        return t
+
+    def unit_on(on: bool) -> Any:
+        def hook(*_: Any) -> None:
+            active[0] = on
+        return hook
+
+    handles = [unit.register_forward_pre_hook(unit_on(True)), unit.register_forward_hook(unit_on(False))]
+    for rel, m in mods.items():
+        handles += [m.register_forward_pre_hook(pre(rel)), m.register_forward_hook(post(rel))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn(model(*inputs.args, **inputs.kwargs))  # kept: its graph keeps storage keys unique
+    finally:
+        for h in handles:
+            h.remove()
+    calls = [e[1] for e in events if e[0] == "in"]
+    found = []
+    for i, (kind, p, out) in enumerate(events):
+        if kind != "out" or out is None or calls.count(p) != 1 or _has_products(mods[p]):
+            continue
+        recv: list[str] = []
+        for k2, m, t in events[i + 1:]:
+            if k2 == "save":
+                break
+            if k2 == "in" and t is out:
+                recv.append(m)
+        if not recv or not _has_products(mods[recv[-1]]) or calls.count(recv[-1]) != 1:
+            continue
+        st = storage_key(out.untyped_storage())
+        savers = [e[1] for e in events if e[0] == "save" and e[2] == st]
+        if savers and all(recv[-1] in s.split("/") for s in savers):
+            found.append((p, recv))
+    events.clear()
+    del loss
+    return found

@@ -133,8 +133,9 @@ def _watch_inputs(model: nn.Module, schedule: Schedule) -> RemovableHandle:
 
 
 def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
-    """Checkpoint each unit as its policy says: ``full``; ``child:<a>[+<b>...]`` (only those direct
-    children, each its own region); ``selective:<policy>`` (the unit, under an op-level policy;
+    """Checkpoint each unit as its policy says: ``full``; ``child:<a>[+<b>...]`` (only those
+    modules of the unit, each its own region; ``child:<a>><b>``: a chain, ``a`` feeding ``b``);
+    ``selective:<policy>`` (the unit, under an op-level policy;
     ``selective:<policy>@<child>``: only that child, under it);
     ``segment:<first>..<last>`` (those units as one region). Every name must be a submodule, and
     a segment's units must all say so, in order."""
@@ -145,19 +146,19 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
         except AttributeError:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
     names = list(policies)
-    plan: list[tuple[list[str], str]] = []  # (module names, op policy) for each region to checkpoint
+    plan: list[tuple[list[str], str, bool]] = []  # (module names, op policy, chain) for each region
     j = 0
     while j < len(names):
         policy = policies[names[j]]
         kind, _, rest = policy.partition(":")
         if policy in ("none", "full") or kind in ("child", "selective"):
-            if kind == "child":
-                plan += [([f"{names[j]}.{c}"], "") for c in rest.split("+")]
+            if kind == "child":  # a+b: two regions; a>b: one chain from a to b
+                plan += [([f"{names[j]}.{m}" for m in c.split(">")], "", ">" in c) for c in rest.split("+")]
             elif kind == "selective":  # selective:<policy>, or selective:<policy>@<child> for one child
                 op_policy, _, child = rest.partition("@")
-                plan.append(([f"{names[j]}.{child}" if child else names[j]], op_policy))
+                plan.append(([f"{names[j]}.{child}" if child else names[j]], op_policy, False))
             elif policy != "none":
-                plan.append(([names[j]], ""))
+                plan.append(([names[j]], "", False))
             j += 1
             continue
         span = segment_span(policy)
@@ -170,9 +171,9 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
         k = names.index(last)
         if any(policies[n] != policy for n in names[j : k + 1]):
             raise MemfitError(f"every unit from {first!r} to {last!r} must have the policy {policy!r}")
-        plan.append((names[j : k + 1], ""))
+        plan.append((names[j : k + 1], "", False))
         j = k + 1
-    for members, _ in plan:
+    for members, _, _ in plan:
         for name in members:
             if name not in modules:
                 try:
@@ -181,11 +182,11 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
                     raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
                                                 ) from None
             _refuse_checkpointed(name, modules[name])
-    if any(p and p not in SELECTIVE for _, p in plan):
-        bad = next(p for _, p in plan if p and p not in SELECTIVE)
+    if any(p and p not in SELECTIVE for _, p, _ in plan):
+        bad = next(p for _, p, _ in plan if p and p not in SELECTIVE)
         raise MemfitError(f"unknown op-level policy selective:{bad}; known: {', '.join(SELECTIVE)}")
-    regions = [Region(units, _context_fn(units, op_policy))
-               for units, op_policy in (([modules[n] for n in m], p) for m, p in plan)]
+    regions = [Region(units, _context_fn(units, op_policy), chain=chain)
+               for units, op_policy, chain in (([modules[n] for n in m], p, c) for m, p, c in plan)]
     if regions:
         model.__dict__["_memfit_guard"] = guard(model, regions)
 

@@ -14,6 +14,15 @@ checkpoint higher-order op and AOTAutograd's partitioner recomputes. A segment t
 one checkpoint per member, so it keeps every member's input, as ``full`` units do: plan with
 ``segments=False`` (``memfit plan --compile``) for a compiled model.
 
+A **chain** (``child:ln_2>mlp.0``) is a region over modules of one unit that feed each other,
+typically a cheap producer (a norm, an activation) and the product that consumes its output.
+Non-reentrant checkpointing stops recomputing as soon as every tensor the region saved is back
+(``torch.utils.checkpoint``'s early stop, on by default), and a matrix product saves its inputs
+before it computes: so the backward recomputes only the producer, and the producer's output is
+not kept. Each member must be called with the previous one's output, which the region checks.
+Under ``torch.compile`` a chain's producer is left to the partitioner, which recomputes such
+ops itself; only members with modules inside them are wrapped (``child:ln_2>mlp``).
+
 Private API: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, the generator
 form of non-reentrant checkpointing that ``torch.distributed._composable.checkpoint`` builds
 on for one module; a region spanning several modules needs the same split into "enter before
@@ -34,6 +43,8 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, chec
 from torch.utils.checkpoint import noop_context_fn as _noop
 from torch.utils.hooks import RemovableHandle
 
+from memfit.errors import MemfitError
+
 _state = {"recomputing": 0}
 
 
@@ -45,7 +56,7 @@ def recomputing() -> bool:
 class Region:
     """Units ``modules`` (one, or a segment that runs them one after another) checkpointed as one."""
 
-    def __init__(self, modules: list[nn.Module], context_fn: Callable[[], Any]) -> None:
+    def __init__(self, modules: list[nn.Module], context_fn: Callable[[], Any], *, chain: bool = False) -> None:
         # Weak references: the modules hold the region (hooks, attribute), and a cycle back would
         # leave a dropped model to the cyclic collector, whose frees can land inside a measured step.
         self._modules = [weakref.ref(m) for m in modules]
@@ -53,12 +64,15 @@ class Region:
         self.handles: list[RemovableHandle] = []
         self._open: Generator[None, None, None] | None = None
         self._calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self._chain = chain
+        self._last: Any = None  # a chain's previous member's output, until the next member takes it
         for k, module in enumerate(modules):
             self.handles.append(module.register_forward_pre_hook(self._pre(k), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(k), always_call=True))
             module.__dict__["_memfit_region"] = self
             module.__dict__["_memfit_forward"] = module.__dict__.get("forward")
-            module.__dict__["forward"] = functools.partial(_forward, weakref.ref(module), context_fn)
+            wrap = not chain or (k > 0 and any(True for _ in module.children()))
+            module.__dict__["forward"] = functools.partial(_forward, weakref.ref(module), context_fn if wrap else None)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -93,6 +107,8 @@ class Region:
                 next(gen)  # inside the region from here: saved tensors are left for recomputation
                 self._open = gen
             else:
+                if self._chain:
+                    self._check_link(k, args)
                 # The later units' first argument is the previous unit's output, recomputed; keep
                 # only the rest (masks, positions), so that inner activations are not held.
                 self._calls.append((args[1:], kwargs))
@@ -107,8 +123,22 @@ class Region:
                 self._close(error=True)
             elif k == len(self.modules) - 1:
                 self._close(error=False)
+            elif self._chain:
+                self._last = output
 
         return hook
+
+    def _check_link(self, k: int, args: tuple[Any, ...]) -> None:
+        """The recomputation feeds member ``k`` the previous member's output: it must be what the
+        forward fed it, or the gradients would be computed from another tensor."""
+        last, self._last = self._last, None
+        if not args or args[0] is not last:
+            self._close(error=True)
+            names = [type(m).__name__ for m in self.modules]
+            raise MemfitError(
+                f"memfit: a checkpointed chain expects {names[k]} to be called with the output of {names[k - 1]}, "
+                "and this forward called it with something else; the schedule does not fit this model's forward: "
+                "profile and plan it again")
 
     def close_failed(self) -> None:
         """Leave the region after a forward that raised (see ``guard``)."""
@@ -116,6 +146,7 @@ class Region:
 
     def _close(self, *, error: bool) -> None:
         gen, self._open = self._open, None
+        self._last = None
         if gen is None:
             return
         if error:
@@ -140,13 +171,14 @@ class Region:
         return run
 
 
-def _forward(ref: weakref.ref[nn.Module], context_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+def _forward(ref: weakref.ref[nn.Module], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
     """A unit's forward: its own, eagerly (the region's hooks checkpoint it); under
-    ``torch.compile``, inside ``torch.utils.checkpoint.checkpoint``."""
+    ``torch.compile``, inside ``torch.utils.checkpoint.checkpoint``, unless ``context_fn`` is
+    None (a chain member left to the partitioner)."""
     module = ref()
     assert module is not None, "a unit's forward outlived its module"
     own = module.__dict__["_memfit_forward"] or functools.partial(type(module).forward, module)
-    if not torch.compiler.is_compiling():
+    if context_fn is None or not torch.compiler.is_compiling():
         return own(*args, **kwargs)
     # Keywords travel in a partial, so that names such as ``debug`` cannot reach checkpoint's own.
     fn = functools.partial(own, **kwargs) if kwargs else own
