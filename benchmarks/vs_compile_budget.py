@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peer_tools import budget_backend
 
 import memfit
 from memfit.budget import format_bytes
@@ -40,19 +41,7 @@ class Config:
     opt: Any
     peak: int = 0
     times: list[float] | None = None
-
-
-def budget_backend(budget: float) -> Any:
-    """aot_eager partitioning under this activation memory budget. A backend object of its own
-    per budget: Dynamo guards on the backend, so copies compiled for other budgets do not share
-    (they would, with one backend: nn.Modules are graph inputs, the guards pass for any copy)."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return aot_eager(gm, example_inputs)
-
-    return backend
+    grads: dict[str, Any] | None = None
 
 
 def main() -> None:
@@ -79,7 +68,8 @@ def main() -> None:
         cfg = Config(label, runner, m, make_optimizer(sc.optimizer, m.parameters()))
         # a steady-state step, as validate measures it (compiles, for a budget: the runner's
         # backend is the same object, so it finds this compilation)
-        cfg.peak = measure_steps(m, raw_inputs, optimizer=sc.step_optimizer, compile=backend).peak_bytes
+        run = measure_steps(m, raw_inputs, optimizer=sc.step_optimizer, compile=backend)
+        cfg.peak, cfg.grads = run.peak_bytes, run.grads
         print(f"{label}: {format_bytes(cfg.peak)}", flush=True)
         return cfg
 
@@ -114,11 +104,15 @@ def main() -> None:
     def cell(cfg: Config | None) -> list[str]:
         return ["does not fit", "-"] if cfg is None else [format_bytes(cfg.peak), f"{slowdown(cfg) * 100:+.1f}%"]
 
-    out = [[f"{b:.1f}", *cell(c), *cell(m), *cell(f)] for b, c, m, f in rows]
+    def same(cfg: Config) -> str:  # the partitioner may recompute dropout with a fresh mask (pytorch#190758)
+        plain = configs[0].grads or {}
+        return "yes" if all(torch.equal(g, plain[n]) for n, g in (cfg.grads or {}).items()) else "NO"
+
+    out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f)] for b, c, m, f in rows]
     print(f"\nplain eager step {statistics.median(configs[0].times or [0]) * 1e3:.1f} ms, peak "
           f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds")
-    print(table(["budget", "compile peak", "compile", "memfit module peak", "module", "memfit fine peak", "fine"],
-                out))
+    print(table(["budget", "compile peak", "compile", "compile grads equal", "memfit module peak", "module",
+                 "memfit fine peak", "fine"], out))
     if args.plot:
         import matplotlib
 
