@@ -216,11 +216,21 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     for name in names:
         sc = load_scenario(name)
         mode = "measured" if not sc.target or cuda else f"estimated ({sc.target})"
-        rows.append([name + (" (default)" if name == DEFAULT else ""), sc.model, mode, sc.description])
-    print(table(["scenario", "factory", "here", "description"], rows, [False, False, False, False]))
+        try:
+            size = f"{_count(sc.parameter_count())} {sc.dtype}"
+        except (MemfitError, ImportError):  # its factory needs a package this install lacks
+            size = "-"
+        rows.append([name + (" (default)" if name == DEFAULT else ""), size, sc.model, mode, sc.description])
+    print(table(["scenario", "parameters", "factory", "here", "description"], rows,
+                [False, True, False, False, False]))
     print("\nhere: measured on this machine, or estimated from shapes for the scenario's target device (no GPU "
           "here); --target NAME estimates any scenario for a device")
     return 0
+
+
+def _count(n: int) -> str:
+    steps = ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 0), (1, "", 0))
+    return next(f"{n / scale:.{d}f}{unit}" for scale, unit, d in steps if n >= scale or scale == 1)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -21,7 +21,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-BUILTIN_DIR = Path(__file__).parent / "builtin_scenarios"
+def _builtin_dir() -> Path:
+    """The built-in scenario files: scenarios/ at the top of a checkout (one copy each, as the
+    design names it), or inside the installed package, where the wheel carries them."""
+    here = Path(__file__).parent
+    installed = here / "builtin_scenarios"
+    return installed if installed.is_dir() else here.parent / "scenarios"
+
+
+BUILTIN_DIR = _builtin_dir()
 DEFAULT = "gpt-1b"  # does not fit 24 GB unplanned; estimated for an RTX 4090 where there is no GPU
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,6 +95,13 @@ class Scenario:
             model = model.to(device)
             inputs = _cast(inputs, None, device)
         return model, inputs
+
+    def parameter_count(self) -> int:
+        """The model's parameters, built on the meta device: nothing allocated, a 7B model in
+        a fraction of a second."""
+        with torch.device("meta"):
+            model, _ = self.build("cpu")
+        return sum(p.numel() for p in model.parameters())
 
     def source(self) -> dict[str, Any]:
         """What rebuilds this model and its inputs, as a schedule records it."""

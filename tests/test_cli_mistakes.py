@@ -78,13 +78,20 @@ def _mid_budget(work: Path) -> int:
 
 
 def test_wheel_ships_the_builtin_scenarios():
-    """The package-data globs in pyproject.toml must match every built-in scenario file, or a
-    wheel install has none (CI also installs the wheel and runs it: .ci/run)."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = config["tool"]["setuptools"]["package-data"]["memfit"]
-    shipped = {p for g in globs for p in (ROOT / "memfit").glob(g)}
-    builtin = set((ROOT / "memfit" / "builtin_scenarios").glob("*.toml"))
+    """pyproject.toml must map scenarios/ into the package and ship every file in it, or a wheel
+    install has none (CI also installs the wheel and runs it: .ci/run); and every package of
+    memfit must be listed, as the list is explicit."""
+    from memfit.scenarios import BUILTIN_DIR
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"]["memfit.builtin_scenarios"] == "scenarios"
+    assert BUILTIN_DIR == ROOT / "scenarios"  # a checkout reads the one copy at the top
+    globs = config["package-data"]["memfit.builtin_scenarios"]
+    shipped = {p for g in globs for p in (ROOT / "scenarios").glob(g)}
+    builtin = set((ROOT / "scenarios").glob("*.toml"))
     assert builtin and builtin <= shipped
+    packages = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "memfit").rglob("__init__.py")}
+    assert packages | {"memfit.builtin_scenarios"} == set(config["packages"])
 
 
 @pytest.mark.parametrize(
