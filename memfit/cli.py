@@ -16,6 +16,7 @@ from memfit.console import (
     user_code_error,
 )
 from memfit.errors import MemfitError
+from memfit.profile import PARALLEL
 
 EPILOG = """\
 examples:
@@ -239,9 +240,10 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
         g.add_argument("--target", help=f"estimate for this device without having it, from shapes: "
                        f"{', '.join(DEVICES)} "
                        "(default: measure here; with no GPU here, a scenario's own target)")
-        g.add_argument("--parallel", choices=["fsdp", "ddp"],
+        g.add_argument("--parallel", choices=PARALLEL,
                        help="plan per rank: measure one of --world-size processes under FSDP2 (fully_shard per unit "
-                       "and the root) or DDP (gloo on the CPU, one GPU each with NCCL)")
+                       "and the root; fsdp-bf16: with MixedPrecisionPolicy, bf16 params, fp32 reduce) or DDP (gloo "
+                       "on the CPU, one GPU each with NCCL)")
         g.add_argument("--world-size", type=int, help="ranks for --parallel (default: 2)")
         g.add_argument("--repeat", type=int,
                        help="timed rounds of plain and all-checkpointed steps when profiling (default: 5)")

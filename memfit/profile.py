@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PROFILE_FORMAT = "memfit.profile/1"
+# per-rank profiles: FSDP2 (fully_shard per unit and the root; fsdp-bf16 with a MixedPrecisionPolicy
+# of bf16 parameters and fp32 gradient reduction) or DDP
+PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
 OPTIONS = ("none", "full")  # measured for every unit
 # Finer options, measured when profiled with granularity="fine": ``child:<a>[+<b>...]``
 # checkpoints those modules of the unit (relative names), ``a>b`` a chain of them as one region;
@@ -222,7 +225,7 @@ def _parallel(f: Fields) -> dict[str, Any]:
         return {}
     p = f.obj("parallel")
     kind = p.str("kind")
-    if kind not in ("fsdp", "ddp"):
+    if kind not in PARALLEL:
         raise_field(p.where, "kind", kind)
     return {"kind": kind, "world_size": p.int("world_size", minimum=2)}
 

@@ -105,7 +105,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if schedule.parallel:
         p = schedule.parallel
         out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks (measured on one of them)")
-        if profile is not None and p["kind"] == "fsdp":
+        if profile is not None and p["kind"].startswith("fsdp"):
             from memfit.parallel import fsdp_headroom
 
             out.append(f"leave {format_bytes(fsdp_headroom(profile))} of headroom: a rank's peak moves by up to one "

@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
     return load_scenario(str(path))
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+@pytest.mark.parametrize("parallel", ["fsdp", "fsdp-bf16", "ddp"])
 def test_per_rank_plans_predict_the_per_rank_peak(tiny, parallel):
     prof = profile_ranks(tiny, parallel=parallel, world_size=2, repeat=1)
     assert prof.parallel == {"kind": parallel, "world_size": 2}
@@ -36,10 +36,18 @@ def test_per_rank_plans_predict_the_per_rank_peak(tiny, parallel):
     plans = [{}, *(s.policies for s in scheds)]
     got = measure_ranks(tiny, plans, parallel=parallel, world_size=2)
     headroom = fsdp_headroom(prof)
-    assert (headroom > 0) == (parallel == "fsdp")
+    assert (headroom > 0) == parallel.startswith("fsdp")
     for s, measured in zip(scheds, got["peaks"][1:], strict=True):
         assert abs(s.predicted_peak_bytes - measured) / measured <= 0.05, (s.policies, s.predicted_peak_bytes, measured)
         assert measured <= s.budget_bytes + headroom
+    if parallel == "fsdp-bf16":  # bf16 compute: every plan gives the unplanned ranks' results exactly
+        for losses, grads in zip(got["losses"][1:], got["grads"][1:], strict=True):
+            assert losses == got["losses"][0]
+            assert all(np.array_equal(grads[k], got["grads"][0][k]) for k in grads)
+        fp32 = profile_ranks(tiny, parallel="fsdp", world_size=2, repeat=1)
+        # units gathered in bf16: the forward's gathered parameters take half the bytes
+        assert memfit.predict(prof, {}).peak_bytes < memfit.predict(fp32, {}).peak_bytes
+        return
     # checkpointed or not, the ranks compute one process's loss and gradients (every rank has the
     # same batch here, so averaging over ranks changes nothing)
     model, batch = tiny.build()

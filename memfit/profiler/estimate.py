@@ -153,7 +153,7 @@ def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
         raise MemfitError("estimate(parallel=...) runs its own fake ranks; call it outside a distributed run")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,)) if parallel == "fsdp" else None
+        yield init_device_mesh("cpu", (world_size,)) if parallel.startswith("fsdp") else None
     finally:
         dist.destroy_process_group()
 
@@ -218,10 +218,10 @@ def estimate(
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built
         names = find_units(model, units)
-        if parallel == "fsdp":
+        if parallel is not None and parallel.startswith("fsdp"):
             from memfit.parallel import shard
 
-            shard(model, names, "fsdp", mesh)
+            shard(model, names, parallel, mesh)
         prof = profile(model, inputs, loss_fn=loss_fn, units=names, optimizer=optimizer, repeat=1,
                        progress=progress, granularity=granularity, children=children)
         if parallel is not None:
