@@ -169,6 +169,19 @@ def test_a_chain_recomputes_only_its_producer():
     assert chains[1] < plain[1]
 
 
+def test_regions_keep_nothing_of_a_step_for_the_next():
+    """A Hugging Face attention takes masks and position tensors as keywords; the region must not
+    hold them past the step, or their free lands inside the next (measured) step and the
+    prediction comes out a few hundred bytes low."""
+    model, inputs = hf_gpt2()
+    names = memfit.units.find_units(model, "auto")
+    set_policies(model, dict.fromkeys(names, "child:ln_1>attn+ln_2>mlp.c_fc"))
+    model(**inputs).loss.backward()
+    regions = {id(r): r for m in model.modules() if (r := m.__dict__.get("_memfit_region")) is not None}
+    assert len(regions) == 2 * len(names)
+    assert all(r._calls == [] and r._last is None and r._open is None for r in regions.values())
+
+
 def test_a_chain_refuses_a_forward_that_does_not_feed_it():
     model, batch = tiny_gpt()
     set_policies(model, {"h.0": "child:mlp.0>mlp.2"})  # mlp.2 takes the GELU's output, not mlp.0's

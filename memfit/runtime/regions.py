@@ -147,6 +147,10 @@ class Region:
     def _close(self, *, error: bool) -> None:
         gen, self._open = self._open, None
         self._last = None
+        # The recomputation holds the later members' other arguments until the backward frees
+        # it; the region's own reference would keep them (a Hugging Face layer's masks and
+        # position tensors) into the next step, where their free lands inside that step.
+        self._calls = []
         if gen is None:
             return
         if error:
