@@ -25,7 +25,6 @@ import csv
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +34,9 @@ from peer_tools import SacMilp, budget_backend, hand_made
 
 import memfit
 from memfit.budget import format_bytes
+from memfit.jsonio import write_atomic
 from memfit.measure.step import Inputs, default_loss, make_optimizer
-from memfit.measure.timing import alternate, timed_step
+from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.report import table
 from memfit.runtime.validate import measure_steps
 from memfit.scenarios import load_scenario
@@ -121,9 +121,12 @@ def main() -> None:
         if best not in configs:
             configs.append(best)
 
-    peer = SacMilp(lambda: sc.build("cpu"), lambda m, inp: default_loss(m(*Inputs.of(inp).args,
-                                                                          **Inputs.of(inp).kwargs)),
-                   lambda m: make_optimizer(sc.optimizer, m.parameters()), prof.step_s)
+    def loss(m: torch.nn.Module, raw_inputs: Any) -> torch.Tensor:
+        inp = Inputs.of(raw_inputs)
+        return default_loss(m(*inp.args, **inp.kwargs))
+
+    peer = SacMilp(lambda: sc.build("cpu"), loss, lambda m: make_optimizer(sc.optimizer, m.parameters()),
+                   prof.step_s)
     print(f"sac_milp statistics: {peer.stats_s:.1f} s", flush=True)
     for level in levels:
         decisions, bound, solve_s = peer.plan(level)
@@ -207,7 +210,7 @@ def same_gradients(plain: Config, cfg: Config) -> str:
 
 def report(args: argparse.Namespace, scenario: str, plain: Config, rows: list[Row]) -> None:
     def slowdown(cfg: Config) -> float:
-        return statistics.median(b / a for a, b in zip(plain.times, cfg.times, strict=True)) - 1
+        return median_ratio(plain.times, cfg.times) - 1
 
     header = ["tool", "budget", "measured peak", "fits", "step", "slowdown", "equal gradients", "planning", "how"]
     out = []
@@ -238,7 +241,11 @@ def report(args: argparse.Namespace, scenario: str, plain: Config, rows: list[Ro
     print("\nmemfit at most a peer's step time (+2%) wherever the peer fits with the plain gradients: "
           + ("yes, at every level" if not verdicts else "no:\n  " + "\n  ".join(verdicts)))
     if args.csv:
-        atomic_write(args.csv, lambda f: csv.writer(f).writerows([header, *out]))
+        def write_csv(tmp: str) -> None:
+            with open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows([header, *out])
+
+        write_atomic(args.csv, write_csv)
         print(f"wrote {args.csv}")
     if args.plot:
         plot(args.plot, scenario, rows, slowdown)
@@ -270,16 +277,8 @@ def plot(path: str, scenario: str, rows: list[Row], slowdown: Any) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format=os.path.splitext(path)[1][1:] or "png"), binary=True)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format=os.path.splitext(path)[1][1:] or "png"))
     print(f"wrote {path}")
-
-
-def atomic_write(path: str, write: Any, binary: bool = False) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("wb" if binary else "w", dir=folder, delete=False,
-                                     **({} if binary else {"newline": ""})) as f:
-        write(f)
-    os.replace(f.name, path)
 
 
 if __name__ == "__main__":

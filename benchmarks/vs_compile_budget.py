@@ -26,7 +26,7 @@ from peer_tools import budget_backend
 import memfit
 from memfit.budget import format_bytes
 from memfit.measure.step import Inputs, default_loss, make_optimizer
-from memfit.measure.timing import alternate, timed_step
+from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.validate import measure_steps
@@ -99,7 +99,7 @@ def main() -> None:
     def slowdown(cfg: Config | None) -> float:
         if cfg is None or cfg.times is None:
             return float("nan")
-        return statistics.median(b / a for a, b in zip(configs[0].times or [], cfg.times, strict=True)) - 1
+        return median_ratio(configs[0].times or [], cfg.times) - 1
 
     def cell(cfg: Config | None) -> list[str]:
         return ["does not fit", "-"] if cfg is None else [format_bytes(cfg.peak), f"{slowdown(cfg) * 100:+.1f}%"]

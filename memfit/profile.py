@@ -30,7 +30,13 @@ FINE_KINDS = ("child", "selective")
 
 def is_fine_option(name: str) -> bool:
     kind, sep, rest = name.partition(":")
-    return kind in FINE_KINDS and bool(sep) and all(m for part in rest.split("+") for m in part.split(">"))
+    return kind in FINE_KINDS and bool(sep) and all(m for region in child_regions(rest) for m in region)
+
+
+def child_regions(names: str) -> list[list[str]]:
+    """``a+b>c`` -> [["a"], ["b", "c"]]: the regions a ``child:`` option checkpoints, each a
+    module or a chain of them (relative names)."""
+    return [part.split(">") for part in names.split("+")]
 
 
 @dataclass(slots=True)

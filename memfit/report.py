@@ -9,7 +9,7 @@ from memfit.budget import format_bytes
 from memfit.optimizer.model import predict
 from memfit.optimizer.planner import best_baseline
 from memfit.optimizer.roles import roles_of, unit_costs
-from memfit.profile import Profile
+from memfit.profile import Profile, child_regions
 from memfit.runtime.validate import Validation
 from memfit.schedule import Schedule, segment_span
 
@@ -105,10 +105,10 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if schedule.parallel:
         p = schedule.parallel
         out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks (measured on one of them)")
-        if profile is not None and p["kind"].startswith("fsdp"):
-            from memfit.parallel import fsdp_headroom
+        from memfit.parallel import fsdp_headroom
 
-            out.append(f"leave {format_bytes(fsdp_headroom(profile))} of headroom: a rank's peak moves by up to one "
+        if profile is not None and (headroom := fsdp_headroom(profile)):
+            out.append(f"leave {format_bytes(headroom)} of headroom: a rank's peak moves by up to one "
                        "unit's gathered parameters from step to step, as collectives finish")
     if schedule.compile:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
@@ -133,7 +133,7 @@ def recomputes(policy: str) -> str:
     if policy == "full":
         return "the whole unit"
     if kind == "child":  # a chain (a>b) recomputes a, and b only where b holds more than one product
-        return "only " + ", ".join(part.replace(">", "→") for part in rest.split("+"))
+        return "only " + ", ".join("→".join(r) for r in child_regions(rest))
     if kind == "selective":
         op_policy, _, child = rest.partition("@")
         what = f"all but {op_policy} outputs" if op_policy == "gemm" else f"op policy {op_policy}"

@@ -146,14 +146,14 @@ def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
     # Private: PyTorch's own fake process group for tracing distributed code without peers.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from memfit.parallel import check_parallel
+    from memfit.parallel import check_parallel, is_fsdp
 
     check_parallel(parallel, world_size)
     if dist.is_initialized():
         raise MemfitError("estimate(parallel=...) runs its own fake ranks; call it outside a distributed run")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,)) if parallel.startswith("fsdp") else None
+        yield init_device_mesh("cpu", (world_size,)) if is_fsdp(parallel) else None
     finally:
         dist.destroy_process_group()
 
@@ -218,7 +218,7 @@ def estimate(
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built
         names = find_units(model, units)
-        if parallel is not None and parallel.startswith("fsdp"):
+        if parallel and mesh is not None:  # FSDP2: its fake ranks' mesh
             from memfit.parallel import shard
 
             shard(model, names, parallel, mesh)

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, PlanDriftWarning, ScheduleMismatchError
+from memfit.profile import child_regions
 from memfit.runtime.regions import Region, guard
 from memfit.schedule import Schedule, model_fingerprint, segment_span
 
@@ -153,7 +154,7 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
         kind, _, rest = policy.partition(":")
         if policy in ("none", "full") or kind in ("child", "selective"):
             if kind == "child":  # a+b: two regions; a>b: one chain from a to b
-                plan += [([f"{names[j]}.{m}" for m in c.split(">")], "", ">" in c) for c in rest.split("+")]
+                plan += [([f"{names[j]}.{m}" for m in r], "", len(r) > 1) for r in child_regions(rest)]
             elif kind == "selective":  # selective:<policy>, or selective:<policy>@<child> for one child
                 op_policy, _, child = rest.partition("@")
                 plan.append(([f"{names[j]}.{child}" if child else names[j]], op_policy, False))
