@@ -24,11 +24,15 @@ PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
 OPTIONS = ("none", "full")  # measured for every unit
 # Finer options, measured when profiled with granularity="fine": ``child:<a>[+<b>...]``
 # checkpoints those modules of the unit (relative names), ``a>b`` a chain of them as one region;
-# ``selective:<policy>[@<child>]`` the unit or a child under an op-level policy (runtime/apply.py).
+# ``selective:<policy>[@<child>]`` the unit or a child under an op-level policy (runtime/apply.py);
+# ``derive``: no checkpoint, cheap saved tensors re-derived in the backward (runtime/derive.py).
 FINE_KINDS = ("child", "selective")
+DERIVE = "derive"
 
 
 def is_fine_option(name: str) -> bool:
+    if name == DERIVE:
+        return True
     kind, sep, rest = name.partition(":")
     return kind in FINE_KINDS and bool(sep) and all(m for region in child_regions(rest) for m in region)
 

@@ -9,7 +9,7 @@ from memfit.budget import format_bytes
 from memfit.optimizer.model import predict
 from memfit.optimizer.planner import best_baseline
 from memfit.optimizer.roles import roles_of, unit_costs
-from memfit.profile import Profile, child_regions
+from memfit.profile import DERIVE, Profile, child_regions
 from memfit.runtime.validate import Validation
 from memfit.schedule import Schedule, segment_span
 
@@ -132,6 +132,8 @@ def recomputes(policy: str) -> str:
         return "-"
     if policy == "full":
         return "the whole unit"
+    if policy == DERIVE:
+        return "cheap ops whose saved outputs it re-derives (norms, activations, dropout)"
     if kind == "child":  # a chain (a>b) recomputes a, and b only where b holds more than one product
         return "only " + ", ".join("→".join(r) for r in child_regions(rest))
     if kind == "selective":

@@ -26,7 +26,7 @@ def segment_span(policy: str) -> tuple[str, str] | None:
 
 @dataclass(slots=True)
 class Schedule:
-    policies: dict[str, str]  # unit name -> none, full, child:<a>[+<b>], selective:<p>, segment:<i>..<k>; in order
+    policies: dict[str, str]  # unit -> none, full, child:<a>[+<b>], selective:<p>, derive, segment:<i>..<k>; in order
     budget_bytes: int
     predicted_peak_bytes: int
     predicted_recompute_s: float
@@ -116,7 +116,7 @@ def _policies(f: Fields) -> dict[str, str]:
                 segment_span(policy) or is_fine_option(policy))):
             raise FileFormatError(
                 f"{f.where}: unit {unit!r} has the policy {policy!r}; expected none, full, child:<children>, "
-                "selective:<policy> or segment:<first>..<last>"
+                "selective:<policy>, derive or segment:<first>..<last>"
             )
     return dict(f.data)
 

@@ -46,11 +46,14 @@ def test_children_and_policies_are_found_and_measured(fine):
     # the transformers with a norm or an activation feeding one product: the chains, alone and
     # along with each child (its own norm in front); Llama's norms feed three products, its
     # activation a product with another branch: no chain there
+    # derive on the transformers (norm and activation outputs, dropped attention probabilities);
+    # the CNN's ReLUs keep their own outputs: nothing to re-derive
     expected = {"gpt": {"child:ln_1>attn.qkv+ln_2>mlp.0+mlp.1>mlp.2", "child:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2",
-                        "child:ln_2>mlp+ln_1>attn.qkv"},
+                        "child:ln_2>mlp+ln_1>attn.qkv", "derive"},
                 "hf-gpt2": {"child:ln_1>attn.c_attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj",
-                            "child:ln_1>attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj", "child:ln_2>mlp+ln_1>attn.c_attn"},
-                "hf-llama": {"child:self_attn", "child:mlp"}, "cnn": set()}[name]
+                            "child:ln_1>attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj", "child:ln_2>mlp+ln_1>attn.c_attn",
+                            "derive"},
+                "hf-llama": {"child:self_attn", "child:mlp", "derive"}, "cnn": set()}[name]
     # what is offered is fixed by the model; what survives pruning depends on measured times (an
     # option is dropped where another keeps no more and ran no slower), so check the offer
     facts = unit_facts(model, prof.unit_names, Inputs.of(inputs), default_loss)
@@ -104,7 +107,7 @@ def test_every_fine_option_gives_the_plain_models_results(name):
     unit = model.get_submodule(units[0])
     children = [c for c, m in unit.named_children() if any(True for _ in m.parameters())]
     options = [f"child:{c}" for c in children] + ["selective:gemm", f"child:{'+'.join(children[:2])}",
-                                                  f"selective:gemm@{children[-1]}"]
+                                                  f"selective:gemm@{children[-1]}", "derive"]
     facts = unit_facts(model, units, Inputs.of(inputs), default_loss)
     options += fine_options(model, units, Inputs.of(inputs), default_loss, facts.saved)[units[0]]  # chains
     mixes = [dict.fromkeys(units, o) for o in options]
@@ -199,7 +202,8 @@ def test_a_chain_refuses_a_forward_that_does_not_feed_it():
 def test_named_children_replace_the_automatic_choice():
     model, batch = tiny_gpt()
     prof = memfit.profile(model, batch, repeat=1, granularity="fine", children=["mlp.0", "attn+mlp"])
-    assert set(prof.units[0].options) <= {"none", "full", "child:mlp.0", "child:attn+mlp", "selective:gemm@mlp.0"}
+    assert set(prof.units[0].options) <= {"none", "full", "child:mlp.0", "child:attn+mlp", "selective:gemm@mlp.0",
+                                          "derive"}
     assert "child:attn+mlp" in prof.units[0].options  # frees both children's tensors: never dominated
     with pytest.raises(memfit.MemfitError, match=r"no unit has the child 'nope'.*ln_1, attn, ln_2, mlp"):
         memfit.profile(model, batch, repeat=1, granularity="fine", children=["nope"])

@@ -1,5 +1,6 @@
 """Which finer options to measure for each unit: its children worth checkpointing alone, cheap
-chains, and op-level policies on the whole unit and on each of those children.
+chains, op-level policies on the whole unit and on each of those children, and ``derive`` (cheap
+saved tensors re-derived in the backward, runtime/derive.py) where it frees ``MIN_SHARE``.
 
 A **chain** is a cheap producer (a module with no weight matrix: a norm, an activation) whose
 output only the next product saves (``ln_2>mlp.0``, ``mlp.1>mlp.2``): checkpointed as one region
@@ -23,8 +24,9 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.measure.step import Inputs, LossFn, storage_key
-from memfit.profile import child_regions
+from memfit.profile import DERIVE, child_regions
 from memfit.profiler.saved import unit_facts
+from memfit.runtime.derive import Derive
 
 MIN_SHARE = 0.1  # of the unit's saved bytes
 MAX_CHILDREN = 3  # child options per unit class, the largest savers first
@@ -33,7 +35,7 @@ MAX_CHILDREN = 3  # child options per unit class, the largest savers first
 def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: LossFn,
                  unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[str]]:
     """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
-    ``selective:gemm[@<name>]``), in a fixed order.
+    ``selective:gemm[@<name>]``, ``derive``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
     out: dict[str, list[str]] = {}
@@ -58,8 +60,20 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             chosen[key] += [f"selective:gemm@{c}" for c in inner if _has_products(unit.get_submodule(c))]
             if not inner and _has_products(unit):
                 chosen[key].append("selective:gemm")
+            if _derivable(model, name, inputs, loss_fn) >= MIN_SHARE * unit_saved[j] > 0:
+                chosen[key].append(DERIVE)
         out[name] = list(chosen[key])
     return out
+
+
+def _derivable(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> int:
+    """Bytes the unit's saved tensors would shed under ``derive`` (one forward, not kept)."""
+    derive = Derive(model.get_submodule(name))
+    try:
+        loss_fn(model(*inputs.args, **inputs.kwargs))
+    finally:
+        derive.remove()
+    return derive.derived_bytes
 
 
 def _has_products(module: nn.Module) -> bool:

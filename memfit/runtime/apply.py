@@ -15,7 +15,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, PlanDriftWarning, ScheduleMismatchError
-from memfit.profile import child_regions
+from memfit.profile import DERIVE, child_regions
+from memfit.runtime.derive import Derive
 from memfit.runtime.regions import Region, guard
 from memfit.schedule import Schedule, model_fingerprint, segment_span
 
@@ -138,6 +139,7 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     modules of the unit, each its own region; ``child:<a>><b>``: a chain, ``a`` feeding ``b``);
     ``selective:<policy>`` (the unit, under an op-level policy;
     ``selective:<policy>@<child>``: only that child, under it);
+    ``derive`` (no region: cheap saved tensors re-derived in the backward, runtime/derive.py);
     ``segment:<first>..<last>`` (those units as one region). Every name must be a submodule, and
     a segment's units must all say so, in order."""
     modules = {}
@@ -148,17 +150,18 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
     names = list(policies)
     plan: list[tuple[list[str], str, bool]] = []  # (module names, op policy, chain) for each region
+    derived = [n for n, p in policies.items() if p == DERIVE]
     j = 0
     while j < len(names):
         policy = policies[names[j]]
         kind, _, rest = policy.partition(":")
-        if policy in ("none", "full") or kind in ("child", "selective"):
+        if policy in ("none", "full", DERIVE) or kind in ("child", "selective"):
             if kind == "child":  # a+b: two regions; a>b: one chain from a to b
                 plan += [([f"{names[j]}.{m}" for m in r], "", len(r) > 1) for r in child_regions(rest)]
             elif kind == "selective":  # selective:<policy>, or selective:<policy>@<child> for one child
                 op_policy, _, child = rest.partition("@")
                 plan.append(([f"{names[j]}.{child}" if child else names[j]], op_policy, False))
-            elif policy != "none":
+            elif policy not in ("none", DERIVE):
                 plan.append(([names[j]], "", False))
             j += 1
             continue
@@ -166,7 +169,7 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
         if span is None or span[0] != names[j] or span[1] not in names[j + 1:]:
             raise MemfitError(
                 f"unit {names[j]!r} has the policy {policy!r}; use none, full, child:<children>, "
-                "selective:<policy> or segment:<first>..<last> naming this unit first and a later unit last"
+                "selective:<policy>, derive or segment:<first>..<last> naming this unit first and a later unit last"
             )
         first, last = span
         k = names.index(last)
@@ -174,6 +177,8 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
             raise MemfitError(f"every unit from {first!r} to {last!r} must have the policy {policy!r}")
         plan.append((names[j : k + 1], "", False))
         j = k + 1
+    for name in derived:
+        _refuse_checkpointed(name, modules[name])
     for members, _, _ in plan:
         for name in members:
             if name not in modules:
@@ -186,6 +191,8 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     if any(p and p not in SELECTIVE for _, p, _ in plan):
         bad = next(p for _, p, _ in plan if p and p not in SELECTIVE)
         raise MemfitError(f"unknown op-level policy selective:{bad}; known: {', '.join(SELECTIVE)}")
+    for name in derived:
+        modules[name].__dict__["_memfit_derive"] = Derive(modules[name])
     regions = [Region(units, _context_fn(units, op_policy), chain=chain)
                for units, op_policy, chain in (([modules[n] for n in m], p, c) for m, p, c in plan)]
     if regions:
@@ -197,12 +204,16 @@ def clear_policies(model: nn.Module) -> None:
     regions = {id(r): r for m in model.modules() if (r := m.__dict__.get("_memfit_region")) is not None}
     for region in regions.values():
         region.remove()
+    for m in model.modules():
+        if (d := m.__dict__.pop("_memfit_derive", None)) is not None:
+            d.remove()
     for handle in model.__dict__.pop("_memfit_guard", []):
         handle.remove()
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    return "_memfit_region" in module.__dict__
+    """memfit runs ``module`` under a schedule's policy (a region, or ``derive``)."""
+    return "_memfit_region" in module.__dict__ or "_memfit_derive" in module.__dict__
 
 
 def _refuse_checkpointed(name: str, module: nn.Module) -> None:

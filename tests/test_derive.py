@@ -1,0 +1,104 @@
+"""``derive``: cheap saved tensors re-derived in the backward instead of kept (runtime/derive.py)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.runtime.apply import clear_policies, set_policies
+from memfit.runtime.derive import Derive
+from memfit.runtime.validate import measure_steps
+
+from .conftest import tiny_gpt
+from .test_apply import _assert_identical, _run
+
+
+def _block_bytes(batch: int = 4, seq: int = 32, d: int = 64, heads: int = 2) -> int:
+    """What a tiny GPT block sheds: both LayerNorm outputs, the GELU output and the attention
+    probabilities after dropout (softmax output times the mask, both kept for their own backward)."""
+    return 4 * (2 * batch * seq * d + batch * seq * 4 * d + batch * heads * seq * seq)
+
+
+def test_derive_sheds_exactly_the_cheap_saved_tensors():
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, repeat=1, granularity="fine")
+    for u in prof.units:
+        none, derive = u.options["none"], u.options["derive"]
+        assert none.stored_bytes - derive.stored_bytes == _block_bytes()  # measured over each unit's forward
+    # one forward tells the profiler the same, before it measures
+    d = Derive(model.h[0])
+    model(**batch)["loss"].backward()
+    d.remove()
+    assert d.derived_bytes == _block_bytes()
+    # the whole step under derive: predicted exactly, below the plain step, same results
+    policies = dict.fromkeys(prof.unit_names, "derive")
+    twin = copy.deepcopy(model)
+    set_policies(twin, policies)
+    measured = measure_steps(twin, batch).peak_bytes
+    assert measured == memfit.predict(prof, policies).peak_bytes < memfit.predict(prof, {}).peak_bytes
+    clear_policies(twin)
+    assert not any("_memfit_derive" in m.__dict__ for m in twin.modules())
+
+
+def test_derive_keeps_dropout_batchnorm_and_kwargs_results():
+    from .test_fidelity import cnn_mixed, hf_gpt2
+
+    for build, units in ((tiny_gpt, "auto"), (hf_gpt2, "auto"), (cnn_mixed, "blocks.*")):
+        model, inputs = build()
+        names = memfit.units.find_units(model, units)
+        twin = copy.deepcopy(model)
+        expected = _run(model, inputs)
+        set_policies(twin, dict.fromkeys(names, "derive"))
+        _assert_identical(expected, _run(twin, inputs))
+
+
+class _ChangesItsInput(nn.Module):
+    """``g = h * 3`` is saved by the product and re-derived from ``h``, which the forward then
+    changes in place: the recipe would give another ``g``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(x @ self.w)  # sigmoid keeps h for its backward
+        out = (h * 3) @ self.w
+        h.add_(1)
+        return out
+
+
+def test_an_input_changed_in_place_is_refused_not_used():
+    model = _ChangesItsInput()
+    d = Derive(model)
+    out = model(torch.randn(4, 8))
+    assert d.derived_bytes == 4 * 8 * 4
+    with pytest.raises(memfit.MemfitError, match="changed in place"):
+        out.sum().backward()
+
+
+def test_derive_steps_aside_inside_another_saved_tensor_context():
+    model, batch = tiny_gpt()
+    d = Derive(model.h[0])
+    with torch.autograd.graph.save_on_cpu():
+        model(**batch)["loss"].backward()
+    assert d.derived_bytes == 0
+    with torch.no_grad():
+        model(**batch)
+    assert d.derived_bytes == 0 and not d._open
+
+
+def test_derive_steps_aside_under_compile():
+    """The partitioner makes these choices in a compiled step: the same gradients, nothing re-derived."""
+    model, batch = tiny_gpt()
+    twin = copy.deepcopy(model)
+    set_policies(twin, {"h.0": "derive", "h.1": "derive"})
+    torch._dynamo.reset()
+    try:
+        plain = measure_steps(model, batch, optimizer=None, compile="aot_eager")
+        sched = measure_steps(twin, batch, optimizer=None, compile="aot_eager")
+    finally:
+        torch._dynamo.reset()
+    assert sched.peak_bytes == plain.peak_bytes
+    assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
