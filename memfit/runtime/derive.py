@@ -23,7 +23,9 @@ hooks are inner). The option steps aside under ``torch.compile`` (the partitione
 choices itself), during memfit's recomputation and inside another saved-tensor context.
 
 Private API: ``torch._C._autograd._top_saved_tensors_default_hooks`` (is another saved-tensor
-context active?), which ``torch.utils.checkpoint`` itself uses for the same question.
+context active?), which ``torch.utils.checkpoint`` itself uses for the same question;
+``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch.utils._pytree``, on which SAC,
+``FlopCounterMode`` and the fake tensors are built.
 """
 
 from __future__ import annotations
@@ -60,7 +62,6 @@ class _Made:
     keep anything alive), and the output it made (its liveness says the entry is current)."""
 
     func: Any
-    cheap: bool  # worth making again (only then are ``args`` recorded)
     args: Any  # args and kwargs, tensors as weak references
     index: int  # which output, for ops that return several
     out: weakref.ref[torch.Tensor]
@@ -110,8 +111,9 @@ class _Derived:
 
 
 class _Watch(TorchDispatchMode):
-    """Records, for the storages made during the unit's forward, the op that made each and which
-    were written in place afterwards."""
+    """Records, for the storages that cheap ops made during the unit's forward, the op that made
+    each, and when an op last wrote into a storage in place. Other ops' outputs are not recorded:
+    an entry whose output has died may stand for a storage used again, and is never used."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,21 +129,34 @@ class _Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.seq += 1
-        if func._schema.is_mutable:
-            for arg, value in zip(func._schema.arguments, (*args, *kwargs.values()), strict=False):
-                if isinstance(value, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write:
-                    self.written[storage_key(value.untyped_storage())] = self.seq
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        ok = cheap(func)
-        for i, t in enumerate(outs):
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = storage_key(t.untyped_storage())
-            old = self.made.get(key)
-            if old is None or old.out() is None:  # new, or a dead storage's address used again
-                self.made[key] = _Made(func, ok, _weak((args, kwargs)) if ok else None, i, weakref.ref(t), self.seq,
-                                       (tuple(t.shape), t.stride(), t.storage_offset()))
+        ok, writes = _kind(func)
+        for i, name in writes:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                self.written[storage_key(value.untyped_storage())] = self.seq
+        if ok:
+            for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = storage_key(t.untyped_storage())
+                old = self.made.get(key)
+                if old is None or old.out() is None:  # new, or a dead storage's address used again
+                    self.made[key] = _Made(func, _weak((args, kwargs)), i, weakref.ref(t), self.seq,
+                                           (tuple(t.shape), t.stride(), t.storage_offset()))
         return out
+
+
+_KINDS: dict[Any, tuple[bool, tuple[tuple[int, str], ...]]] = {}
+
+
+def _kind(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
+    """(cheap, the arguments it writes into), worked out once per op: the watch runs on every op."""
+    kind = _KINDS.get(func)
+    if kind is None:
+        writes = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write)
+        kind = _KINDS[func] = (cheap(func), writes)
+    return kind
 
 
 def _weak(tree: Any) -> Any:
@@ -186,18 +201,17 @@ class Derive:
             key = storage_key(t.untyped_storage())
             made = watch.made.get(key)
             # an op's first output only: a norm's statistics are small, and its backward would run it again
-            if (made is not None and made.cheap and made.index == 0 and watch.clean(key, made.seq + 1)
+            if (made is not None and made.index == 0 and made.out() is not None and watch.clean(key, made.seq + 1)
                     and key not in kept):
                 recipe = made.recipe
                 if recipe is None:
                     refs = [a for a in tree_flatten(made.args)[0] if isinstance(a, weakref.ref)]
                     tensors = [a for r in refs if (a := r()) is not None]
                     keys = [storage_key(a.untyped_storage()) for a in tensors]
-                    out = made.out()
-                    if (len(tensors) == len(refs) and out is not None
-                            and all((k in kept or a.dim() == 0) and watch.clean(k, made.seq)
-                                    for a, k in zip(tensors, keys, strict=True))):
-                        self.derived_bytes += out.untyped_storage().nbytes()
+                    usable = [(k in kept or a.dim() == 0) and watch.clean(k, made.seq)
+                              for a, k in zip(tensors, keys, strict=True)]
+                    if len(tensors) == len(refs) and all(usable):
+                        self.derived_bytes += t.untyped_storage().nbytes()
                         args = _strong(made.args)
                         versions = [(a, a._version) for a, k in zip(tensors, keys, strict=True) if k not in params]
                         recipe = made.recipe = _Recipe(made.func, args, made.index, made.geometry, versions)
