@@ -4,7 +4,8 @@
 - PyTorch's module-level MILP ``torch.distributed._tools.sac_ilp.sac_milp`` over MemTracker,
   RuntimeEstimator and SACEstimator statistics (``SacMilp``);
 - the hand-made choices: every layer, every other layer, Megatron-style selective recomputation
-  of core attention (``hand_made``).
+  of core attention (``hand_made``);
+- Rockmate runs in the user's own environment: see rockmate_worker.py.
 
 Private API: all of ``torch.distributed._tools`` is private; it is what PyTorch ships as its
 planner. Its runtime estimators work only on CUDA (event timing, or a roofline that reads the
@@ -20,6 +21,7 @@ import functools
 import io
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,21 @@ def budget_backend(budget: float) -> Any:
             return aot_eager(gm, example_inputs)
 
     return backend
+
+
+def same_gradients(a: Any, b: Any) -> str:
+    """Loss and every gradient of run ``b`` against run ``a`` (``measure_steps``' results),
+    parameters taken in order (wrappers rename them)."""
+    worst = 0.0
+    for x, y in zip([*a.grads.values(), torch.tensor(a.losses)], [*b.grads.values(), torch.tensor(b.losses)],
+                    strict=True):
+        if x is None or y is None:
+            if x is not y:
+                return "no (a gradient is missing)"
+            continue
+        if not torch.equal(x, y):
+            worst = max(worst, ((x - y).abs().max() / x.abs().max().clamp_min(1e-30)).item())
+    return "yes" if worst == 0 else (f"yes (within {worst:.0e})" if worst <= 1e-5 else f"no ({worst:.1e} apart)")
 
 
 def wrap(model: nn.Module, names: list[str], context_fn: Callable[[], Any] | None = None) -> None:
@@ -223,3 +240,9 @@ class _IndexedPolicy:
         k = self.at[ctx.is_recompute] % max(1, len(self.names))
         self.at[ctx.is_recompute] += 1
         return CheckpointPolicy.MUST_SAVE if k < len(self.keep) and self.keep[k] else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def plan_summary(policies: dict[str, str] | None) -> str:
+    """A schedule's options, counted: ``derive x4, full x2`` (units left as they are not named)."""
+    counts = Counter(p for p in (policies or {}).values() if p != "none")
+    return ", ".join(f"{p} x{k}" for p, k in sorted(counts.items())) or "nothing checkpointed"

@@ -4,11 +4,17 @@ timed in one interleaved run.
     python benchmarks/peers.py --scenario gpt-small --points 6 --csv peers.csv --plot peers.png
     python benchmarks/peers.py --scenario hf-gpt2 --points 6 --rounds 9
 
+Levels at which memfit makes the same plan share one configuration, timed once.
+    python benchmarks/peers.py --scenario gpt-small --rockmate-python ~/rockmate-env/bin/python
+
 Tools (see peer_tools.py): memfit (``granularity="fine"``); torch.compile with
 ``activation_memory_budget`` swept 0.1 ... 0.9 (aot_eager; at each level the compiled copy with
 the highest peak within it); PyTorch's ``sac_milp`` (per-operator CPU times, scaled to memfit's
 measured step); every layer, every other layer, core attention only. The levels are spread
-evenly between the lowest peak memfit can plan and the plain step's peak.
+evenly between the lowest peak memfit can plan and the plain step's peak. Rockmate is no
+dependency: with ``--rockmate-python PATH`` (a Python where ``import rockmate`` works) it runs at
+memfit's levels in that Python (rockmate_worker.py), before the timing here so that the two never
+run at once, and is timed against that process's own plain step.
 
 Every configuration is built at once; its peak is measured with one meter (memfit's
 ``measure_steps``, a steady-state step), its gradients compared with the plain model's, and all
@@ -22,15 +28,18 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from peer_tools import SacMilp, budget_backend, hand_made
+from peer_tools import SacMilp, budget_backend, hand_made, plan_summary, same_gradients
 
 import memfit
 from memfit.budget import format_bytes
@@ -38,24 +47,26 @@ from memfit.jsonio import write_atomic
 from memfit.measure.step import Inputs, default_loss, make_optimizer
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.report import table
-from memfit.runtime.validate import measure_steps
+from memfit.runtime.validate import StepRun, measure_steps
 from memfit.scenarios import load_scenario
 from memfit.units import find_units
 
 COMPILE_BUDGETS = [round(0.1 * k, 1) for k in range(1, 10)]
+ROCKMATE_TIMEOUT_S = 3600
 
 
 @dataclass
 class Config:
     tool: str
     how: str
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     runner: Any
     plan_s: float
     opt: Any = None
     run: Any = None  # the measured steady-state step (peak, losses, gradients)
     equal: str = ""
     times: list[float] = field(default_factory=list)
+    own_slowdown: float | None = None  # timed in a process of its own (Rockmate): its ratio to that plain step
 
     @property
     def peak(self) -> int:
@@ -77,6 +88,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--csv", help="write every row here")
     parser.add_argument("--plot", help="measured peak vs slowdown, one series per tool (.png/.svg)")
+    parser.add_argument("--rockmate-python", metavar="PATH", help="a Python where rockmate imports: Rockmate "
+                        "runs there at memfit's levels (without it, Rockmate is left out)")
     args = parser.parse_args()
     for name in ("cache_size_limit", "recompile_limit"):  # one compiled graph per budget: keep them all
         if hasattr(torch._dynamo.config, name):
@@ -95,13 +108,20 @@ def main() -> None:
 
     rows: list[Row] = []
     configs = [plain]
+    ours: dict[tuple[str, ...], Config] = {}  # one configuration per distinct plan, timed once
+
+    def memfit_config(sched: memfit.Schedule, plan_s: float) -> Config:
+        key = tuple(sched.policies.values())
+        if key not in ours:
+            ours[key] = make_config("memfit", f"fine plan: {plan_summary(sched.policies)}", model, plan_s, raw,
+                                    sc.step_optimizer, sched.policies)
+            configs.append(ours[key])
+        return ours[key]
+
     for level in levels:
         started = time.perf_counter()
         sched = memfit.plan(prof, level, granularity="fine")
-        cfg = make_config("memfit", f"fine plan for {format_bytes(level)}", model,
-                          profile_s + time.perf_counter() - started, raw, sc.step_optimizer, sched.policies)
-        rows.append(Row("memfit", level, cfg))
-        configs.append(cfg)
+        rows.append(Row("memfit", level, memfit_config(sched, profile_s + time.perf_counter() - started)))
 
     compiled = []
     for b in COMPILE_BUDGETS:
@@ -159,13 +179,13 @@ def main() -> None:
         except memfit.InfeasibleBudgetError as exc:
             rows.append(Row("memfit", level, None, str(exc)))
             continue
-        ours = make_config("memfit", f"fine plan for {format_bytes(level)} ({kind}'s peak)", model,
-                           profile_s + time.perf_counter() - started, raw, sc.step_optimizer, sched.policies)
-        rows.append(Row("memfit", level, ours))
-        configs.append(ours)
+        rows.append(Row("memfit", level, memfit_config(sched, profile_s + time.perf_counter() - started)))
 
     for cfg in configs[1:]:
-        cfg.equal = same_gradients(plain, cfg)
+        cfg.equal = same_gradients(plain.run, cfg.run)
+    if args.rockmate_python:  # here, before the timing below: the two never run at once
+        rows += rockmate_rows(args.rockmate_python, args.scenario, sorted({r.level for r in rows
+                                                                           if r.tool == "memfit"}), args.rounds)
 
     def step(k: int) -> float:
         cfg = configs[k]
@@ -192,25 +212,48 @@ def make_config(tool: str, how: str, model: torch.nn.Module, plan_s: float, raw:
     return cfg
 
 
-def same_gradients(plain: Config, cfg: Config) -> str:
-    """Loss and every gradient against the plain model's, parameters taken in order (wrappers
-    rename them)."""
-    a, b = plain.run, cfg.run
-    worst = 0.0
-    for x, y in zip([*a.grads.values(), torch.tensor(a.losses)], [*b.grads.values(), torch.tensor(b.losses)],
-                    strict=True):
-        if x is None or y is None:
-            if x is not y:
-                return "no (a gradient is missing)"
+def rockmate_rows(python: str, scenario: str, levels: list[int], rounds: int) -> list[Row]:
+    """Rockmate at ``levels``, run by rockmate_worker.py under ``python`` in a process of its own;
+    whatever stops it (no such Python, no rockmate there, no schedule) is a row with the reason."""
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rockmate_worker.py")
+    print(f"rockmate: running {worker} under {python}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rockmate.json")
+        cmd = [python, worker, "--scenario", scenario, "--levels", *map(str, levels), "--rounds", str(rounds),
+               "--out", out]
+        try:  # its own messages go to stderr; Rockmate's chatter on stdout is dropped
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, timeout=ROCKMATE_TIMEOUT_S, check=False)
+            result = {"error": f"the Rockmate worker exited with status {done.returncode} and no result (see above)"}
+            if os.path.exists(out):
+                with open(out, encoding="utf-8") as f:
+                    result = json.load(f)
+        except OSError as exc:
+            result = {"error": f"cannot run {python}: {exc.strerror or exc}"}
+        except subprocess.TimeoutExpired:
+            result = {"error": f"the Rockmate worker ran past {ROCKMATE_TIMEOUT_S} s"}
+    return parse_rockmate(result, levels)
+
+
+def parse_rockmate(result: dict[str, Any], levels: list[int]) -> list[Row]:
+    """The worker's JSON as table rows (a Config of numbers: there is no model here to run)."""
+    if result.get("error"):
+        return [Row("rockmate", level, None, result["error"]) for level in levels]
+    rows = []
+    for r in result["rows"]:
+        if r.get("why"):
+            rows.append(Row("rockmate", r["level"], None, r["why"]))
             continue
-        if not torch.equal(x, y):
-            worst = max(worst, ((x - y).abs().max() / x.abs().max().clamp_min(1e-30)).item())
-    return "yes" if worst == 0 else (f"yes (within {worst:.0e})" if worst <= 1e-5 else f"no ({worst:.1e} apart)")
+        how = (f"{format_bytes(r['budget'])} for activations (its estimate: {format_bytes(r['predicted'])}), "
+               f"{r['recomputed']} of {r['forward_ops']} forward ops recomputed; timed in its own process against "
+               f"its own plain step ({r['plain_step_s'] * 1e3:.0f} ms there)")
+        rows.append(Row("rockmate", r["level"], Config("rockmate", how, None, None, r["plan_s"], run=StepRun(
+            [], {}, {}, r["peak"]), equal=r["equal"], times=[r["step_s"]], own_slowdown=r["slowdown"])))
+    return rows
 
 
 def report(args: argparse.Namespace, scenario: str, plain: Config, rows: list[Row]) -> None:
     def slowdown(cfg: Config) -> float:
-        return median_ratio(plain.times, cfg.times) - 1
+        return cfg.own_slowdown if cfg.own_slowdown is not None else median_ratio(plain.times, cfg.times) - 1
 
     header = ["tool", "budget", "measured peak", "fits", "step", "slowdown", "equal gradients", "planning", "how"]
     out = []
@@ -235,7 +278,11 @@ def report(args: argparse.Namespace, scenario: str, plain: Config, rows: list[Ro
         for tool, c in at.items():
             if ours is None:
                 verdicts.append(f"{format_bytes(level)}: memfit does not fit, {tool} does")
-            elif statistics.median(ours.times) > 1.02 * statistics.median(c.times):
+                continue
+            # a peer timed in a process of its own (Rockmate) is compared by slowdown, not by step time
+            ratio = ((1 + slowdown(ours)) / (1 + slowdown(c)) if c.own_slowdown is not None
+                     else statistics.median(ours.times) / statistics.median(c.times))
+            if ratio > 1.02:
                 verdicts.append(f"{format_bytes(level)}: memfit {slowdown(ours) * 100:+.1f}% is slower than {tool} "
                                 f"{slowdown(c) * 100:+.1f}%")
     print("\nmemfit at most a peer's step time (+2%) wherever the peer fits with the plain gradients: "
@@ -258,7 +305,7 @@ def plot(path: str, scenario: str, rows: list[Row], slowdown: Any) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for tool, style in (("memfit", "o-"), ("torch.compile", "s--"), ("sac_milp", "^:")):
+    for tool, style in (("memfit", "o-"), ("torch.compile", "s--"), ("sac_milp", "^:"), ("rockmate", "d-.")):
         pts = sorted({(r.config.peak / 2**20, slowdown(r.config) * 100) for r in rows
                       if r.tool == tool and r.config is not None})
         ax.plot([p for p, _ in pts], [s for _, s in pts], style, label=tool)

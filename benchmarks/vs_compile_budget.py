@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peer_tools import budget_backend
+from peer_tools import budget_backend, plan_summary
 
 import memfit
 from memfit.budget import format_bytes
@@ -42,6 +42,7 @@ class Config:
     peak: int = 0
     times: list[float] | None = None
     grads: dict[str, Any] | None = None
+    policies: dict[str, str] | None = None
 
 
 def main() -> None:
@@ -65,7 +66,7 @@ def main() -> None:
             set_policies(m, policies)
         backend = None if budget is None else budget_backend(budget)
         runner = m if backend is None else torch.compile(m, backend=backend)
-        cfg = Config(label, runner, m, make_optimizer(sc.optimizer, m.parameters()))
+        cfg = Config(label, runner, m, make_optimizer(sc.optimizer, m.parameters()), policies=policies)
         # a steady-state step, as validate measures it (compiles, for a budget: the runner's
         # backend is the same object, so it finds this compilation)
         run = measure_steps(m, raw_inputs, optimizer=sc.step_optimizer, compile=backend)
@@ -108,11 +109,12 @@ def main() -> None:
         plain = configs[0].grads or {}
         return "yes" if all(torch.equal(g, plain[n]) for n, g in (cfg.grads or {}).items()) else "NO"
 
-    out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f)] for b, c, m, f in rows]
+    out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f), plan_summary(f.policies) if f else "-"]
+           for b, c, m, f in rows]
     print(f"\nplain eager step {statistics.median(configs[0].times or [0]) * 1e3:.1f} ms, peak "
           f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds")
     print(table(["budget", "compile peak", "compile", "compile grads equal", "memfit module peak", "module",
-                 "memfit fine peak", "fine"], out))
+                 "memfit fine peak", "fine", "fine plan"], out))
     if args.plot:
         import matplotlib
 
