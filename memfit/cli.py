@@ -25,7 +25,7 @@ examples:
   memfit plan --budget 300MB --scenario gpt-small # a small GPT, measured here (CPU or GPU)
   memfit plan --budget 8GiB --model mypkg.models:build --input-shape 8x3x224x224
   memfit plan --budget 300MB --scenario gpt-small --strategy every-k   # a baseline instead of the optimum
-  memfit plan --budget 300MB --scenario gpt-small --granularity fine   # may checkpoint only an attention or MLP
+  memfit plan --budget 300MB --scenario gpt-small --granularity fine   # finer: an attention, an MLP, derive
   memfit plan --budget 300MB --scenario gpt-small --compile inductor   # for the torch.compile'd step, measured
   memfit profile --scenario gpt-small -o p.json && memfit plan --profile p.json --budget 300MB
   memfit plan --budget 24GB --device cuda:1       # measure on the second GPU (default: cuda if there is one)
@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
 
     prof = command("profile", "measure a model's training step per unit and write profile JSON")
     _source_args(prof)
-    _granularity(prof, "also measure each unit's finer options (children, op-level policies)")
+    _granularity(prof, "also measure each unit's finer options (children, chains, op-level policies, derive)")
     prof.add_argument("-o", "--output", default="profile.json", help="profile file to write (default: %(default)s)")
     prof.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
     prof.set_defaults(func=commands.cmd_profile)
@@ -150,8 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-segment", type=int, default=8,
                       help="longest run of units checkpointed as one region, on chains (default: %(default)s)")
     plan.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
-    _granularity(plan, "also choose checkpoints inside units: a child module (attention, MLP) or an op-level "
-                 "policy, each measured (needs a fine profile; profiles the model so when none is given)")
+    _granularity(plan, "also choose finer options inside units: a child module (attention, MLP), an op-level "
+                 "policy or derive (cheap saved outputs re-derived in the backward), each measured "
+                 "(needs a fine profile; profiles the model so when none is given)")
     plan.add_argument("--time-limit", type=float, metavar="SECONDS",
                       help="seconds the solver may take; then its best answer so far, or the best baseline if it "
                       "has none (default: no limit)")
