@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from memfit.optimizer.roles import roles_of, unit_costs
+from memfit.optimizer.roles import member_input, roles_of, unit_costs
 from memfit.profile import Profile
 
 
@@ -33,6 +33,7 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
     peak, where = level, "start"
     levels = []
     any_ckpt = any(r.kind != "none" for r in roles)
+    pending = 0  # a segment member's input, freed in the gap after the member (roles.member_input)
     for phase in profile.phases:
         if phase.unit is None:
             p, e = phase.peak_bytes, phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
@@ -40,10 +41,12 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
             p, e = costs[phase.unit].fwd_peak, costs[phase.unit].fwd_end
         else:
             p, e = costs[phase.unit].bwd_peak, costs[phase.unit].bwd_end
-        levels.append((phase.label, int(level), int(level + p)))
-        if level + p > peak:
-            peak, where = level + p, phase.label
+        levels.append((phase.label, int(level + pending), int(level + pending + p)))
+        if level + pending + p > peak:
+            peak, where = level + pending + p, phase.label
         level += e
+        pending = member_input(profile, phase.unit, roles[phase.unit]) if (
+            phase.unit is not None and phase.kind == "forward") else 0
     recompute = sum(c.recompute_s for c in costs)
     overhead = recompute / profile.step_s if profile.step_s > 0 else 0.0
     return Prediction(int(peak), where, recompute, overhead, levels)

@@ -100,12 +100,22 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
     full = u.options["full"]
     rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
     head = j == role.first
-    fwd = (full.fwd_peak_bytes, full.stored_bytes - (0 if head else profile.units[j - 1].output_bytes + rng))
+    # a later member stashes no RNG state of its own (measured peak: one RNG state below full's)
+    # and keeps no input; that input is freed only when the member has returned (see member_input)
+    fwd = (full.fwd_peak_bytes - (0 if head else rng),
+           full.stored_bytes - (0 if head else profile.units[j - 1].output_bytes + rng))
     if j < role.last:
         none = u.options["none"]
         return Costs(*fwd, none.bwd_peak_bytes, none.bwd_end_bytes - (rng if head else 0), full.recompute_s)
     back = rematerialised(profile, role)
     return Costs(*fwd, back + full.bwd_peak_bytes, back + full.bwd_end_bytes + rng, full.recompute_s)
+
+
+def member_input(profile: Profile, j: int, role: Role) -> int:
+    """Bytes of a later segment member's input, which ``unit_costs`` frees with its forward but
+    the model's own loop drops only after the member returned: live in the gap after it. Never
+    the step's peak (the member's own forward peak holds it too), so only the drawn levels show it."""
+    return profile.units[j - 1].output_bytes if role.kind == SEGMENT and j > role.first else 0
 
 
 def rematerialised(profile: Profile, role: Role) -> int:
