@@ -13,6 +13,7 @@ from memfit.runtime.validate import measure_steps
 
 from .conftest import tiny_gpt
 from .test_apply import _assert_identical, _run
+from .test_fine import compiled_steps
 
 
 def _block_bytes(batch: int = 4, seq: int = 32, d: int = 64, heads: int = 2) -> int:
@@ -91,14 +92,6 @@ def test_derive_steps_aside_inside_another_saved_tensor_context():
 
 def test_derive_steps_aside_under_compile():
     """The partitioner makes these choices in a compiled step: the same gradients, nothing re-derived."""
-    model, batch = tiny_gpt()
-    twin = copy.deepcopy(model)
-    set_policies(twin, {"h.0": "derive", "h.1": "derive"})
-    torch._dynamo.reset()
-    try:
-        plain = measure_steps(model, batch, optimizer=None, compile="aot_eager")
-        sched = measure_steps(twin, batch, optimizer=None, compile="aot_eager")
-    finally:
-        torch._dynamo.reset()
+    plain, sched = compiled_steps({"h.0": "derive", "h.1": "derive"})
     assert sched.peak_bytes == plain.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())

@@ -136,17 +136,22 @@ def test_fine_schedule_round_trips_and_is_refused_when_wrong(tmp_path):
         memfit.predict(prof, {"h.0": "child:ln_1"})
 
 
-def test_fine_options_under_compile():
+def compiled_steps(policies):
+    """The tiny GPT's steady-state step compiled (aot_eager), plain and under ``policies``."""
     model, batch = tiny_gpt()
     twin = copy.deepcopy(model)
-    set_policies(twin, {"h.0": "child:attn", "h.1": "selective:gemm@mlp", "h.2": "selective:gemm",
-                        "h.3": "child:ln_2>mlp+ln_1>attn.qkv"})
+    set_policies(twin, policies)
     torch._dynamo.reset()
     try:
-        plain = measure_steps(model, batch, optimizer=None, compile="aot_eager")
-        sched = measure_steps(twin, batch, optimizer=None, compile="aot_eager")
+        return (measure_steps(model, batch, optimizer=None, compile="aot_eager"),
+                measure_steps(twin, batch, optimizer=None, compile="aot_eager"))
     finally:
         torch._dynamo.reset()
+
+
+def test_fine_options_under_compile():
+    plain, sched = compiled_steps({"h.0": "child:attn", "h.1": "selective:gemm@mlp", "h.2": "selective:gemm",
+                                   "h.3": "child:ln_2>mlp+ln_1>attn.qkv"})
     assert sched.peak_bytes < plain.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
 

@@ -60,7 +60,7 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             chosen[key] += [f"selective:gemm@{c}" for c in inner if _has_products(unit.get_submodule(c))]
             if not inner and _has_products(unit):
                 chosen[key].append("selective:gemm")
-            if _derivable(model, name, inputs, loss_fn) >= MIN_SHARE * unit_saved[j] > 0:
+            if unit_saved[j] > 0 and _derivable(model, name, inputs, loss_fn) >= MIN_SHARE * unit_saved[j]:
                 chosen[key].append(DERIVE)
         out[name] = list(chosen[key])
     return out

@@ -77,7 +77,6 @@ class _Recipe:
 
     func: Any
     args: Any  # (args, kwargs)
-    index: int
     geometry: tuple[tuple[int, ...], tuple[int, ...], int]
     versions: list[tuple[torch.Tensor, int]]  # inputs other than parameters, at their version then
     base: weakref.ref[torch.Tensor] | None = None
@@ -92,7 +91,7 @@ class _Recipe:
                         "after the forward used it; plan this unit without the derive option")
             args, kwargs = self.args
             out = self.func(*args, **kwargs)
-            base = out[self.index] if isinstance(out, (tuple, list)) else out
+            base = out[0] if isinstance(out, (tuple, list)) else out  # first outputs only (see pack)
             if (tuple(base.shape), base.stride()) != self.geometry[:2]:
                 raise MemfitError(f"{self.func} re-derived a tensor of another layout; plan without derive")
             self.base = weakref.ref(base)
@@ -214,7 +213,7 @@ class Derive:
                         self.derived_bytes += t.untyped_storage().nbytes()
                         args = _strong(made.args)
                         versions = [(a, a._version) for a, k in zip(tensors, keys, strict=True) if k not in params]
-                        recipe = made.recipe = _Recipe(made.func, args, made.index, made.geometry, versions)
+                        recipe = made.recipe = _Recipe(made.func, args, made.geometry, versions)
                 if recipe is not None:
                     return _Derived(recipe, tuple(t.shape), t.stride(), t.storage_offset() - made.geometry[2])
             kept.add(key)
