@@ -31,6 +31,10 @@ class UnitSelectionError(MemfitError):
     """Units that cannot be found or do not form a chain."""
 
 
-class PlanDriftWarning(UserWarning):
+class MemfitWarning(UserWarning):
+    """Something memfit noticed that makes the step differ from its plan."""
+
+
+class PlanDriftWarning(MemfitWarning):
     """A scheduled model runs on inputs of other shapes or dtypes than its plan was made for:
     its activations, and so its peak, are not the planned ones."""

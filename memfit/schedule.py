@@ -142,13 +142,19 @@ def _levels(f: Fields, path: str) -> dict[str, list[list[Any]]]:
 
 
 def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]:
-    """Class, unit names and a hash of parameter names, shapes and dtypes: enough to tell that a
-    schedule was made for this architecture, without depending on the weights' values."""
+    """Class, unit names, a hash of parameter names, shapes and dtypes, and one of the modules'
+    settings: enough to tell that a schedule was made for this architecture, without depending on
+    the weights' values. The settings are what changes activation memory for the same parameters:
+    each module's plain attributes (a GPT-2 attention's ``num_heads``, dropout's ``p``, ReLU's
+    ``inplace``, a norm's ``eps``) and a Hugging Face config's attention implementation."""
     digest = hashlib.sha256()
     count = 0
     for name, p in model.named_parameters():
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
         count += p.numel()
+    settings = hashlib.sha256()
+    for name, module in model.named_modules():
+        settings.update(f"{name}:{_settings(module)}\n".encode())
     base = type(model)
     # FSDP2's fully_shard swaps in a subclass (FSDP<Name>): the model is still its own class
     base = next((c for c in base.__mro__ if not c.__name__.startswith("FSDP")), base)
@@ -156,5 +162,20 @@ def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]
         "model_class": f"{base.__module__}.{base.__qualname__}",
         "units": list(unit_names),
         "params_sha256": digest.hexdigest(),
+        "hparams_sha256": settings.hexdigest(),
         "param_count": count,
     }
+
+
+_SIMPLE = (bool, int, float, str, type(None))
+# attributes that change while a model trains or is planned, not what it is
+_VOLATILE = {"training", "gradient_checkpointing", "forward"}
+
+
+def _settings(module: nn.Module) -> str:
+    values = {k: v for k, v in vars(module).items() if not k.startswith("_") and k not in _VOLATILE and (
+        isinstance(v, _SIMPLE) or (isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v)))}
+    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if attn is not None:
+        values["config._attn_implementation"] = attn
+    return repr(sorted(values.items()))

@@ -156,21 +156,31 @@ def test_llama_7b_is_planned_for_an_h100_from_shapes():
     assert abs(kept - closed) / closed <= 0.10, (kept, closed)
 
 
-def test_apply_warns_when_an_estimated_plan_runs_elsewhere():
-    """A schedule estimated for an H100 applied to a model on the CPU: memfit says the plan was
-    estimated for another device; one estimated for the CPU target says nothing."""
-    prof = estimate(tiny_gpt, target="h100")
-    sched = memfit.plan(prof, memfit.predict(prof, {}).peak_bytes)
-    model, _ = tiny_gpt()
-    with pytest.warns(memfit.PlanDriftWarning, match=r"estimated for NVIDIA H100 80GB HBM3 \(h100\).*the CPU"):
-        memfit.apply(model, sched)
-    memfit.remove(model)
-    here = memfit.plan(estimate(tiny_gpt, target="cpu"), 2**40)
+def test_a_plan_warns_when_it_runs_on_another_device_than_it_was_made_for():
+    """A schedule estimated for an H100, or measured on CUDA, run on the CPU: the first training
+    forward says the plan was made for another device (not apply, which may come before
+    ``model.cuda()``); one estimated for the CPU target, or measured there, says nothing."""
+    import dataclasses
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        memfit.apply(model, here)
+    prof = estimate(tiny_gpt, target="h100")
+    sched = memfit.plan(prof, memfit.predict(prof, {}).peak_bytes)
+    model, batch = tiny_gpt()
+    memfit.apply(model, sched)
+    with pytest.warns(memfit.PlanDriftWarning, match=r"estimated for NVIDIA H100 80GB HBM3 \(h100\).*the CPU"):
+        model(**batch)
+    memfit.remove(model)
+    measured = dataclasses.replace(memfit.plan(estimate(tiny_gpt, target="cpu"), 2**40), target="", device="cuda:0")
+    memfit.apply(model, measured)
+    with pytest.warns(memfit.PlanDriftWarning, match=r"measured on cuda:0 and the model runs on the CPU"):
+        model(**batch)
+    memfit.remove(model)
+    for quiet in (memfit.plan(estimate(tiny_gpt, target="cpu"), 2**40), dataclasses.replace(measured, device="cpu")):
+        memfit.apply(model, quiet)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(**batch)
+        memfit.remove(model)
 
 
 def test_a_model_too_large_to_measure_points_to_estimate_mode(monkeypatch, tmp_path, capsys):

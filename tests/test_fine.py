@@ -187,7 +187,7 @@ def test_regions_keep_nothing_of_a_step_for_the_next():
     model(**inputs).loss.backward()
     regions = {id(r): r for m in model.modules() if (r := m.__dict__.get("_memfit_region")) is not None}
     assert len(regions) == 2 * len(names)
-    assert all(r._calls == [] and r._last is None and r._open is None for r in regions.values())
+    assert not any(r.is_open for r in regions.values())  # the open state holds the calls and the last output
 
 
 def test_a_chain_refuses_a_forward_that_does_not_feed_it():

@@ -48,26 +48,28 @@ def test_remove_restores_the_model_and_apply_works_again(planned):
     memfit.remove(model)
 
 
-def test_drift_warning_once_per_new_input_signature(planned):
+def test_drift_warning_once_per_new_larger_input_signature(planned):
     _, sched = planned
     model, batch = tiny_gpt()
     memfit.apply(model, sched)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(**batch)  # the planned inputs: silent
+        model(**{k: v[:, :16] for k, v in batch.items()})  # shorter fits the plan: silent
         assert not caught
-        short = {k: v[:, :16] for k, v in batch.items()}
-        model(**short)
-        model(**short)  # the same new shape again: no second warning
+        big = {k: torch.cat([v, v]) for k, v in batch.items()}
+        model(**big)
+        model(**big)  # the same new shape again: no second warning
         assert [type(w.message) for w in caught] == [memfit.PlanDriftWarning]
         text = str(caught[0].message)
-        assert sched.input_shapes in text and "int64[4,16]" in text and "memfit plan --budget" in text
-        model(**{k: v[:2] for k, v in batch.items()})  # another new shape: one more
+        assert sched.input_shapes in text and "idx int64[8,32] (planned int64[4,32])" in text
+        assert "memfit.plan(memfit.profile(model" in text and "memfit.zoo.GPT" in text  # planned from Python
+        model(**{k: torch.cat([v, v, v]) for k, v in batch.items()})  # another larger shape: one more
         assert len(caught) == 2
     memfit.remove(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model(**short)  # removed: no watching
+        model(**big)  # removed: no watching
         assert not caught
 
 

@@ -6,6 +6,7 @@ loss, backward, ``optimizer.step()``. Profiling, validation and the example all 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,16 +47,37 @@ class Inputs:
         return list(iter_tensors((self.args, self.kwargs)))
 
     def describe(self) -> str:
-        parts = [_describe(a) for a in self.args]
-        parts += [f"{k}={_describe(v)}" for k, v in self.kwargs.items()]
+        """Shapes and dtypes, one entry per tensor: ``float32[4,16]`` for a positional argument,
+        ``mask=float32[4,16,1]`` for a keyword one, and a path for one nested in lists, tuples,
+        dicts or dataclasses (``batch.0=int64[8,512]``, ``1.image=float32[8,3,224,224]``); other
+        values by their type (``use_cache=bool``)."""
+        parts = [p for i, a in enumerate(self.args) for p in _describe(a, "" if _leaf(a) else str(i))]
+        parts += [p for k, v in self.kwargs.items() for p in _describe(v, k)]
         return ", ".join(parts)
 
 
-def _describe(value: Any) -> str:
+def _leaf(value: Any) -> bool:
+    return not (isinstance(value, (tuple, list, dict)) or dataclasses.is_dataclass(value)) or not _children(value)
+
+
+def _children(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(str(k), v) for k, v in value.items()]
+    if isinstance(value, (tuple, list)):
+        return [(str(i), v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    return []
+
+
+def _describe(value: Any, path: str) -> list[str]:
+    name = f"{path}=" if path else ""
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
-        return f"{dtype}[{','.join(str(s) for s in value.shape)}]"
-    return type(value).__name__
+        return [f"{name}{dtype}[{','.join(str(s) for s in value.shape)}]"]
+    if _leaf(value):
+        return [f"{name}{type(value).__name__}"]
+    return [p for k, v in _children(value) for p in _describe(v, f"{path}.{k}" if path else k)]
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -3,29 +3,18 @@ state_dict unchanged; undo it, step down to a tighter plan, warn when the inputs
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.hooks import RemovableHandle
 
-from memfit.errors import MemfitError, PlanDriftWarning, ScheduleMismatchError
+from memfit.errors import MemfitError, ScheduleMismatchError
 from memfit.profile import DERIVE, child_regions
+from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
-from memfit.runtime.regions import Region, guard
+from memfit.runtime.regions import SELECTIVE, Region, guard
+from memfit.runtime.watch import Watch
 from memfit.schedule import Schedule, model_fingerprint, segment_span
-
-_aten = torch.ops.aten
-_BATCH_NORM_OPS = {
-    getattr(_aten, name).default
-    for name in ("_native_batch_norm_legit", "native_batch_norm", "_batch_norm_with_update")
-    if hasattr(_aten, name)
-}
 
 
 def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
@@ -37,37 +26,25 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
     unit_names = list(schedule.policies)
     expected = schedule.fingerprint
     actual = model_fingerprint(model, list(expected.get("units", unit_names)))
-    for key in ("model_class", "params_sha256"):
-        if expected.get(key) != actual[key]:
+    for key in ("model_class", "params_sha256", "hparams_sha256"):
+        if key in expected and expected[key] != actual[key]:
             raise ScheduleMismatchError(
                 f"this schedule was made for another model ({key} differs: schedule has "
-                f"{expected.get(key)!r}, model has {actual[key]!r}); run `memfit plan` for this model"
+                f"{expected.get(key)!r}, model has {actual[key]!r}{_HOW.get(key, '')}); "
+                "run `memfit plan` for this model"
             )
     if list(expected.get("units", [])) != unit_names:
         raise ScheduleMismatchError("the schedule's unit names differ from its fingerprint's")
     if "_memfit_applied" in model.__dict__:
         raise MemfitError("a schedule is already applied to this model; call memfit.remove(model) first")
     set_policies(model, schedule.policies)
-    model.__dict__["_memfit_applied"] = _Applied(schedule, 0, _watch_inputs(model, schedule))
-    _check_target(model, schedule)
+    watch = Watch(model, schedule)
+    model.__dict__["_memfit_applied"] = _Applied(schedule, 0, model.register_forward_pre_hook(watch, with_kwargs=True))
     return model
 
 
-def _check_target(model: nn.Module, schedule: Schedule) -> None:
-    """An estimated plan holds for the device it was estimated for; say so on another one."""
-    if not schedule.target:
-        return
-    from memfit.profiler.devices import device_spec
-
-    spec = device_spec(schedule.target)
-    param = next(model.parameters(), None)
-    here = param.device if param is not None else torch.device("cpu")
-    name = torch.cuda.get_device_name(here) if here.type == "cuda" else "the CPU"
-    if (here.type == "cuda") != spec.cuda or (here.type == "cuda" and spec.title.lower() not in name.lower()):
-        warnings.warn(PlanDriftWarning(
-            f"memfit: this schedule was estimated for {spec.title} ({schedule.target}), not measured, and the model "
-            f"runs on {name}: its peak may differ; plan on this device (memfit plan without --target) or check it "
-            "with memfit validate"), stacklevel=3)
+# what else a differing fingerprint field can mean
+_HOW = {"hparams_sha256": ": the same parameters, other settings, such as attention heads, dropout or norm eps"}
 
 
 @dataclass(slots=True)
@@ -106,34 +83,6 @@ def remove(model: nn.Module) -> nn.Module:
     return model
 
 
-def _watch_inputs(model: nn.Module, schedule: Schedule) -> RemovableHandle:
-    """A forward pre-hook that warns once for each new input signature (shapes and dtypes) that
-    differs from the plan's: a longer sequence or a larger batch silently breaks the budget."""
-    from memfit.budget import format_bytes
-    from memfit.measure.step import Inputs  # the one describer of inputs, as the plan recorded them
-
-    seen = {schedule.input_shapes}
-    redo = f"memfit plan --budget {format_bytes(schedule.budget_bytes).replace(' ', '')}"
-    if schedule.source.get("scenario"):
-        redo += f" --scenario {schedule.source['scenario']}"
-    elif schedule.source.get("model"):
-        redo += f" --model {schedule.source['model']}"
-
-    def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling():
-            return  # Dynamo guards on shapes itself; describing symbolic shapes would break the graph
-        now = Inputs(args, kwargs).describe()
-        if now not in seen and schedule.input_shapes:
-            seen.add(now)
-            warnings.warn(PlanDriftWarning(
-                f"memfit: this model's schedule was planned for inputs {schedule.input_shapes}, but it now runs on "
-                f"{now}: its peak may exceed the planned {format_bytes(schedule.predicted_peak_bytes)} (budget "
-                f"{format_bytes(schedule.budget_bytes)}); plan again for these inputs ({redo} with them)"
-            ), stacklevel=3)
-
-    return model.register_forward_pre_hook(check, with_kwargs=True)
-
-
 def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     """Checkpoint each unit as its policy says: ``full``; ``child:<a>[+<b>...]`` (only those
     modules of the unit, each its own region; ``child:<a>><b>``: a chain, ``a`` feeding ``b``);
@@ -142,12 +91,13 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     ``derive`` (no region: cheap saved tensors re-derived in the backward, runtime/derive.py);
     ``segment:<first>..<last>`` (those units as one region). Every name must be a submodule, and
     a segment's units must all say so, in order."""
-    modules = {}
+    modules: dict[str, nn.Module] = {}
     for name in policies:
         try:
             modules[name] = model.get_submodule(name)
         except AttributeError:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
+    _refuse_shared(modules)
     names = list(policies)
     plan: list[tuple[list[str], str, bool]] = []  # (module names, op policy, chain) for each region
     derived = [n for n, p in policies.items() if p == DERIVE]
@@ -193,10 +143,8 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
         raise MemfitError(f"unknown op-level policy selective:{bad}; known: {', '.join(SELECTIVE)}")
     for name in derived:
         modules[name].__dict__["_memfit_derive"] = Derive(modules[name])
-    regions = [Region(units, _context_fn(units, op_policy), chain=chain)
-               for units, op_policy, chain in (([modules[n] for n in m], p, c) for m, p, c in plan)]
-    if regions:
-        model.__dict__["_memfit_guard"] = guard(model, regions)
+    regions = [Region([modules[n] for n in members], op_policy, chain=chain) for members, op_policy, chain in plan]
+    model.__dict__["_memfit_guard"] = (guard(model, regions) if regions else []) + cache_off(model)
 
 
 def clear_policies(model: nn.Module) -> None:
@@ -209,6 +157,19 @@ def clear_policies(model: nn.Module) -> None:
             d.remove()
     for handle in model.__dict__.pop("_memfit_guard", []):
         handle.remove()
+
+
+def _refuse_shared(modules: dict[str, nn.Module]) -> None:
+    """One module object at several unit positions (``ModuleList([layer] * 4)``) would be hooked
+    once per position and enter its own region again from inside it."""
+    first: dict[int, str] = {}
+    for name, module in modules.items():
+        if id(module) in first:
+            raise MemfitError(
+                f"units {first[id(module)]!r} and {name!r} are one module object, called at several places in the "
+                "forward; memfit plans and checkpoints each unit once: give each place a module of its own "
+                "(copy.deepcopy(layer)) or leave the shared layer out of the units")
+        first[id(module)] = name
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -224,50 +185,3 @@ def _refuse_checkpointed(name: str, module: nn.Module) -> None:
             f"unit {name!r} is already checkpointed by another mechanism (checkpoint_wrapper or "
             "Hugging Face gradient_checkpointing); turn that off before applying a memfit schedule"
         )
-
-
-def _context_fn(units: list[nn.Module], op_policy: str = "") -> Callable[[], Any]:
-    """What the region's checkpoint saves instead of recomputing: nothing (plain), BatchNorm's
-    outputs and counter (so that running statistics update once), and the op policy's choice."""
-    has_bn = any(
-        isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training
-        for unit in units
-        for m in unit.modules()
-    )
-    if not has_bn and not op_policy:
-        from torch.utils.checkpoint import noop_context_fn
-
-        return noop_context_fn
-    keep = SELECTIVE[op_policy] if op_policy else frozenset()
-    return functools.partial(
-        create_selective_checkpoint_contexts, functools.partial(_op_policy, keep, has_bn),
-        allow_cache_entry_mutation=has_bn,
-    )
-
-
-def _op_policy(keep: frozenset[Any], batch_norm: bool, ctx: Any, op: Any, *args: Any,
-               **kwargs: Any) -> CheckpointPolicy:
-    if op in keep:
-        return CheckpointPolicy.MUST_SAVE
-    if batch_norm:
-        if op in _BATCH_NORM_OPS:
-            return CheckpointPolicy.MUST_SAVE
-        target = args[0] if args else None
-        if op is _aten.add_.Tensor and isinstance(target, torch.Tensor) and target.dtype == torch.long and (
-                target.dim() == 0):
-            return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _ops(*names: str) -> frozenset[Any]:
-    return frozenset(getattr(_aten, n).default for n in names if hasattr(_aten, n))
-
-
-# Op-level policies: the outputs each keeps (MUST_SAVE); everything else in the unit is recomputed.
-SELECTIVE: dict[str, frozenset[Any]] = {
-    # matrix products, convolutions and attention kernels: the dear ops; the cheap elementwise
-    # ones between them (norms, activations, dropout, softmax) come back in the backward
-    "gemm": _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention"),
-}

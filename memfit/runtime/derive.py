@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
 from memfit.measure.step import storage_key
+from memfit.runtime.regions import PerThread, Weak, recomputing
 
 _aten = torch.ops.aten
 _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group_norm", "_fused_rms_norm")
@@ -166,17 +167,24 @@ def _strong(tree: Any) -> Any:
     return tree_map(lambda x: x() if isinstance(x, weakref.ref) else x, tree)
 
 
-class Derive:
-    """Re-derive cheap saved tensors of ``unit`` (module hooks; ``remove()`` undoes them)."""
+class Derive(PerThread):
+    """Re-derive cheap saved tensors of ``unit`` (module hooks; ``remove()`` undoes them). The
+    contexts a forward opens are this thread's; copies and pickles take the hooks, not them."""
 
     def __init__(self, unit: nn.Module) -> None:
-        self._unit = weakref.ref(unit)
-        self._open: list[Any] = []
+        super().__init__()
+        self._unit = Weak(unit)
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
         self.handles: list[RemovableHandle] = [
             unit.register_forward_pre_hook(self._enter),
             unit.register_forward_hook(self._exit, always_call=True),
         ]
+
+    @property
+    def _open(self) -> list[Any]:
+        if not hasattr(self._tls, "open"):
+            self._tls.open = []
+        return self._tls.open
 
     def remove(self) -> None:
         self._exit()
@@ -184,8 +192,6 @@ class Derive:
             h.remove()
 
     def _enter(self, *_: Any) -> None:
-        from memfit.runtime.regions import recomputing
-
         self._exit()
         unit = self._unit()
         if (unit is None or recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()

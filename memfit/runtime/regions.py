@@ -23,6 +23,23 @@ not kept. Each member must be called with the previous one's output, which the r
 Under ``torch.compile`` a chain's producer is left to the partitioner, which recomputes such
 ops itself; only members with modules inside them are wrapped (``child:ln_2>mlp``).
 
+A segment's members must run in order, each taking the previous one's output (or its first
+element): that is what the recomputation replays. A forward that skips a member (LayerDrop),
+feeds one something else, or ends early (an exit, a depth argument) closes the region after the
+last member that ran in order, and the next member opens a region of its own, so the
+recomputation replays exactly what ran. Between members the region steps aside (identity
+saved-tensor hooks), so ops the model runs between its units are saved as on the plain model.
+
+State that belongs to a forward (the open region, the recompute depth) is per thread, as
+autograd's saved-tensor hooks are; the regions and hooks reach their modules through ``Weak``
+references, which ``copy.deepcopy`` and pickling carry over to the copy's own modules.
+
+A unit whose parameters were substituted for the call (``torch.func.functional_call`` with fast
+weights) is recomputed with the same substituted tensors; BatchNorm's running statistics are put
+back after a recomputation, so they are updated once, whatever the mode was at ``apply``, and
+nothing of the unit is kept across the forward (a kept output could be changed in place later,
+as every ResNet does with ``out += identity``).
+
 Private API: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, the generator
 form of non-reentrant checkpointing that ``torch.distributed._composable.checkpoint`` builds
 on for one module; a region spanning several modules needs the same split into "enter before
@@ -33,50 +50,137 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _checkpoint_without_reentrant_generator,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from torch.utils.checkpoint import noop_context_fn as _noop
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
 
-_state = {"recomputing": 0}
+_aten = torch.ops.aten
+_thread = threading.local()
 
 
 def recomputing() -> bool:
-    """True while a region's forward is being recomputed (inside the backward pass)."""
-    return _state["recomputing"] > 0
+    """True while this thread recomputes a region's forward (inside the backward pass)."""
+    return getattr(_thread, "recomputing", 0) > 0
 
 
-class Region:
-    """Units ``modules`` (one, or a segment that runs them one after another) checkpointed as one."""
+class Weak:
+    """A weak reference to a module that ``copy.deepcopy`` and pickling carry over to the copy's
+    module (a ``weakref.ref`` is copied as it is, still pointing at the original). Weak, because
+    the modules hold what refers to them (hooks, attributes): a cycle back would leave a dropped
+    model to the cyclic collector, whose frees can land inside a measured step."""
 
-    def __init__(self, modules: list[nn.Module], context_fn: Callable[[], Any], *, chain: bool = False) -> None:
-        # Weak references: the modules hold the region (hooks, attribute), and a cycle back would
-        # leave a dropped model to the cyclic collector, whose frees can land inside a measured step.
-        self._modules = [weakref.ref(m) for m in modules]
-        self.context_fn = context_fn
+    __slots__ = ("ref",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ref = weakref.ref(module)
+
+    def __call__(self) -> nn.Module | None:
+        return self.ref()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Weak, (self.ref(),))
+
+
+class PerThread:
+    """A base for objects with per-thread state in ``self._tls``, which copies and pickles leave
+    behind: what is open belongs to one forward of one thread, not to the model."""
+
+    def __init__(self) -> None:
+        self._tls = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_tls", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tls = threading.local()
+
+
+@dataclass(slots=True)
+class _Call:
+    """A member as the forward called it: the arguments after the first (the first member's all
+    travel in the checkpoint), and the tensors substituted for its parameters, if any."""
+
+    k: int
+    rest: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    takes_first: bool  # it was given the previous member's output[0], not the whole output
+    tensors: dict[str, torch.Tensor] | None
+
+
+@dataclass(slots=True)
+class _Open:
+    gen: Generator[None, None, None]
+    calls: list[_Call]
+    k: int  # the member that ran last
+    last: Any = None  # its output, until the next member takes it
+    pause: Any = None  # identity saved-tensor hooks between members
+    ran: bool = field(default=False)  # the member ``k`` returned
+
+
+class Region(PerThread):
+    """Units ``modules`` (one, or a segment that runs them one after another) checkpointed as
+    one, keeping what ``op_policy`` (a name in ``SELECTIVE``, or "") says."""
+
+    def __init__(self, modules: list[nn.Module], op_policy: str = "", *, chain: bool = False) -> None:
+        super().__init__()
+        if op_policy and op_policy not in SELECTIVE:
+            raise MemfitError(f"unknown op-level policy selective:{op_policy}; known: {', '.join(SELECTIVE)}")
+        self._modules = [Weak(m) for m in modules]
+        self.op_policy = op_policy
         self.handles: list[RemovableHandle] = []
-        self._open: Generator[None, None, None] | None = None
-        self._calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self._chain = chain
-        self._last: Any = None  # a chain's previous member's output, until the next member takes it
         for k, module in enumerate(modules):
-            self.handles.append(module.register_forward_pre_hook(self._pre(k), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post(k), always_call=True))
+            self.handles.append(module.register_forward_pre_hook(
+                functools.partial(Region._pre_hook, self, k), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(
+                functools.partial(Region._post_hook, self, k), always_call=True))
             module.__dict__["_memfit_region"] = self
             module.__dict__["_memfit_forward"] = module.__dict__.get("forward")
             wrap = not chain or (k > 0 and any(True for _ in module.children()))
-            module.__dict__["forward"] = functools.partial(_forward, weakref.ref(module), context_fn if wrap else None)
+            module.__dict__["forward"] = _UnitForward(module, wrap)
 
     @property
     def modules(self) -> list[nn.Module]:
         return [m for ref in self._modules if (m := ref()) is not None]
+
+    @property
+    def is_open(self) -> bool:
+        """This thread is inside the region (its saved-tensor context), or between its members."""
+        return getattr(self._tls, "open", None) is not None
+
+    @property
+    def compiled_context_fn(self) -> Callable[[], Any]:
+        """What a compiled unit's checkpoint keeps instead of recomputing: nothing, or the op
+        policy's choice (the compiled graph updates BatchNorm's buffers once by itself)."""
+        if not self.op_policy:
+            return _noop
+        return functools.partial(create_selective_checkpoint_contexts,
+                                 functools.partial(_keep, SELECTIVE[self.op_policy]))
+
+    def _contexts(self) -> tuple[Any, Any]:
+        """The region's checkpoint contexts: the op policy's, and around its recomputation, the
+        BatchNorm statistics put back as they were (outside SAC's dispatch mode, which would
+        take the copies for ops of the unit)."""
+        made = self.compiled_context_fn()
+        return made[0], _PutBack(self._modules, made[1])
 
     def remove(self) -> None:
         self._close(error=True)
@@ -89,106 +193,169 @@ class Region:
             if prior is not None:
                 module.__dict__["forward"] = prior
 
-    def _pre(self, k: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if recomputing() or torch.compiler.is_compiling():
-                return
-            if k == 0:
-                # A forward that raised inside the region (out of memory, say) left it open: its
-                # saved-tensor context ends here, before the retry, or at remove().
-                self._close(error=True)
-                calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-                self._calls = calls
-                # Keyword arguments travel in the closure, so that names such as ``debug`` in a
-                # unit's forward cannot collide with the generator's own keywords.
-                gen = _checkpoint_without_reentrant_generator(
-                    self._recompute(calls, kwargs), True, self.context_fn, "default", False, True, *args
-                )
-                next(gen)  # inside the region from here: saved tensors are left for recomputation
-                self._open = gen
-            else:
-                if self._chain:
-                    self._check_link(k, args)
-                # The later units' first argument is the previous unit's output, recomputed; keep
-                # only the rest (masks, positions), so that inner activations are not held.
-                self._calls.append((args[1:], kwargs))
-
-        return hook
-
-    def _post(self, k: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if recomputing() or torch.compiler.is_compiling():
-                return
-            if _raising(output):
-                self._close(error=True)
-            elif k == len(self.modules) - 1:
-                self._close(error=False)
-            elif self._chain:
-                self._last = output
-
-        return hook
-
-    def _check_link(self, k: int, args: tuple[Any, ...]) -> None:
-        """The recomputation feeds member ``k`` the previous member's output: it must be what the
-        forward fed it, or the gradients would be computed from another tensor."""
-        last, self._last = self._last, None
-        if not args or args[0] is not last:
-            self._close(error=True)
+    def _pre_hook(self, k: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return  # no_grad: nothing is saved, nothing to checkpoint
+        st: _Open | None = getattr(self._tls, "open", None)
+        if st is not None and st.ran and k == st.k + 1 and (takes_first := _takes(st.last, args)) is not None:
+            st.pause.__exit__(None, None, None)
+            st.pause, st.last, st.k, st.ran = None, None, k, False
+            st.calls.append(_Call(k, args[1:], kwargs, takes_first, _substituted(module)))
+            return
+        # Not the next member fed the previous one's output: the members so far close as a region
+        # of their own (a forward that raised before left it open too), and this one opens another.
+        self._close(error=st is not None and not st.ran)
+        if self._chain and k > 0:
             names = [type(m).__name__ for m in self.modules]
             raise MemfitError(
                 f"memfit: a checkpointed chain expects {names[k]} to be called with the output of {names[k - 1]}, "
                 "and this forward called it with something else; the schedule does not fit this model's forward: "
                 "profile and plan it again")
+        calls = [_Call(k, (), {}, False, _substituted(module))]
+        # Keyword arguments travel in the closure, so that names such as ``debug`` in a unit's
+        # forward cannot collide with the generator's own keywords.
+        gen = _checkpoint_without_reentrant_generator(
+            self._recompute(calls, kwargs), True, self._contexts, "default", False, True, *args)
+        next(gen)  # inside the region from here: saved tensors are left for recomputation
+        self._tls.open = _Open(gen, calls, k)
 
-    def close_failed(self) -> None:
-        """Leave the region after a forward that raised (see ``guard``)."""
-        self._close(error=True)
+    def _post_hook(self, k: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if recomputing() or torch.compiler.is_compiling():
+            return
+        st: _Open | None = getattr(self._tls, "open", None)
+        if st is None or st.k != k or st.ran:
+            return  # this call ran outside the region (under no_grad, say)
+        if _raising(output):
+            self._close(error=True)
+        elif k == len(self._modules) - 1:
+            self._close(error=False)
+        else:
+            st.last, st.ran = output, True
+            st.pause = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            st.pause.__enter__()
+
+    def close(self, *, error: bool) -> None:
+        """Leave the region if this thread has it open: after the members that ran, or (``error``)
+        without checks, after a forward that raised."""
+        st: _Open | None = getattr(self._tls, "open", None)
+        self._close(error=error or (st is not None and not st.ran))
 
     def _close(self, *, error: bool) -> None:
-        gen, self._open = self._open, None
-        self._last = None
-        # The recomputation holds the later members' other arguments until the backward frees
-        # it; the region's own reference would keep them (a Hugging Face layer's masks and
-        # position tensors) into the next step, where their free lands inside that step.
-        self._calls = []
-        if gen is None:
+        st: _Open | None = getattr(self._tls, "open", None)
+        self._tls.open = None  # drops the later members' arguments and the last output with it
+        if st is None:
             return
+        if st.pause is not None:
+            st.pause.__exit__(None, None, None)
         if error:
-            gen.close()  # leave the saved-tensor context without checks
+            st.gen.close()  # leave the saved-tensor context without checks
             return
         try:
-            next(gen)
+            next(st.gen)
         except StopIteration:
             pass
 
-    def _recompute(self, calls: list[tuple[tuple[Any, ...], dict[str, Any]]],
-                   kwargs: dict[str, Any]) -> Callable[..., None]:
+    def _recompute(self, calls: list[_Call], kwargs: dict[str, Any]) -> Callable[..., None]:
         def run(*args: Any) -> None:
-            _state["recomputing"] += 1
+            modules = self.modules
+            _thread.recomputing = getattr(_thread, "recomputing", 0) + 1
             try:
-                out = self.modules[0](*args, **kwargs)
-                for module, (rest, kw) in zip(self.modules[1:], calls, strict=True):
-                    out = module(out, *rest, **kw)
+                out: Any = None
+                for i, call in enumerate(calls):
+                    if i == 0:
+                        inputs, kw = args, kwargs
+                    else:
+                        inputs, kw = (out[0] if call.takes_first else out, *call.rest), call.kwargs
+                    module = modules[call.k]
+                    if call.tensors is None:
+                        out = module(*inputs, **kw)
+                    else:  # the fast weights the forward ran with
+                        out = torch.func.functional_call(module, call.tensors, inputs, kw)
             finally:
-                _state["recomputing"] -= 1
+                _thread.recomputing -= 1
 
         return run
 
 
-def _forward(ref: weakref.ref[nn.Module], context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
+def _takes(last: Any, args: tuple[Any, ...]) -> bool | None:
+    """How a member's first argument is the previous member's output: whole (False), its first
+    element (True, as Hugging Face layers return tuples), or not at all (None)."""
+    if not args or last is None:
+        return None
+    if args[0] is last:
+        return False
+    if isinstance(last, (tuple, list)) and last and args[0] is last[0]:
+        return True
+    return None
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _substituted(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The unit's parameters and buffers as this call sees them, when any parameter is not the
+    module's own (``torch.func.functional_call`` puts plain tensors in ``_parameters``); None
+    otherwise, the usual case, which costs one look at each parameter."""
+    for m in module.modules():
+        if any(p is not None and not isinstance(p, nn.Parameter) for p in m._parameters.values()):
+            return {**dict(module.named_parameters(remove_duplicate=False)),
+                    **dict(module.named_buffers(remove_duplicate=False))}
+    return None
+
+
+class _PutBack:
+    """Around a recomputation: the BatchNorm buffers that it updates a second time in training
+    mode, put back as they were when it began (not as after the forward: a second forward of
+    the model before this backward has updated them since)."""
+
+    def __init__(self, units: list[Weak], inner: Any) -> None:
+        self.units = units
+        self.inner = inner
+        self.stats: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.stats = [(b, b.clone()) for ref in self.units if (unit := ref()) is not None for m in unit.modules()
+                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+                      for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for buffer, value in self.stats:
+                    buffer.copy_(value)
+            self.stats = []
+
+
+class _UnitForward:
     """A unit's forward: its own, eagerly (the region's hooks checkpoint it); under
-    ``torch.compile``, inside ``torch.utils.checkpoint.checkpoint``, unless ``context_fn`` is
-    None (a chain member left to the partitioner)."""
-    module = ref()
-    assert module is not None, "a unit's forward outlived its module"
-    own = module.__dict__["_memfit_forward"] or functools.partial(type(module).forward, module)
-    if context_fn is None or not torch.compiler.is_compiling():
-        return own(*args, **kwargs)
-    # Keywords travel in a partial, so that names such as ``debug`` cannot reach checkpoint's own.
-    fn = functools.partial(own, **kwargs) if kwargs else own
-    # Dynamo accepts no context_fn, or a plain function or partial that makes the contexts.
-    extra = {} if context_fn is _noop else {"context_fn": context_fn}
-    return checkpoint(fn, *args, use_reentrant=False, **extra)
+    ``torch.compile``, inside ``torch.utils.checkpoint.checkpoint``, unless ``wrap`` is False (a
+    chain member left to the partitioner)."""
+
+    __slots__ = ("module", "wrap")
+
+    def __init__(self, module: nn.Module, wrap: bool) -> None:
+        self.module = Weak(module)
+        self.wrap = wrap
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_UnitForward, (self.module(), self.wrap))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module()
+        assert module is not None, "a unit's forward outlived its module"
+        own = module.__dict__["_memfit_forward"] or functools.partial(type(module).forward, module)
+        if not self.wrap or not torch.compiler.is_compiling():
+            return own(*args, **kwargs)
+        # Keywords travel in a partial, so that names such as ``debug`` cannot reach checkpoint's own.
+        fn = functools.partial(own, **kwargs) if kwargs else own
+        context_fn = module.__dict__["_memfit_region"].compiled_context_fn
+        # Dynamo accepts no context_fn, or a plain function or partial that makes the contexts.
+        extra = {} if context_fn is _noop else {"context_fn": context_fn}
+        return checkpoint(fn, *args, use_reentrant=False, **extra)
 
 
 def _raising(output: Any) -> bool:
@@ -197,18 +364,37 @@ def _raising(output: Any) -> bool:
 
 
 def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
-    """Hooks on the whole model that leave every open region when its forward raises, or
-    before the next forward: an open region would capture whatever autograd saves next."""
+    """Hooks on the whole model that leave every region this thread has open when the forward
+    returns (after the members that ran: an early exit) or raises, and before the next forward:
+    an open region would capture whatever autograd saves next, in any model."""
+    return [model.register_forward_pre_hook(functools.partial(_close_all, regions), prepend=True),
+            model.register_forward_hook(functools.partial(_after, regions), always_call=True)]
 
-    def close_all(*_: Any) -> None:
-        if torch.compiler.is_compiling():
-            return  # compiled units checkpoint through their forward; no region is ever open
-        for region in regions:
-            region.close_failed()
 
-    def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if _raising(output):
-            close_all()
+def _close_all(regions: list[Region], *_: Any, error: bool = True) -> None:
+    if torch.compiler.is_compiling() or recomputing():
+        return  # compiled units checkpoint through their forward; no region is ever open
+    for region in regions:
+        region.close(error=error)
 
-    return [model.register_forward_pre_hook(close_all, prepend=True),
-            model.register_forward_hook(after, always_call=True)]
+
+def _after(regions: list[Region], module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    _close_all(regions, error=_raising(output))
+
+
+def _keep(keep: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    return frozenset(getattr(_aten, n).default for n in names if hasattr(_aten, n))
+
+
+# Op-level policies: the outputs each keeps (MUST_SAVE); everything else in the unit is recomputed.
+SELECTIVE: dict[str, frozenset[Any]] = {
+    # matrix products, convolutions and attention kernels: the dear ops; the cheap elementwise
+    # ones between them (norms, activations, dropout, softmax) come back in the backward
+    "gemm": _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention"),
+}

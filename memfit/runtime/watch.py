@@ -1,0 +1,145 @@
+"""What a scheduled model watches in its own forwards: inputs larger than planned, another
+device than planned on, and Hugging Face's checkpointing turned on over the plan.
+
+Only training forwards are watched (gradients recorded): ``no_grad`` evaluation and
+``generate()`` keep no activations for a backward, so their shapes do not touch the plan. Inputs
+are compared by what changes memory, each tensor's shape and dtype, nested in lists, tuples,
+dicts and dataclasses; other values (``num_items_in_batch``, ``use_cache``) are not. A warning
+is given once for each new signature with a tensor larger than planned (a dimension longer, a
+wider dtype, or a tensor the plan did not have); smaller inputs fit the plan and are quiet.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.budget import format_bytes
+from memfit.errors import MemfitWarning, PlanDriftWarning
+from memfit.measure.step import Inputs, iter_tensors
+from memfit.runtime.regions import Weak
+from memfit.schedule import Schedule
+
+_ENTRY = re.compile(r"^(?:(?P<path>[^=\[]+)=)?(?P<dtype>[a-z0-9_]+)\[(?P<dims>[0-9,]*)\]$")
+Signature = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def signature(described: str) -> Signature:
+    """Path -> (dtype, shape) of each tensor in an ``Inputs.describe()`` text; a positional
+    tensor's path is ``#<position>``."""
+    out: Signature = {}
+    for i, entry in enumerate(e for e in described.split(", ") if e):
+        m = _ENTRY.match(entry)
+        if m is not None:
+            dims = tuple(int(d) for d in m["dims"].split(",") if d)
+            out[m["path"] or f"#{i}"] = (m["dtype"], dims)
+    return out
+
+
+def larger(now: Signature, planned: Signature) -> list[str]:
+    """The tensors of ``now`` that are larger than planned, each said in words."""
+    grown = []
+    for path, (dtype, shape) in now.items():
+        if path not in planned:
+            grown.append(f"{path} (not in the plan)")
+            continue
+        p_dtype, p_shape = planned[path]
+        wider = _itemsize(dtype) > _itemsize(p_dtype)
+        longer = (len(shape) != len(p_shape) and _numel(shape) > _numel(p_shape)) or (
+            len(shape) == len(p_shape) and any(a > b for a, b in zip(shape, p_shape, strict=True)))
+        if wider or longer:
+            grown.append(f"{path} {_text(dtype, shape)} (planned {_text(p_dtype, p_shape)})")
+    return grown
+
+
+def _text(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def _itemsize(dtype: str) -> int:
+    found = getattr(torch, dtype, None)
+    return found.itemsize if isinstance(found, torch.dtype) else 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class Watch:
+    """The forward pre-hook ``apply`` puts on the model (with kwargs)."""
+
+    def __init__(self, model: nn.Module, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.planned = signature(schedule.input_shapes)
+        self.seen = {schedule.input_shapes}
+        self.device_checked = False
+        # Hugging Face modules that can turn on their own checkpointing (gradient_checkpointing_enable)
+        self.hf_layers = [Weak(m) for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self.hf_warned = False
+
+    def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return  # Dynamo guards on shapes itself; describing symbolic shapes would break the graph
+        inputs = Inputs(args, kwargs)
+        if not self.device_checked:
+            self.device_checked = True
+            self._check_device(model, inputs)
+        if model.training and not self.hf_warned and any(
+                getattr(ref(), "gradient_checkpointing", False) for ref in self.hf_layers):
+            self.hf_warned = True
+            warnings.warn(MemfitWarning(
+                "memfit: Hugging Face gradient checkpointing is on (gradient_checkpointing_enable(), or "
+                "TrainingArguments(gradient_checkpointing=True)): it recomputes every layer, over memfit's plan, "
+                "so the step is slower than planned; turn it off (model.gradient_checkpointing_disable(), "
+                "gradient_checkpointing=False) to run memfit's plan"), stacklevel=3)
+        now = inputs.describe()
+        if now in self.seen:
+            return
+        self.seen.add(now)
+        grown = larger(signature(now), self.planned)
+        if grown and self.planned:
+            s = self.schedule
+            warnings.warn(PlanDriftWarning(
+                f"memfit: this model's schedule was planned for inputs {s.input_shapes}, and this forward's are "
+                f"larger: {'; '.join(grown)}; its peak may exceed the planned {format_bytes(s.predicted_peak_bytes)} "
+                f"(budget {format_bytes(s.budget_bytes)}); plan again for the largest inputs: {self._redo()}"
+            ), stacklevel=3)
+
+    def _redo(self) -> str:
+        s = self.schedule
+        budget = format_bytes(s.budget_bytes).replace(" ", "")
+        source = next((f"--{k} {s.source[k]}" for k in ("scenario", "model") if s.source.get(k)), "")
+        if source:
+            return f"memfit plan {source} --budget {budget} with these input shapes"
+        return (f"memfit.plan(memfit.profile(model, <these inputs>), budget=\"{budget}\") "
+                f"for {s.fingerprint.get('model_class', 'this model')}")
+
+    def _check_device(self, model: nn.Module, inputs: Inputs) -> None:
+        """A plan holds for the device kind it was measured or estimated for; say so on another."""
+        first = next(iter_tensors((inputs.args, inputs.kwargs)), None)
+        if first is None:
+            first = next(model.parameters(), None)
+        here = first.device if first is not None else torch.device("cpu")
+        name = torch.cuda.get_device_name(here) if here.type == "cuda" else "the CPU"
+        s = self.schedule
+        if s.target:
+            from memfit.profiler.devices import device_spec
+
+            spec = device_spec(s.target)
+            if (here.type == "cuda") != spec.cuda or (here.type == "cuda" and spec.title.lower() not in name.lower()):
+                warnings.warn(PlanDriftWarning(
+                    f"memfit: this schedule was estimated for {spec.title} ({s.target}), not measured, and the model "
+                    f"runs on {name}: its peak may differ; plan on this device (memfit plan without --target) or "
+                    "check it with memfit validate"), stacklevel=4)
+        elif torch.device(s.device).type != here.type:
+            warnings.warn(PlanDriftWarning(
+                f"memfit: this schedule was measured on {s.device} and the model runs on {name}: memory is "
+                "allocated differently there (the CUDA allocator rounds, kernels keep other tensors), so its peak "
+                "may differ; plan on this device or check it with memfit validate"), stacklevel=4)

@@ -1,0 +1,171 @@
+"""Models written as users have them, for the tests that check memfit against them: a
+torchvision-style ResNet (its BasicBlock and Bottleneck as torchvision writes them:
+BatchNorm, ``out += identity``, ``ReLU(inplace=True)``; torchvision itself does not install
+beside the CPU torch here), its Hugging Face twin from a config, and a LayerDrop-style net that
+leaves its loop early."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet layout, narrow: stem, four stages, pooled head."""
+
+    def __init__(self, block: type[BasicBlock | Bottleneck], layers: list[int], width: int = 8,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.inplanes = width
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.layer1 = self._make_layer(block, width, layers[0])
+        self.layer2 = self._make_layer(block, 2 * width, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 4 * width, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 8 * width, layers[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(8 * width * block.expansion, classes)
+
+    def _make_layer(self, block: type[BasicBlock | Bottleneck], planes: int, blocks: int,
+                    stride: int = 1) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes * block.expansion, 1, stride, bias=False),
+                                       nn.BatchNorm2d(planes * block.expansion))
+        layers = [block(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * block.expansion
+        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def perturb_batch_norms(model: nn.Module, seed: int = 1) -> None:
+    """BatchNorm scales and shifts away from their 1 and 0 (timm starts the last scale of a block
+    at 0, which hides a wrong recomputation of the residual sum until it has trained)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.copy_(0.5 + torch.rand(m.weight.shape, generator=g))
+                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
+
+
+def resnet18ish(seed: int = 0, batch: int = 4, image: int = 32) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = ResNet(BasicBlock, [2, 2, 2, 2])
+    perturb_batch_norms(model, seed + 1)
+    return model, torch.randn(batch, 3, image, image)
+
+
+def resnet50ish(seed: int = 0, batch: int = 2, image: int = 32) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = ResNet(Bottleneck, [1, 2, 1, 1], width=4)
+    perturb_batch_norms(model, seed + 1)
+    return model, torch.randn(batch, 3, image, image)
+
+
+def hf_resnet(seed: int = 0, batch: int = 4, image: int = 32) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Hugging Face's ResNet from a config (its layers also end in ``hidden_state += residual``)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 2, 2],
+                                       layer_type="basic", num_labels=10)
+    model = transformers.ResNetForImageClassification(config)
+    perturb_batch_norms(model, seed + 1)
+    return model, {"pixel_values": torch.randn(batch, 3, image, image), "labels": torch.randint(0, 10, (batch,))}
+
+
+class DropBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.relu(self.fc1(self.ln(x)))))
+
+
+class LayerDropNet(nn.Module):
+    """Blocks in a loop that a forward may leave early (``depth``) or skip (``skip``), as
+    LayerDrop and early-exit models do; ops between blocks (``scale``) feed the next block
+    something other than the previous block's output."""
+
+    def __init__(self, d: int = 32, n: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(DropBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor, depth: int | None = None, skip: tuple[int, ...] = (),
+                scale: tuple[int, ...] = ()) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if depth is not None and i == depth:
+                break
+            if i in skip:
+                continue
+            h = block(h)
+            if i in scale:
+                h = h * 0.5 + 1.0
+        return self.head(h)

@@ -1,0 +1,168 @@
+"""ResNets as users have them: BatchNorm outputs changed in place (``out += identity``),
+``ReLU(inplace=True)``, models that arrive in eval mode. A scheduled model trained by a plain
+loop (written here, as a user writes it) gives the plain copy's losses, gradients and buffers
+after every step."""
+
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import memfit
+from memfit.runtime.regions import Region
+from memfit.schedule import Schedule, model_fingerprint
+
+from .models import hf_resnet, resnet18ish, resnet50ish
+
+BLOCKS = {
+    "resnet18": (resnet18ish, [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]),
+    "resnet50": (resnet50ish, ["layer1.0", "layer2.0", "layer2.1", "layer3.0", "layer4.0"]),
+    "hf-resnet": (hf_resnet, [f"resnet.encoder.stages.{i}.layers.{j}" for i in range(4) for j in range(2)]),
+}
+FINE = ["selective:gemm", "child:bn2", "derive", "child:conv1+conv2"]  # torchvision's child names
+HF_FINE = ["selective:gemm", "child:layer.1", "derive", "child:layer.0+layer.1"]
+
+
+def _policies(kind: str, names: list[str], hf: bool) -> dict[str, str]:
+    if kind == "full":
+        return dict.fromkeys(names, "full")
+    if kind == "mixed":
+        return {n: ("full" if i % 2 else "none") for i, n in enumerate(names)}
+    fine = HF_FINE if hf else FINE
+    return {n: fine[i % len(fine)] for i, n in enumerate(names)}
+
+
+def _schedule(model, policies) -> Schedule:
+    return Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0, model_fingerprint(model, list(policies)))
+
+
+def _call(model, inputs):
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return out.loss if hasattr(out, "loss") else out.square().mean()
+
+
+def train_and_compare(plain, scheduled, inputs, steps: int = 3) -> None:
+    """The user's loop, on both: SGD with momentum, a step, and after each step the losses,
+    every gradient and every buffer (BatchNorm statistics and counters) equal, bit for bit."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (plain, scheduled)]
+    for step in range(steps):
+        losses = []
+        for model, opt in zip((plain, scheduled), opts, strict=True):
+            torch.manual_seed(step)
+            opt.zero_grad(set_to_none=True)
+            loss = _call(model, inputs)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert torch.equal(*losses), (step, losses)
+        for (n, p), q in zip(plain.named_parameters(), scheduled.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (step, n, (p.grad - q.grad).abs().max())
+        for (n, b), c in zip(plain.named_buffers(), scheduled.buffers(), strict=True):
+            assert torch.equal(b, c), (step, n)
+
+
+@pytest.mark.parametrize("kind", ["full", "mixed", "fine"])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_resnets_train_as_the_plain_model(name, kind):
+    factory, names = BLOCKS[name]
+    plain, inputs = factory()
+    plain.train()
+    scheduled = copy.deepcopy(plain)
+    memfit.apply(scheduled, _schedule(scheduled, _policies(kind, names, name == "hf-resnet")))
+    train_and_compare(plain, scheduled, inputs)
+    counters = [b for n, b in scheduled.named_buffers() if n.endswith("num_batches_tracked")]
+    assert counters and all(int(c) == 3 for c in counters)  # once per step, recomputed or not
+
+
+def test_a_real_plan_on_a_resnet_trains_as_the_plain_model():
+    """An ILP plan at a budget between none and all: predicted equals measured, and the user's
+    loop gives the plain model's results."""
+    plain, x = resnet18ish()
+    names = BLOCKS["resnet18"][1]
+    prof = memfit.profile(copy.deepcopy(plain), x, units=names, optimizer="sgd-momentum", repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    sched = memfit.plan(prof, (lo + hi) // 2)
+    assert 0 < len(sched.checkpointed) < len(names)
+    check = memfit.validate(copy.deepcopy(plain), x, sched, steps=0)
+    assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes
+    scheduled = copy.deepcopy(plain)
+    memfit.apply(scheduled, sched)
+    train_and_compare(plain, scheduled, x)
+
+
+def _old_contexts(self):
+    """The bug this file guards against: BatchNorm's outputs kept with
+    ``allow_cache_entry_mutation=True``, so the recompute read ``out += identity`` back."""
+    ops = {torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+           torch.ops.aten._batch_norm_with_update.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
+
+
+def test_validate_says_no_when_the_gradients_differ(monkeypatch):
+    """The check itself can fail: with the old BatchNorm handling put back, validate reports the
+    gradients unequal and the plan not OK, where it is OK today."""
+    model, x = resnet18ish()
+    names = BLOCKS["resnet18"][1]
+    sched = _schedule(model, dict.fromkeys(names, "full"))
+    sched.budget_bytes = 2**40
+    assert memfit.validate(model, x, sched, optimizer="adamw", steps=0).ok
+    monkeypatch.setattr(Region, "_contexts", _old_contexts)
+    bad = memfit.validate(model, x, sched, optimizer="adamw", steps=0)
+    assert not bad.grads_equal and not bad.ok and bad.max_grad_diff > 1e-3
+
+
+@pytest.mark.parametrize("name", ["resnet18", "hf-resnet"])
+def test_apply_in_eval_mode_then_train_updates_statistics_once(name):
+    """Hugging Face's from_pretrained returns a model in eval mode; apply there, train after."""
+    factory, names = BLOCKS[name]
+    plain, inputs = factory()
+    scheduled = copy.deepcopy(plain)
+    scheduled.eval()
+    sched = _schedule(scheduled, dict.fromkeys(names, "full"))
+    sched.fallbacks = [{"budget_bytes": 1, "policies": dict.fromkeys(names, "full"), "predicted_peak_bytes": 0,
+                        "predicted_recompute_s": 0.0, "predicted_overhead": 0.0}]
+    memfit.apply(scheduled, sched)
+    assert memfit.tighten(scheduled)  # in eval mode too
+    plain.train()
+    scheduled.train()
+    train_and_compare(plain, scheduled, inputs)
+    plain.eval()
+    scheduled.eval()
+    with torch.no_grad():
+        assert torch.equal(_call(plain, inputs), _call(scheduled, inputs))  # eval logits use the same statistics
+
+
+def test_hf_resnet_from_pretrained_trains_as_the_plain_model(tmp_path):
+    model, inputs = hf_resnet()
+    model.save_pretrained(tmp_path)
+    import transformers
+
+    plain = transformers.ResNetForImageClassification.from_pretrained(tmp_path)
+    scheduled = transformers.ResNetForImageClassification.from_pretrained(tmp_path)
+    assert not scheduled.training  # as from_pretrained returns it
+    names = BLOCKS["hf-resnet"][1]
+    memfit.apply(scheduled, _schedule(scheduled, dict.fromkeys(names, "full")))
+    plain.train()
+    scheduled.train()
+    train_and_compare(plain, scheduled, inputs)
+
+
+def test_two_forwards_before_one_backward_keep_both_updates():
+    """Two forwards before one backward (a siamese step): each recomputation puts back the
+    statistics as they were when it began, so both updates of the forwards stay."""
+    plain, x = resnet18ish()
+    scheduled = copy.deepcopy(plain)
+    memfit.apply(scheduled, _schedule(scheduled, dict.fromkeys(BLOCKS["resnet18"][1], "full")))
+    for model in (plain, scheduled):
+        torch.manual_seed(0)
+        (_call(model, x) + _call(model, x.flip(0))).backward()
+    for (n, b), c in zip(plain.named_buffers(), scheduled.buffers(), strict=True):
+        assert torch.equal(b, c), n
+    for (n, p), q in zip(plain.named_parameters(), scheduled.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
+
