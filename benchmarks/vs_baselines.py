@@ -7,7 +7,7 @@ For each budget: the plan of each strategy that fits (ilp, every-k, sqrt, first-
 full), its measured peak (CPU live-tensor accounting) and its measured slowdown against the
 un-checkpointed step (median over rounds, memfit.runtime.validate.step_times). Identical plans
 are measured once. The last column is recompute time of the ILP / best fitting baseline (predicted; 1.00 =
-as good, < 1 = better). "cnn-group" is cnn-mixed with GroupNorm, a chain where segments apply.
+as good, < 1 = better). "cnn-group" is cnn-mixed with GroupNorm.
 """
 
 from __future__ import annotations

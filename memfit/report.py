@@ -114,7 +114,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
                    f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")
     if any(not f.get("applies", True) for f in schedule.baselines.values()):
-        out.append("n/a: the strategy has no schedule for these units (sqrt needs a chain of units without BatchNorm)")
+        out.append("n/a: the strategy has no schedule for these units (sqrt needs a chain of units)")
     if profile is not None:
         where = predict(profile, schedule.policies).peak_phase
         out.append(f"the peak is reached in: {where}")

@@ -125,3 +125,64 @@ def test_tighten_walks_the_ladder_and_each_plan_fits(planned):
     assert rung["level"] == 1 and len(losses) == 2
     hook.remove()
     memfit.remove(model)
+
+
+class _ListNet(torch.nn.Module):
+    """Inputs in a list and a dict, as collators hand them over, and an extra scalar keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+                                          for _ in range(3))
+
+    def forward(self, parts, extra=None, num_items_in_batch=None):
+        h = torch.cat(parts, dim=0) + (0 if extra is None else extra["bias"])
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_drift_compares_nested_tensors_and_ignores_scalars_and_no_grad():
+    from memfit.runtime.watch import larger, signature
+
+    model = _ListNet()
+    inputs = ([torch.randn(4, 8), torch.randn(4, 8)], {"bias": torch.zeros(8)})
+    prof = memfit.profile(model, inputs, units="blocks.*", repeat=1)
+    assert prof.input_shapes == "0.0=float32[4,8], 0.1=float32[4,8], 1.bias=float32[8]"
+    sched = memfit.plan(prof, memfit.predict(prof, {}).peak_bytes)
+    memfit.apply(model, sched)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(*inputs, num_items_in_batch=17)  # a scalar the Trainer adds: not memory
+        model([torch.randn(2, 8)], extra=inputs[1])  # fewer, smaller: fits
+        with torch.no_grad():
+            model([torch.randn(32, 8), torch.randn(32, 8)], inputs[1])  # evaluation keeps no activations
+        assert not caught
+        model([torch.randn(32, 8), torch.randn(32, 8)], inputs[1])  # 8x the batch, inside a list
+        assert len(caught) == 1 and "parts.0 float32[32,8] (planned float32[4,8])" in str(caught[0].message)
+    assert larger(signature("x=bfloat16[4]"), signature("x=float32[4]")) == []
+    assert larger(signature("x=float64[4]"), signature("x=float32[4]")) == ["x float64[4] (planned float32[4])"]
+    assert larger(signature("float32[4], y=int64[2]"), signature("float32[4]")) == ["y (not in the plan)"]
+
+
+def test_a_model_with_the_same_parameters_but_other_heads_is_refused():
+    """GPT-2 with 16 heads instead of 2 has the same parameter shapes and other activations."""
+    transformers = pytest.importorskip("transformers")
+    models = [transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=h, vocab_size=128,
+                                                                   n_positions=32)) for h in (2, 16)]
+    names = ["transformer.h.0", "transformer.h.1"]
+    fingerprints = [memfit.schedule.model_fingerprint(m, names) for m in models]
+    assert fingerprints[0]["params_sha256"] == fingerprints[1]["params_sha256"]
+    sched = memfit.Schedule(dict.fromkeys(names, "full"), 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+                            fingerprints[0])
+    with pytest.raises(memfit.ScheduleMismatchError, match=r"hparams_sha256 differs.*attention heads"):
+        memfit.apply(models[1], sched)
+    memfit.apply(models[0], sched)
+
+
+def test_drift_warning_names_the_scenario_to_plan_again(planned):
+    sched = dataclasses.replace(planned[1], source={"scenario": "gpt-small"})
+    model, batch = tiny_gpt()
+    memfit.apply(model, sched)
+    with pytest.warns(memfit.PlanDriftWarning, match="memfit plan --scenario gpt-small --budget"):
+        model(**{k: torch.cat([v, v]) for k, v in batch.items()})

@@ -61,8 +61,7 @@ def not_applicable(profile: Profile, strategy: str) -> str | None:
     """Why ``strategy`` has no schedule for this profile at any budget; None when it has."""
     if strategy == "sqrt" and not profile.chain:
         return ("sqrt(N) checkpoints runs of several units as one segment, which memfit offers only when the "
-                "units form a chain (each unit's only input is the previous unit's output) and hold no "
-                "BatchNorm; these units do not")
+                "units form a chain (each unit's only input is the previous unit's output); these units do not")
     if strategy == "sqrt" and len(profile.units) < 2:
         return "sqrt(N) segments need at least two units"
     return None

@@ -199,7 +199,7 @@ def _assemble(
         measured_peak_bytes=measured,
         torch_version=torch.__version__,
         recompute_factor=factor,
-        chain=facts.chain and not any(_has_batch_norm(model.get_submodule(n)) for n in names),
+        chain=facts.chain,
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
     )
 
@@ -216,13 +216,6 @@ def _check_order(run: list[Stretch], names: list[str]) -> None:
     if ran != sorted(ran):
         order = ", ".join(names[i] for i in ran)
         raise MemfitError(f"the units run in the order {order}, not as given; list them in the order they run")
-
-
-def _has_batch_norm(module: nn.Module) -> bool:
-    """BatchNorm in a checkpointed region keeps its outputs instead of recomputing them (so that
-    running statistics update once); how that interacts with a multi-unit segment is not
-    modelled exactly, so such units are not offered as segments."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in module.modules())
 
 
 def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> float:

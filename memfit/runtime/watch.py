@@ -11,6 +11,7 @@ wider dtype, or a tensor the plan did not have); smaller inputs fit the plan and
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from typing import Any
@@ -37,6 +38,22 @@ def signature(described: str) -> Signature:
         if m is not None:
             dims = tuple(int(d) for d in m["dims"].split(",") if d)
             out[m["path"] or f"#{i}"] = (m["dtype"], dims)
+    return out
+
+
+def by_name(sig: Signature, forward: object) -> Signature:
+    """The same signature with positional paths (``#0``, ``0.1``) named after ``forward``'s
+    parameters, so that a tensor passed by position or by keyword is the same tensor."""
+    try:
+        names = [p.name for p in inspect.signature(forward).parameters.values()  # type: ignore[arg-type]
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return sig
+    out: Signature = {}
+    for path, value in sig.items():
+        head, dot, rest = path.removeprefix("#").partition(".")
+        named = head.isdigit() and int(head) < len(names) and (path.startswith("#") or dot)
+        out[f"{names[int(head)]}{dot}{rest}" if named else path] = value
     return out
 
 
@@ -77,7 +94,7 @@ class Watch:
 
     def __init__(self, model: nn.Module, schedule: Schedule) -> None:
         self.schedule = schedule
-        self.planned = signature(schedule.input_shapes)
+        self.planned = by_name(signature(schedule.input_shapes), model.forward)
         self.seen = {schedule.input_shapes}
         self.device_checked = False
         # Hugging Face modules that can turn on their own checkpointing (gradient_checkpointing_enable)
@@ -103,7 +120,7 @@ class Watch:
         if now in self.seen:
             return
         self.seen.add(now)
-        grown = larger(signature(now), self.planned)
+        grown = larger(by_name(signature(now), model.forward), self.planned)
         if grown and self.planned:
             s = self.schedule
             warnings.warn(PlanDriftWarning(

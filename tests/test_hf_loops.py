@@ -1,0 +1,125 @@
+"""Hugging Face causal LMs with their configs' defaults (``use_cache=True``), padded attention
+masks and eager or SDPA attention, in a plain training loop; and HF's own checkpointing turned
+on over a plan."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import memfit
+from memfit.schedule import Schedule, model_fingerprint
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def _gpt2(attn: str):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=256, n_positions=64,
+                                     attn_implementation=attn)
+    return config, transformers.GPT2LMHeadModel(config), [f"transformer.h.{i}" for i in range(4)]
+
+
+def _llama(attn: str):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64, attn_implementation=attn)
+    return config, transformers.LlamaForCausalLM(config), [f"model.layers.{i}" for i in range(4)]
+
+
+def _batch():
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[0, 12:] = 0  # padded on the right, as a collator pads
+    mask[1, :3] = 0  # and on the left
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _schedule(model, policies) -> Schedule:
+    return Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0, model_fingerprint(model, list(policies)))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["full", "segment"])
+def test_causal_lms_with_their_default_cache_train_as_the_plain_model(build, attn, kind):
+    config, plain, names = build(attn)
+    assert config.use_cache  # the default every pretrained config has
+    plain.train()
+    model = copy.deepcopy(plain)
+    seg = f"segment:{names[0]}..{names[2]}"
+    policies = (dict.fromkeys(names, "full") if kind == "full"
+                else {**dict.fromkeys(names[:3], seg), names[3]: "full"})
+    memfit.apply(model, _schedule(model, policies))
+    batch = _batch()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, model)]
+    for step in range(3):
+        results = []
+        for m, opt in zip((plain, model), opts, strict=True):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            out = m(**batch)  # use_cache left to the config: True
+            out.loss.backward()
+            opt.step()
+            results.append((out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            if m is model:
+                assert out.past_key_values is None  # the training forward ran without a cache
+        (l1, g1), (l2, g2) = results
+        assert torch.equal(l1, l2), step
+        assert all(torch.equal(g1[n], g2[n]) for n in g1), step
+    with torch.no_grad():  # evaluation and generate() keep their cache
+        out = model(**batch)
+        assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 16
+        generated = model.generate(batch["input_ids"][:1, :8], max_new_tokens=4, do_sample=False)
+        assert generated.shape == (1, 12)
+
+
+def test_a_cache_handed_to_a_training_forward_is_refused():
+    _, model, names = _gpt2("sdpa")
+    memfit.apply(model, _schedule(model, dict.fromkeys(names, "full")))
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 256, (1, 4))).past_key_values
+    with pytest.raises(memfit.MemfitError, match=r"cache=.*write into the cache again"):
+        model(input_ids=torch.randint(0, 256, (1, 4)), cache=cache)
+
+
+def test_profile_plan_validate_on_a_padded_batch_with_the_default_cache():
+    """memfit.profile on such a batch used to fail in the backward; now the plan is exact."""
+    _, model, names = _gpt2("eager")
+    batch = _batch()
+    prof = memfit.profile(model, batch, units=names, repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    sched = memfit.plan(prof, (lo + hi) // 2)
+    check = memfit.validate(model, batch, sched, steps=0)
+    assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes
+
+
+def test_hf_checkpointing_turned_on_over_a_plan_is_named():
+    """The Trainer's gradient_checkpointing=True calls gradient_checkpointing_enable(): the
+    results stay right, and memfit says its plan is overridden, once."""
+    _, model, names = _gpt2("sdpa")
+    plain = copy.deepcopy(model)
+    memfit.apply(model, _schedule(model, {n: ("full" if i % 2 else "none") for i, n in enumerate(names)}))
+    model.train()
+    batch = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batch)  # not yet: quiet
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.warns(memfit.MemfitWarning, match="Hugging Face gradient checkpointing is on"):
+        torch.manual_seed(0)
+        loss = model(**batch).loss
+    loss.backward()
+    torch.manual_seed(0)
+    plain.train()
+    ref = plain(**batch).loss
+    ref.backward()
+    assert torch.equal(loss, ref)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batch)  # once
