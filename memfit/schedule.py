@@ -142,19 +142,22 @@ def _levels(f: Fields, path: str) -> dict[str, list[list[Any]]]:
 
 
 def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]:
-    """Class, unit names, a hash of parameter names, shapes and dtypes, and one of the modules'
+    """Class, unit names, a hash of parameter names, shapes and dtypes, and one of the units'
     settings: enough to tell that a schedule was made for this architecture, without depending on
-    the weights' values. The settings are what changes activation memory for the same parameters:
-    each module's plain attributes (a GPT-2 attention's ``num_heads``, dropout's ``p``, ReLU's
-    ``inplace``, a norm's ``eps``) and a Hugging Face config's attention implementation."""
+    the weights' values. The settings are what changes a unit's activations for the same
+    parameters: the plain attributes of the modules inside the units (a GPT-2 attention's
+    ``num_heads``, dropout's ``p``, ReLU's ``inplace``, a norm's ``eps``) and a Hugging Face
+    config's attention implementation; not the model's own (a step counter there is no setting)."""
     digest = hashlib.sha256()
     count = 0
     for name, p in model.named_parameters():
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
         count += p.numel()
     settings = hashlib.sha256()
-    for name, module in model.named_modules():
-        settings.update(f"{name}:{_settings(module)}\n".encode())
+    modules = dict(model.named_modules())
+    for unit in unit_names:
+        for name, module in modules[unit].named_modules(prefix=unit) if unit in modules else ():
+            settings.update(f"{name}:{_settings(module)}\n".encode())
     base = type(model)
     # FSDP2's fully_shard swaps in a subclass (FSDP<Name>): the model is still its own class
     base = next((c for c in base.__mro__ if not c.__name__.startswith("FSDP")), base)

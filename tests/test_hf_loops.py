@@ -123,3 +123,89 @@ def test_hf_checkpointing_turned_on_over_a_plan_is_named():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(**batch)  # once
+
+
+class _Lengths(torch.utils.data.Dataset):
+    """Token rows of 4 to ``longest`` tokens, for a collator that pads each batch to its longest."""
+
+    def __init__(self, longest: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.rows = [torch.randint(1, 256, (int(torch.randint(4, longest + 1, (1,), generator=g)),), generator=g)
+                     for _ in range(48)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i]}
+
+
+def _pad(rows):
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = r["input_ids"]
+        mask[i, : len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _trainer(model, data, steps, collator=None):
+    pytest.importorskip("accelerate")
+    args = transformers.TrainingArguments(
+        output_dir="unused", per_device_train_batch_size=4, max_steps=steps, learning_rate=0.05, use_cpu=True,
+        report_to=[], save_strategy="no", logging_strategy="no", seed=0, disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+
+
+def test_the_trainer_on_dynamic_padding_warns_only_for_longer_batches(tmp_path, monkeypatch):
+    """12 steps whose batches are padded to their longest row, at most the planned 16 tokens:
+    no warning (the Trainer's num_items_in_batch, a 0-d tensor, is not an input that grows); rows up
+    to 24 tokens: a warning for each new longest batch only, each naming a longer input."""
+    monkeypatch.chdir(tmp_path)
+    _, model, names = _gpt2("sdpa")
+    planned = "input_ids=int64[4,16], attention_mask=int64[4,16], labels=int64[4,16]"
+    sched = _schedule(model, dict.fromkeys(names, "full"))
+    sched.input_shapes = planned
+    memfit.apply(model, sched)
+    for longest, most in ((16, 0), (24, 8)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _trainer(model, _Lengths(longest), 12, _pad).train()
+        ours = [str(w.message) for w in caught if issubclass(w.category, memfit.MemfitWarning)]
+        assert len(ours) <= most and (most == 0) == (not ours), ours
+        lengths = [int(m.split("input_ids int64[4,")[1].split("]")[0]) for m in ours]
+        assert lengths == sorted(set(lengths)) and all(n > 16 for n in lengths)  # each a new longest
+
+
+class _Images(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(24, 3, 32, 32, generator=g)
+        self.y = torch.randint(0, 10, (24,), generator=g)
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.x[i], "labels": self.y[i]}
+
+
+def test_the_trainer_on_a_resnet_from_pretrained_trains_as_the_plain_model(tmp_path, monkeypatch):
+    """from_pretrained (eval mode) -> apply -> Trainer: weights and BatchNorm buffers equal to a
+    plain model's trained by the same Trainer."""
+    from .models import hf_resnet
+
+    monkeypatch.chdir(tmp_path)
+    hf_resnet()[0].save_pretrained(tmp_path / "m")
+    trained = []
+    for scheduled in (False, True):
+        model = transformers.ResNetForImageClassification.from_pretrained(tmp_path / "m")
+        if scheduled:
+            names = [f"resnet.encoder.stages.{i}.layers.{j}" for i in range(4) for j in range(2)]
+            memfit.apply(model, _schedule(model, dict.fromkeys(names, "full")))
+        _trainer(model, _Images(), 4).train()
+        trained.append(model)
+    plain, model = trained
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert all(torch.equal(b, c) for b, c in zip(plain.buffers(), model.buffers(), strict=True))

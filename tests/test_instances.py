@@ -20,6 +20,7 @@ from .models import LayerDropNet
 
 SEG = "segment:h.0..h.2"
 POLICIES = {"h.0": SEG, "h.1": SEG, "h.2": SEG, "h.3": "full"}
+FINE = {"h.0": "child:ln_2>mlp.0", "h.1": "derive", "h.2": "selective:gemm", "h.3": "child:attn+mlp"}
 
 
 def _schedule(model, policies) -> Schedule:
@@ -61,15 +62,16 @@ def _saved(model):
     return torch.load(buf, weights_only=False)
 
 
+@pytest.mark.parametrize("policies", [POLICIES, FINE], ids=["segment", "fine"])
 @pytest.mark.parametrize("how", list(_copies()))
-def test_a_copy_trains_its_own_weights(how):
+def test_a_copy_trains_its_own_weights(how, policies):
     """The copy's units run with the copy's weights and send gradients to the copy: the copy
     (weights changed after copying) gives what a plain model with those weights gives, and the
     original's gradients stay untouched; remove works on both."""
     model, batch = tiny_gpt()
-    memfit.apply(model, _schedule(model, POLICIES))
+    memfit.apply(model, _schedule(model, policies))
     twin = _perturbed(_copies()[how](model))
-    assert all(is_checkpointed(twin.get_submodule(n)) for n in POLICIES)
+    assert all(is_checkpointed(twin.get_submodule(n)) == (not p.startswith("child")) for n, p in policies.items())
     reference = copy.deepcopy(twin)
     memfit.remove(reference)
     _equal(_grads(twin, batch), _grads(reference, batch))
@@ -78,7 +80,7 @@ def test_a_copy_trains_its_own_weights(how):
     _equal(_grads(model, batch), _grads(plain, batch))  # the original is still its own
     memfit.remove(twin)
     assert not any(is_checkpointed(m) for m in twin.modules())
-    assert all(is_checkpointed(model.get_submodule(n)) for n in POLICIES)
+    assert sum(is_checkpointed(m) for m in model.modules()) == (6 if policies is FINE else 4)  # untouched
     memfit.remove(model)
     assert not any(is_checkpointed(m) for m in model.modules())
 

@@ -141,8 +141,6 @@ class Region(PerThread):
 
     def __init__(self, modules: list[nn.Module], op_policy: str = "", *, chain: bool = False) -> None:
         super().__init__()
-        if op_policy and op_policy not in SELECTIVE:
-            raise MemfitError(f"unknown op-level policy selective:{op_policy}; known: {', '.join(SELECTIVE)}")
         self._modules = [Weak(m) for m in modules]
         self.op_policy = op_policy
         self.handles: list[RemovableHandle] = []

@@ -4,9 +4,11 @@ device than planned on, and Hugging Face's checkpointing turned on over the plan
 Only training forwards are watched (gradients recorded): ``no_grad`` evaluation and
 ``generate()`` keep no activations for a backward, so their shapes do not touch the plan. Inputs
 are compared by what changes memory, each tensor's shape and dtype, nested in lists, tuples,
-dicts and dataclasses; other values (``num_items_in_batch``, ``use_cache``) are not. A warning
-is given once for each new signature with a tensor larger than planned (a dimension longer, a
-wider dtype, or a tensor the plan did not have); smaller inputs fit the plan and are quiet.
+dicts and dataclasses; scalars (``num_items_in_batch``, a 0-d tensor the Trainer adds;
+``use_cache``) are not. A warning is given when a forward has a tensor larger than planned (a
+dimension longer, a wider dtype, or a tensor the plan did not have) and than every input warned
+about before: once per new largest input, so a run with dynamic padding warns a few times, not
+once per batch length. Smaller inputs fit the plan and are quiet.
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ def signature(described: str) -> Signature:
     out: Signature = {}
     for i, entry in enumerate(e for e in described.split(", ") if e):
         m = _ENTRY.match(entry)
-        if m is not None:
-            dims = tuple(int(d) for d in m["dims"].split(",") if d)
-            out[m["path"] or f"#{i}"] = (m["dtype"], dims)
+        if m is not None and m["dims"]:  # a 0-d tensor is a scalar, not activation memory
+            out[m["path"] or f"#{i}"] = (m["dtype"], tuple(int(d) for d in m["dims"].split(",")))
     return out
 
 
@@ -73,6 +74,22 @@ def larger(now: Signature, planned: Signature) -> list[str]:
     return grown
 
 
+def ceiling(a: Signature, b: Signature) -> Signature:
+    """Each tensor at the larger of its two shapes (dimension by dimension) and the wider dtype."""
+    out = dict(a)
+    for path, (dtype, shape) in b.items():
+        if path not in out:
+            out[path] = (dtype, shape)
+            continue
+        a_dtype, a_shape = out[path]
+        wide = dtype if _itemsize(dtype) > _itemsize(a_dtype) else a_dtype
+        if len(shape) == len(a_shape):
+            out[path] = (wide, tuple(max(x, y) for x, y in zip(shape, a_shape, strict=True)))
+        else:
+            out[path] = (wide, shape if _numel(shape) > _numel(a_shape) else a_shape)
+    return out
+
+
 def _text(dtype: str, shape: tuple[int, ...]) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
@@ -95,6 +112,7 @@ class Watch:
     def __init__(self, model: nn.Module, schedule: Schedule) -> None:
         self.schedule = schedule
         self.planned = by_name(signature(schedule.input_shapes), model.forward)
+        self.warned = self.planned  # the plan, grown by every input warned about
         self.seen = {schedule.input_shapes}
         self.device_checked = False
         # Hugging Face modules that can turn on their own checkpointing (gradient_checkpointing_enable)
@@ -120,8 +138,10 @@ class Watch:
         if now in self.seen:
             return
         self.seen.add(now)
-        grown = larger(by_name(signature(now), model.forward), self.planned)
-        if grown and self.planned:
+        sig = by_name(signature(now), model.forward)
+        grown = larger(sig, self.planned)
+        if grown and self.planned and larger(sig, self.warned):
+            self.warned = ceiling(self.warned, sig)
             s = self.schedule
             warnings.warn(PlanDriftWarning(
                 f"memfit: this model's schedule was planned for inputs {s.input_shapes}, and this forward's are "
