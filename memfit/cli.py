@@ -142,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     plan = command("plan", "profile (or read a profile) and solve for the cheapest schedule within a budget")
     plan.add_argument("--budget", required=True, help="memory budget for the whole step, e.g. 24GB, 1536MB")
     plan.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
+    plan.add_argument("--trust-source", action="store_true",
+                    help="rebuild the model that the --profile file names (imports and runs its code); without it, "
+                         "only built-in scenarios are rebuilt from a file")
     _source_args(plan)
     plan.add_argument("--strategy", choices=STRATEGY_NAMES,
                       default="ilp", help="ilp (the optimum) or a baseline to use instead (default: %(default)s)")
@@ -172,6 +175,9 @@ def _parser() -> argparse.ArgumentParser:
     sw = command("sweep", "plan every strategy at many budgets: the memory-vs-slowdown curve, as a table, CSV "
                  "and plot")
     sw.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
+    sw.add_argument("--trust-source", action="store_true",
+                    help="rebuild the model that the --profile file names (imports and runs its code); without it, "
+                         "only built-in scenarios are rebuilt from a file")
     _source_args(sw)
     sw.add_argument("--budgets", help="START:STOP:STEP such as 100MB:500MB:20MB, or a list such as 200MB,300MB "
                     "(default: --points budgets from the smallest feasible peak to the un-checkpointed one)")
@@ -196,6 +202,9 @@ def _parser() -> argparse.ArgumentParser:
     val = command("validate", "run the plain and the scheduled model: measured vs predicted peak and slowdown, "
                   "equal gradients; exits 1 if the peak exceeds the budget or results differ")
     val.add_argument("--schedule", required=True, help="a schedule JSON from `memfit plan`")
+    val.add_argument("--trust-source", action="store_true",
+                    help="rebuild the model that the --schedule file names (imports and runs its code); without it, "
+                         "only built-in scenarios are rebuilt from a file")
     _source_args(val, validate=True)
     val.add_argument("--steps", type=int, default=5,
                      help="timed rounds, one plain and one scheduled step counted in each (default: %(default)s)")

@@ -101,7 +101,7 @@ def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: di
     if not prof.source:
         raise MemfitError("--compile measures the compiled step, but this profile does not record its model (it was "
                           "made in Python): give --scenario or --model instead of --profile")
-    sc = scenario_from_source(prof.source)
+    sc = scenario_from_source(prof.source, trusted=not args.profile or args.trust_source)
     model, inputs = modelflags.build_model(sc, prof.device)
 
     def progress(message: str) -> None:
@@ -216,15 +216,17 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     for name in names:
         sc = load_scenario(name)
         mode = "measured" if not sc.target or cuda else f"estimated ({sc.target})"
-        try:
+        if sc.missing:
+            mode, size = f"needs {sc.missing}", "-"
+        else:
             size = f"{_count(sc.parameter_count())} {sc.dtype}"
-        except (MemfitError, ImportError):  # its factory needs a package this install lacks
-            size = "-"
         rows.append([name + (" (default)" if name == DEFAULT else ""), size, sc.model, mode, sc.description])
     print(table(["scenario", "parameters", "factory", "here", "description"], rows,
                 [False, True, False, False, False]))
     print("\nhere: measured on this machine, or estimated from shapes for the scenario's target device (no GPU "
           "here); --target NAME estimates any scenario for a device")
+    if any(row[3].startswith("needs transformers") for row in rows):
+        print("needs transformers: pip install 'memfit[hf]' for the Hugging Face scenarios")
     return 0
 
 
@@ -270,7 +272,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_interrupt()
     if args.measure:
         plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]
-        model, inputs = modelflags.build_model(scenario_from_source(prof.source), prof.device)
+        sc = scenario_from_source(prof.source, trusted=not args.profile or args.trust_source)
+        model, inputs = modelflags.build_model(sc, prof.device)
         with tqdm(total=len(plans), desc="measuring plans", unit="plan", file=sys.stderr, leave=False,
                   disable=None) as bar:
             peaks, overheads = measure_plans(model, inputs, [json.loads(p) for p in plans], optimizer=prof.optimizer,

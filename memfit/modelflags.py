@@ -176,15 +176,25 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
         raise MemfitError(f"the schedule was profiled on {schedule.device}, not {args.device}: memory differs "
                           f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
     model_flags = ("scenario", "model", "input_shape", "units")
+    if schedule.parallel:
+        raise MemfitError(f"this schedule is per rank, for {schedule.parallel['kind']} on "
+                          f"{schedule.parallel['world_size']} ranks: check it in a distributed run "
+                          "(examples/train_fsdp.py prints each rank's measured peak)")
+    if schedule.target and not args.device:
+        import torch
+
+        if schedule.device == "cuda" and not torch.cuda.is_available():
+            raise MemfitError(f"this schedule was estimated for {schedule.target} without one; validate it on that "
+                              "GPU (memfit validate there measures the step and compares)")
     if not source:  # a schedule from memfit.plan() in Python, or from an older memfit
         if not given(args, model_flags):
             raise MemfitError("this schedule does not record which model it was made for (it was made in Python "
                               "or by an older memfit): give --scenario or --model, as when it was planned")
         sc = scenario_of(args)
     else:
-        sc = scenario_from_source(source)
         made_for = f"the schedule was made for {cli_flag(source)}"
-        if args.scenario is not None or args.model is not None:
+        named = args.scenario is not None or args.model is not None
+        if named:
             flag, mine = (("--scenario", load_scenario(args.scenario).origin) if args.scenario is not None
                           else ("--model", args.model))
             theirs = source.get(flag[2:])
@@ -198,15 +208,6 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
             planned_units = source.get("units")
             shown = " ".join(planned_units) if isinstance(planned_units, list) else planned_units
             raise MemfitError(f"{made_for} with units {shown}, not --units {' '.join(args.units)}")
+        sc = scenario_from_source(source, trusted=named or args.trust_source)
     sc.optimizer = planned_opt
-    if schedule.parallel:
-        raise MemfitError(f"this schedule is per rank, for {schedule.parallel['kind']} on "
-                          f"{schedule.parallel['world_size']} ranks: check it in a distributed run "
-                          "(examples/train_fsdp.py prints each rank's measured peak)")
-    if schedule.target and not args.device:
-        import torch
-
-        if schedule.device == "cuda" and not torch.cuda.is_available():
-            raise MemfitError(f"this schedule was estimated for {schedule.target} without one; validate it on that "
-                              "GPU (memfit validate there measures the step and compares)")
     return sc, parse_device(args.device or schedule.device)

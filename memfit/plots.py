@@ -29,11 +29,13 @@ STYLE = {  # strategy -> (label, colour, marker)
 
 
 def check_plot_path(path: str | os.PathLike[str]) -> None:
-    """Refuse an unknown extension or an unwritable place before any work is done."""
+    """Refuse an unknown extension, an unwritable place or a missing matplotlib before any work
+    is done (a profile can take minutes)."""
     suffix = os.path.splitext(str(path))[1].lower()
     if suffix not in FORMATS:
         raise MemfitError(f"{path}: a plot is written as .png or .svg, by the file's extension")
     check_writable(path, "plot")
+    _pyplot()
 
 
 def _pyplot() -> Any:

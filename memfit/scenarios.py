@@ -46,6 +46,14 @@ class Scenario:
     dtype: str = "float32"
     origin: str | None = None  # a built-in scenario's name or a TOML file's absolute path; None for --model
     target: str | None = None  # the device to estimate for when no GPU is at hand (profiler/devices.py)
+    requires: str | None = None  # a package the factory imports (transformers), not a dependency of memfit's
+
+    @property
+    def missing(self) -> str | None:
+        """The package this scenario needs and this environment lacks; None when it has it."""
+        import importlib.util
+
+        return self.requires if self.requires and importlib.util.find_spec(self.requires) is None else None
 
     @property
     def step_optimizer(self) -> str | None:
@@ -109,8 +117,18 @@ class Scenario:
         return {**made_by, "input_shape": self.input_shape, "units": self.units, "dtype": self.dtype}
 
 
-def scenario_from_source(source: dict[str, Any]) -> Scenario:
-    """The scenario a schedule's ``source`` names (see ``Scenario.source``)."""
+def scenario_from_source(source: dict[str, Any], *, trusted: bool) -> Scenario:
+    """The scenario a schedule's or profile's ``source`` names (see ``Scenario.source``).
+
+    Rebuilding a model imports and calls what the source names, and files travel between people:
+    a file alone decides nothing that runs. Only a built-in scenario is rebuilt from it, unless
+    ``trusted`` (the user named the same model on the command line, or gave --trust-source)."""
+    builtin = bool(source.get("scenario")) and str(source["scenario"]) in builtin_names()
+    if not builtin and not trusted and (source.get("scenario") or source.get("model")):
+        raise MemfitError(
+            f"the file says its model is built by {cli_flag(source)}; memfit would import and run that code to "
+            "rebuild it, and a file must not decide what code runs: give those flags on the command line, as when "
+            "it was planned, or add --trust-source to run what the file names")
     if source.get("scenario"):
         sc = load_scenario(str(source["scenario"]))
     elif source.get("model"):
@@ -249,4 +267,5 @@ def load_scenario(name_or_path: str) -> Scenario:
         dtype=dtype,
         origin=name_or_path if builtin else str(path.resolve()),
         target=data.get("target"),
+        requires=data.get("requires"),
     )

@@ -150,9 +150,12 @@ def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]
     config's attention implementation; not the model's own (a step counter there is no setting)."""
     digest = hashlib.sha256()
     count = 0
+    dtypes: dict[str, int] = {}
     for name, p in model.named_parameters():
         digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
         count += p.numel()
+        key = str(p.dtype).removeprefix("torch.")
+        dtypes[key] = dtypes.get(key, 0) + p.numel()
     settings = hashlib.sha256()
     modules = dict(model.named_modules())
     for unit in unit_names:
@@ -167,7 +170,23 @@ def model_fingerprint(model: nn.Module, unit_names: list[str]) -> dict[str, Any]
         "params_sha256": digest.hexdigest(),
         "hparams_sha256": settings.hexdigest(),
         "param_count": count,
+        "param_dtypes": dict(sorted(dtypes.items())),  # elements per dtype, to say what differs
     }
+
+
+def fingerprint_difference(expected: dict[str, Any], actual: dict[str, Any]) -> str:
+    """What differs between two fingerprints whose parameter hashes differ, in words."""
+    said = []
+    if expected.get("param_dtypes") and set(expected["param_dtypes"]) != set(actual.get("param_dtypes", {})):
+        said.append(f"parameter dtypes {_dtypes(expected['param_dtypes'])} in the schedule, "
+                    f"{_dtypes(actual['param_dtypes'])} in the model")
+    if "param_count" in expected and expected["param_count"] != actual["param_count"]:
+        said.append(f"{expected['param_count']:,} parameters in the schedule, {actual['param_count']:,} in the model")
+    return "; ".join(said) or "the same number and dtypes of parameters under other names or shapes"
+
+
+def _dtypes(counts: dict[str, int]) -> str:
+    return " and ".join(counts) if len(counts) > 1 else next(iter(counts), "none")
 
 
 _SIMPLE = (bool, int, float, str, type(None))

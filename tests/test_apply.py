@@ -148,8 +148,15 @@ def test_refuses_schedule_of_another_model():
         memfit.apply(model, sched)
     bigger, _ = memfit.zoo.gpt(batch=1, seq=32, vocab=256, d_model=64, n_head=2, n_layer=5)
     sched = _schedule(bigger, dict.fromkeys(find_units(bigger, "auto"), "full"))
-    with pytest.raises(memfit.ScheduleMismatchError):
+    with pytest.raises(memfit.ScheduleMismatchError, match=r"no unit named 'h.4' \(1 of the schedule's 5 units"):
         memfit.apply(model, sched)
+    sched = _schedule(bigger, dict.fromkeys(find_units(bigger, "auto")[:4], "full"))
+    five_of_four = r"another model \(268,480 parameters in the schedule, 218,496 in the model\)"  # no dtype talk
+    with pytest.raises(memfit.ScheduleMismatchError, match=five_of_four):
+        memfit.apply(model, sched)
+    sched = _schedule(model, dict.fromkeys(find_units(model, "auto"), "full"))
+    with pytest.raises(memfit.ScheduleMismatchError, match="parameter dtypes float32 in the schedule, bfloat16 in"):
+        memfit.apply(tiny_gpt()[0].to(torch.bfloat16), sched)
     assert not any(is_checkpointed(m) for m in model.modules())
 
 

@@ -210,8 +210,10 @@ def test_validate_rebuilds_what_the_schedule_was_made_for(work):
     sched = memfit.load_schedule(work / "made.json")
     assert sched.source["scenario"] == str(work / "tiny.toml") and sched.optimizer == "adamw"
     assert sched.device == "cpu" and sched.checkpointed
+    proc = run("validate", "--schedule", "made.json", "--steps", "1", cwd=work)  # no model flags: the file's own
+    assert proc.returncode == 2 and "--trust-source to run what the file names" in proc.stderr, proc.stderr
     proc = run("validate", "--schedule", "made.json", "--steps", "1", "--json", "--timeline", "v.svg",
-               cwd=work)  # no model flags
+               "--trust-source", cwd=work)
     assert proc.returncode == 0, proc.stderr
     assert (work / "v.svg").read_text().lstrip().startswith("<?xml")
     result = json.loads(proc.stdout)
@@ -409,3 +411,60 @@ def test_usage_mistakes_are_one_line(work, args, message):
     assert proc.stderr.strip().splitlines()[-1].startswith("memfit: error:") and message in proc.stderr
     said = [line for line in proc.stderr.strip().splitlines() if not line.startswith("building ")]  # progress
     assert len(said) == 1, proc.stderr
+
+
+MARKER_MODULE = '''
+from pathlib import Path
+
+Path(__file__).with_name("imported.marker").write_text("this module ran")
+from usermodels import mlp  # noqa: E402,F401
+'''
+
+
+def test_a_file_does_not_decide_what_code_runs(work, tmp_path):
+    """A shared schedule or profile whose source names a module (or a scenario file) outside the
+    built-ins: validate, plan --compile and sweep --measure import nothing without the model
+    named on the command line or --trust-source (the module writes a marker when imported)."""
+    (work / "marker_mod.py").write_text(MARKER_MODULE)
+    marker = work / "imported.marker"
+    sched = json.loads((work / "idle.json").read_text())
+    sched["source"] = {"model": "marker_mod:mlp", "input_shape": [4, 10], "units": "auto", "dtype": "float32"}
+    (work / "shared.json").write_text(json.dumps(sched))
+    toml = tmp_path / "elsewhere.toml"
+    toml.write_text('model = "marker_mod:mlp"\ninput_shape = [4, 10]\n')
+    prof = json.loads((work / "profile.json").read_text())
+    prof["source"] = {"scenario": str(toml), "units": "auto", "dtype": "float32"}
+    (work / "shared-profile.json").write_text(json.dumps(prof))
+    for args in (["validate", "--schedule", "shared.json", "--steps", "1"],
+                 ["plan", "--profile", "shared-profile.json", "--budget", "1GB", "--compile", "aot_eager"],
+                 ["sweep", "--profile", "shared-profile.json", "--measure", "--points", "2"]):
+        proc = run(*args, cwd=work)
+        assert proc.returncode == 2 and "--trust-source" in proc.stderr, proc.stderr
+        assert "--model marker_mod:mlp" in proc.stderr or f"--scenario {toml}" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and not marker.exists(), args
+    proc = run("validate", "--schedule", "shared.json", "--steps", "1", "--trust-source", cwd=work)
+    assert marker.exists()  # asked for: the file's model is rebuilt (and here is another model than planned)
+    assert proc.returncode == 2 and "planned for inputs" in proc.stderr, proc.stderr  # not what the file says
+
+
+def test_missing_optional_packages_are_named_before_any_work(work, monkeypatch, capsys):
+    """No matplotlib: --plot and --timeline are refused before profiling (which can take minutes);
+    no transformers: `memfit scenarios` says the Hugging Face scenarios need it."""
+    from memfit.cli import main
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled before checking the plot's dependency")
+
+    monkeypatch.setattr("memfit.profiler.profile", no_profiling)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.chdir(work)
+    for args in (["sweep", "--scenario", "tiny.toml", "--plot", "c.png"],
+                 ["plan", "--scenario", "tiny.toml", "--budget", "1GB", "--timeline", "t.png"]):
+        assert main(args) == 2
+        assert "plots need matplotlib: pip install 'memfit[plot]'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["scenarios"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("hf-gpt2", "gpt-small"))}
+    assert "needs transformers" in rows["hf-gpt2"] and "needs" not in rows["gpt-small"]
+    assert "pip install 'memfit[hf]'" in out

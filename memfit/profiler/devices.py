@@ -44,6 +44,12 @@ def _gb(n: float) -> int:
     return int(n * GiB)
 
 
+def _mib(n: int) -> int:
+    """A card's memory as the driver reports it (``torch.cuda.mem_get_info``'s total,
+    nvidia-smi's "MiB"), where that is less than the marketed figure."""
+    return n * 2**20
+
+
 # NVIDIA A100 datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
 # nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS
 _A100 = {"float32": 19.5, "tf32": 156, "bfloat16": 312, "float16": 312}
@@ -56,10 +62,11 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     # A100 (datasheet above): 40GB at 1,555 GB/s, 80GB SXM at 2,039 GB/s
     Device("a100-40gb", "NVIDIA A100-SXM4-40GB", _gb(40), _A100, 1555),
     Device("a100-80gb", "NVIDIA A100-SXM4-80GB", _gb(80), _A100, 2039),
-    # H100 SXM (datasheet above): 3.35 TB/s
-    Device("h100", "NVIDIA H100 80GB HBM3", _gb(80), _HOPPER, 3350),
-    # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200/): H100's compute, 141 GB at 4.8 TB/s
-    Device("h200", "NVIDIA H200", int(141e9), _HOPPER, 4800),
+    # H100 SXM (datasheet above): 3.35 TB/s; the driver reports 81,559 MiB (79.65 GiB) of its 80 GB
+    Device("h100", "NVIDIA H100 80GB HBM3", _mib(81559), _HOPPER, 3350),
+    # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200/): H100's compute, 141 GB at 4.8 TB/s;
+    # the driver reports 143,771 MiB (140.4 GiB)
+    Device("h200", "NVIDIA H200", _mib(143771), _HOPPER, 4800),
     # NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4/): FP32 30.3, TF32 60, BF16/FP16 121 TFLOPS
     # dense (242 with sparsity); 24 GB at 300 GB/s
     Device("l4", "NVIDIA L4", _gb(24), {"float32": 30.3, "tf32": 60, "bfloat16": 121, "float16": 121}, 300),

@@ -14,7 +14,7 @@ from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
 from memfit.runtime.regions import SELECTIVE, Region, guard
 from memfit.runtime.watch import Watch
-from memfit.schedule import Schedule, model_fingerprint, segment_span
+from memfit.schedule import Schedule, fingerprint_difference, model_fingerprint, segment_span
 
 
 def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
@@ -25,14 +25,21 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
     """
     unit_names = list(schedule.policies)
     expected = schedule.fingerprint
+    missing = [n for n in unit_names if not _has_module(model, n)]
+    if missing:
+        raise ScheduleMismatchError(
+            f"the model has no unit named {missing[0]!r} ({len(missing)} of the schedule's {len(unit_names)} units "
+            f"are missing: {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}): this schedule was made for "
+            "another model; run `memfit plan` for this model")
     actual = model_fingerprint(model, list(expected.get("units", unit_names)))
     for key in ("model_class", "params_sha256", "hparams_sha256"):
         if key in expected and expected[key] != actual[key]:
+            what = {"model_class": f"the schedule was made for {expected[key]}, this model is {actual[key]}",
+                    "params_sha256": fingerprint_difference(expected, actual),
+                    "hparams_sha256": "the same parameters with other settings inside the units, such as attention "
+                                      "heads, dropout or norm eps"}[key]
             raise ScheduleMismatchError(
-                f"this schedule was made for another model ({key} differs: schedule has "
-                f"{expected.get(key)!r}, model has {actual[key]!r}{_HOW.get(key, '')}); "
-                "run `memfit plan` for this model"
-            )
+                f"this schedule was made for another model ({what}); run `memfit plan` for this model")
     if list(expected.get("units", [])) != unit_names:
         raise ScheduleMismatchError("the schedule's unit names differ from its fingerprint's")
     if "_memfit_applied" in model.__dict__:
@@ -43,8 +50,12 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
     return model
 
 
-# what else a differing fingerprint field can mean
-_HOW = {"hparams_sha256": ": the same parameters, other settings, such as attention heads, dropout or norm eps"}
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 @dataclass(slots=True)
