@@ -205,3 +205,46 @@ def test_fine_options_optimum_equals_brute_force(seed):
 def test_fine_needs_a_fine_profile(gpt_profile):
     with pytest.raises(memfit.MemfitError, match="granularity='fine'"):
         memfit.plan(gpt_profile, "1GB", granularity="fine")
+
+
+def _edges_and_sweep(prof):
+    lo, peak = min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    return [lo - 1, lo, lo + 1, *(lo + (peak - lo) * k // 12 for k in range(1, 12)), peak - 1, peak, peak + 1]
+
+
+@pytest.mark.parametrize("source", ["gpt-small", "cnn-mixed", "hf-gpt2", "hf-llama", "random-0", "random-1",
+                                    "random-2"])
+def test_every_solver_agrees_and_beats_every_baseline_at_every_budget(source):
+    """At every budget of a sweep and at the edges (floor - 1, floor, floor + 1, peak - 1, peak,
+    peak + 1): each solver fits or says infeasible exactly when the floor says so, the solvers'
+    recompute times agree, and none is dearer than a baseline that fits (by predict, the exact
+    model: the integer model rounds bytes up, so at the edges a baseline may be what fits)."""
+    from pathlib import Path
+
+    from memfit.optimizer.dp import dp_exact
+    from memfit.optimizer.planner import baselines
+
+    if source.startswith("random"):
+        prof = random_profile(6, int(source[-1]), chain=True)
+    else:
+        prof = memfit.Profile.load(Path(__file__).parent / "fixtures" / f"{source}.json")
+    solvers = ["cpsat", "cbc"] + (["dp"] if dp_exact(IntModel.of(prof)) else [])
+    lo = min_budget_bytes(prof)
+    step = prof.step_s
+    for budget in _edges_and_sweep(prof):
+        costs = {}
+        for solver in solvers:
+            if budget < lo:
+                with pytest.raises(memfit.InfeasibleBudgetError):
+                    memfit.plan(prof, budget, solver=solver)
+                continue
+            sched = memfit.plan(prof, budget, solver=solver)
+            assert sched.predicted_peak_bytes <= budget
+            costs[solver] = sched.predicted_recompute_s
+        if budget < lo:
+            continue
+        assert max(costs.values()) - min(costs.values()) <= 1e-3 * step, (budget, costs)
+        fitting = [f["recompute_s"] for f in baselines(prof, budget).values() if f.get("fits")]
+        assert all(c <= min(fitting, default=float("inf")) + 1e-9 for c in costs.values()), (budget, costs, fitting)
+        if budget >= memfit.predict(prof, {}).peak_bytes:
+            assert all(c == 0 for c in costs.values())  # nothing to recompute where nothing needs to be
