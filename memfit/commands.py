@@ -33,10 +33,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.budget import format_bytes, parse_bytes
-    from memfit.optimizer.planner import plan
+    from memfit.optimizer.planner import min_budget_bytes, plan
     from memfit.plots import check_plot_path, timeline
     from memfit.profile import Profile
-    from memfit.report import schedule_report
+    from memfit.report import device_notes, schedule_report
 
     budget = parse_bytes(args.budget)  # fail on a bad budget before minutes of profiling
     if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
@@ -82,10 +82,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"fits without checkpointing: the step peaks at {format_bytes(schedule.predicted_peak_bytes)}{per_rank} "
               f"of the {format_bytes(budget)} budget ({format_bytes(budget - schedule.predicted_peak_bytes)} "
               "to spare), so memfit has nothing to recompute.")
-        print("memfit.apply is not needed at this budget; to use the spare memory, raise the batch size or "
-              "sequence length and plan again.")
+        for note in device_notes(schedule, prof):
+            print(note)
+        least = min_budget_bytes(prof, segments=not args.no_segments, max_segment=args.max_segment,
+                                 fine=args.granularity == "fine")
+        print(f"checkpointing matters between {format_bytes(least)} (the smallest budget it reaches) and "
+              f"{format_bytes(schedule.predicted_peak_bytes)}; memfit.apply is not needed at this budget: to use "
+              "the spare memory, raise the batch size or sequence length and plan again.")
         print(f"\nwrote {output} (it checkpoints nothing)" if write else
               "\nno schedule written (give -o FILE to write the do-nothing schedule anyway)")
+        if not args.profile:  # the profile took the time; keep it for the next budget
+            kept = Path(output).with_name("profile.json")
+            if kept.exists():
+                print(f"to plan again without profiling, save the profile: memfit profile … -o FILE, then "
+                      f"memfit plan --profile FILE ({kept} exists, so it was not written)")
+            else:
+                write_output(prof.save, str(kept))
+                print(f"wrote {kept}: plan at another budget without profiling again: memfit plan --profile "
+                      f"{kept} --budget SIZE")
         return 0
     print(schedule_report(schedule, prof))
     print(f"\nwrote {output}; in train.py:\n"

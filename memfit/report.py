@@ -92,24 +92,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         f"budget {format_bytes(budget)}; {used} of {len(schedule.policies)} units checkpointed{in_segments}; "
         f"solver {schedule.solver} ({schedule.solver_status}){took}"
     )
-    if schedule.target:
-        from memfit.profiler.devices import device_spec
-
-        spec = device_spec(schedule.target)
-        out.append(f"estimated for {spec.title} ({spec.name}) from shapes on fake tensors, nothing allocated: memory "
-                   "exact from shapes, times a roofline; check it on the GPU with memfit validate")
-        if schedule.predicted_peak_bytes > spec.usable_bytes:
-            out.append(f"warning: {spec.title} leaves about {format_bytes(spec.usable_bytes)} to a training step "
-                       "(the rest is the CUDA context): this plan's peak will not fit there; plan with a smaller "
-                       "budget")
-    if schedule.parallel:
-        p = schedule.parallel
-        out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks (measured on one of them)")
-        from memfit.parallel import fsdp_headroom
-
-        if profile is not None and (headroom := fsdp_headroom(profile)):
-            out.append(f"leave {format_bytes(headroom)} of headroom: a rank's peak moves by up to one "
-                       "unit's gathered parameters from step to step, as collectives finish")
+    out += device_notes(schedule, profile)
     if schedule.compile:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
                    f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")
@@ -222,3 +205,31 @@ def sweep_report(frame: pd.DataFrame) -> str:
     if "ilp" in strategies and frame.loc[frame["strategy"] == "ilp", "frontier_violation"].any():
         out.append("'!': a smaller budget had a cheaper plan: the optimum cannot do that; please report it")
     return "\n".join(out)
+
+
+def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
+    """What the device leaves beside the budget: an estimate's target and its usable memory after
+    the CUDA context, a per-rank plan's FSDP headroom. Said with every plan, and when nothing
+    needs checkpointing."""
+    out = []
+    peak = schedule.predicted_peak_bytes
+    if schedule.target:
+        from memfit.profiler.devices import device_spec
+
+        spec = device_spec(schedule.target)
+        out.append(f"estimated for {spec.title} ({spec.name}) from shapes on fake tensors, nothing allocated: memory "
+                   "exact from shapes, times a roofline; check it on the GPU with memfit validate")
+        if peak > spec.usable_bytes:
+            out.append(f"warning: {spec.title} leaves about {format_bytes(spec.usable_bytes)} to a training step "
+                       f"(the rest is the CUDA context): a peak of {format_bytes(peak)} will not fit there; plan with "
+                       f"a budget of at most {format_bytes(spec.usable_bytes)}")
+    if schedule.parallel:
+        p = schedule.parallel
+        out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks (measured on one of them)")
+        from memfit.parallel import fsdp_headroom
+
+        if profile is not None and (headroom := fsdp_headroom(profile)):
+            short = " (more than this budget leaves)" if peak + headroom > schedule.budget_bytes else ""
+            out.append(f"leave {format_bytes(headroom)} of headroom{short}: a rank's peak moves by up to one "
+                       "unit's gathered parameters from step to step, as collectives finish")
+    return out

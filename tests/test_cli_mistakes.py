@@ -468,3 +468,23 @@ def test_missing_optional_packages_are_named_before_any_work(work, monkeypatch, 
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("hf-gpt2", "gpt-small"))}
     assert "needs transformers" in rows["hf-gpt2"] and "needs" not in rows["gpt-small"]
     assert "pip install 'memfit[hf]'" in out
+
+
+def test_a_fits_answer_keeps_the_profile_and_says_what_the_device_leaves(tmp_path):
+    """A model that fits: the profile it took is kept beside, the range where checkpointing matters
+    is printed; an estimate that fits the budget but not what the GPU leaves after its CUDA context
+    says so, as a plan does."""
+    (tmp_path / "tiny.toml").write_text(TINY)
+    proc = run("plan", "--scenario", "tiny.toml", "--repeat", "1", "--budget", "100GB", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpointing matters between" in proc.stdout and "wrote profile.json" in proc.stdout, proc.stdout
+    prof = memfit.Profile.load(tmp_path / "profile.json")
+    low = memfit.min_budget_bytes(prof)
+    assert memfit.format_bytes(low) in proc.stdout
+    proc = run("plan", "--profile", "profile.json", "--budget", str(low), cwd=tmp_path)  # no profiling again
+    assert proc.returncode == 0 and "wrote schedule.json" in proc.stdout, proc.stderr
+    proc = run("plan", "--budget", "30GB", cwd=tmp_path)  # gpt-1b for an RTX 4090: 29.09 GiB fits 30 GB, not the card
+    assert proc.returncode == 0, proc.stderr
+    assert "fits without checkpointing" in proc.stdout
+    assert "NVIDIA GeForce RTX 4090 leaves about 23.50 GiB" in proc.stdout and "will not fit there" in proc.stdout
+    assert "(profile.json exists, so it was not written)" in proc.stdout
