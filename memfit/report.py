@@ -105,6 +105,9 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         steps = "; ".join(f"{k}) {format_bytes(f['predicted_peak_bytes'])} {_pct(f['predicted_overhead'])}"
                           for k, f in enumerate(schedule.fallbacks, 1))
         out.append(f"fallbacks for memfit.tighten(model), tighter each: {steps}")
+    if schedule.edited:
+        out.insert(0, "warning: this schedule's policies were edited after planning; the predicted figures below "
+                      "are the old plan's: plan again, or memfit.predict(profile, schedule.policies)\n")
     return "\n".join(out)
 
 
@@ -171,6 +174,10 @@ def validation_report(v: Validation) -> str:
         f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
         + (f", both compiled ({v.compile})" if v.compile else ""),
     ]
+    if v.edited:
+        checks.append("the schedule's policies were EDITED after planning: the predicted figures are the old plan's, "
+                      "not these policies'; plan again, or predict these policies from the profile "
+                      "(memfit.predict(profile, schedule.policies))")
     return "\n".join([table(["", "predicted", "measured", "error"], rows), "", *checks, f"validation {verdict}"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ class Schedule:
     compile: dict[str, Any] = field(default_factory=dict)
     target: str = ""  # the device the profile was estimated for (profiler/devices.py); "" when measured
     parallel: dict[str, Any] = field(default_factory=dict)  # {"kind": fsdp|ddp, "world_size"}: a plan per rank
+    # loaded from a file whose policies were changed after planning: its predictions are another plan's
+    edited: bool = False
 
     @property
     def checkpointed(self) -> list[str]:
@@ -59,8 +62,14 @@ class Schedule:
         """Write atomically. The solve time is left out, so that the same profile and budget
         always give a byte-identical file."""
         data = asdict(self)
-        del data["solve_s"]
+        del data["solve_s"], data["edited"]
+        data["policies_sha256"] = policies_digest(self.policies)  # an edit by hand shows on load
         write_json_atomic(path, {"format": SCHEDULE_FORMAT, **data})
+
+
+def policies_digest(policies: dict[str, str]) -> str:
+    """What the predictions were made for; ``load_schedule`` compares it with the file's policies."""
+    return hashlib.sha256(json.dumps(list(policies.items())).encode()).hexdigest()
 
 
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
@@ -103,6 +112,7 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         compile=_compile(f.obj("compile")) if f.data.get("compile") else {},
         target=str(f.data.get("target", "")),
         parallel=dict(f.obj("parallel").data) if f.data.get("parallel") else {},
+        edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(policies),
     )
 
 

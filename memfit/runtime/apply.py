@@ -3,12 +3,13 @@ state_dict unchanged; undo it, step down to a tighter plan, warn when the inputs
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from memfit.errors import MemfitError, ScheduleMismatchError
+from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
 from memfit.profile import DERIVE, child_regions
 from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
@@ -44,6 +45,11 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
         raise ScheduleMismatchError("the schedule's unit names differ from its fingerprint's")
     if "_memfit_applied" in model.__dict__:
         raise MemfitError("a schedule is already applied to this model; call memfit.remove(model) first")
+    if schedule.edited:
+        warnings.warn(MemfitWarning(
+            "memfit: this schedule's policies were edited after planning: its predicted peak and slowdown are the old "
+            "plan's, so the budget is not checked for these policies; plan again (memfit plan --profile FILE), or "
+            "check them with memfit.predict(profile, schedule.policies) or memfit validate"), stacklevel=2)
     set_policies(model, schedule.policies)
     watch = Watch(model, schedule)
     model.__dict__["_memfit_applied"] = _Applied(schedule, 0, model.register_forward_pre_hook(watch, with_kwargs=True))

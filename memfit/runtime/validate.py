@@ -53,6 +53,7 @@ class Validation:
     grads_equal: bool
     buffers_equal: bool
     compile: str | None = None  # the torch.compile backend both models ran under
+    edited: bool = False  # the schedule's policies were changed after planning: the predictions are not theirs
 
     @property
     def error(self) -> float:
@@ -65,7 +66,7 @@ class Validation:
 
     @property
     def ok(self) -> bool:
-        return self.fits and self.losses_equal and self.grads_equal and self.buffers_equal
+        return self.fits and self.losses_equal and self.grads_equal and self.buffers_equal and not self.edited
 
 
 def measure_steps(
@@ -201,6 +202,7 @@ def validate(
         grads_equal=grads_equal,
         buffers_equal=all(_same(b, sched.buffers[n]) for n, b in plain.buffers.items()),
         compile=backend,
+        edited=schedule.edited,
     )
 
 
