@@ -105,6 +105,9 @@ def profile_of(args: argparse.Namespace) -> Any:
         raise MemfitError("--children names finer options to measure: give --granularity fine with it")
     sc = scenario_of(args)
     target = target_of(args, sc)
+    if target is not None and getattr(args, "compile", None):
+        raise MemfitError(f"--compile measures the compiled step, which needs the device; {sc.name} would be estimated "
+                          f"for {target} from shapes: plan without --compile here, or with it on that GPU")
     optimizer = sc.step_optimizer
     if args.world_size is not None and args.parallel is None:
         raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")

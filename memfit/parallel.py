@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import traceback
 from typing import Any
@@ -128,6 +129,10 @@ def _spawn(target: Any, scenario: Any, parallel: str, world_size: int, device: s
         p.start()
     try:
         status, payload = _answer(queue, procs, f"the {world_size} {parallel} ranks")
+    except BaseException:  # Ctrl-C, or a rank that died: the ranks' work is no longer wanted
+        for p in procs:
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(60)
@@ -160,6 +165,9 @@ def _rank(target: Any, rank: int, world_size: int, port: int, device: str, scena
           extra: dict[str, Any], queue: Any) -> None:
     import torch.distributed as dist
 
+    # Ctrl-C reaches the whole process group; the parent, which has the terminal, stops the ranks
+    # (they would each print a KeyboardInterrupt traceback)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = device.startswith("cuda")
     if cuda:

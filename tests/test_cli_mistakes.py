@@ -488,3 +488,30 @@ def test_a_fits_answer_keeps_the_profile_and_says_what_the_device_leaves(tmp_pat
     assert "fits without checkpointing" in proc.stdout
     assert "NVIDIA GeForce RTX 4090 leaves about 23.50 GiB" in proc.stdout and "will not fit there" in proc.stdout
     assert "(profile.json exists, so it was not written)" in proc.stdout
+
+
+def test_ctrl_c_in_a_parallel_run_prints_no_rank_tracebacks(work):
+    """Ctrl-C at a terminal reaches the whole process group, spawned ranks included: the run stops
+    with 130 and one line, not the ranks' KeyboardInterrupt tracebacks."""
+    proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "plan", "--scenario", "tiny.toml", "--repeat", "400",
+                             "--budget", "1GB", "--parallel", "ddp", "-o", "ranks-int.json"], cwd=work,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(12)  # the ranks are spawned and profiling
+    assert proc.poll() is None, "the run ended before the interrupt: make it longer"
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert not (work / "ranks-int.json").exists()
+
+
+def test_compile_with_an_estimate_is_refused_at_once(tmp_path):
+    """--compile measures the compiled step: with --target (or the default, estimated here) it
+    is refused before estimating, and an unknown backend lists the usable ones only."""
+    start = time.monotonic()
+    for args in (["--compile", "aot_eager"], ["--scenario", "gpt-small", "--target", "h100", "--compile", "eager"]):
+        proc = run("plan", "--budget", "1GB", *args, cwd=tmp_path)
+        assert proc.returncode == 2 and "--compile measures the compiled step, which needs the device" in proc.stderr
+    assert time.monotonic() - start < 60  # no estimate ran (the default's takes minutes with a compile)
+    proc = run("plan", "--budget", "1GB", "--compile", "nosuch", cwd=tmp_path)
+    assert proc.returncode == 2 and "aot_eager" in proc.stderr and "TESTING" not in proc.stderr
