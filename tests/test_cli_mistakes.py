@@ -402,7 +402,7 @@ def test_nan_losses_compare_equal():
         (["plan", "--budget", "0.1B"], "did you mean 0.1GB?"),
         (["plan", "--budget", "1GB", "--strategy", "sqrt", "--no-segments"], "--no-segments rules out"),
         (["plan", "--budget", "1GB", "--device", "cpu:1"], "--device must be cpu"),
-        (["plan", "--budget", "1GB", "--model", "usermodels.py:mlp"], "name the module as you would import it"),
+        (["plan", "--budget", "1GB", "--model", "nosuch.py:mlp"], "nosuch.py: no such model file"),
     ],
 )
 def test_usage_mistakes_are_one_line(work, args, message):
@@ -515,3 +515,22 @@ def test_compile_with_an_estimate_is_refused_at_once(tmp_path):
     assert time.monotonic() - start < 60  # no estimate ran (the default's takes minutes with a compile)
     proc = run("plan", "--budget", "1GB", "--compile", "nosuch", cwd=tmp_path)
     assert proc.returncode == 2 and "aot_eager" in proc.stderr and "TESTING" not in proc.stderr
+
+
+def test_a_model_by_file_path_and_a_scenario_beside_its_module(work, tmp_path):
+    """--model mymodels.py:mlp (a path, what most people try first) works; a scenario file's
+    model = "mymodule:fn" is found beside the TOML, from any working directory."""
+    proc = run("plan", "--model", "usermodels.py:mlp", "--input-shape", "4x10", "--repeat", "1", "--budget", "1GB",
+               cwd=work)
+    assert proc.returncode == 0 and "fits without checkpointing" in proc.stdout, proc.stderr
+    proc = run("plan", "--model", str(work / "usermodels.py") + ":mlp", "--input-shape", "4x10", "--repeat", "1",
+               "--budget", "1GB", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "beside.py").write_text(USER_MODELS)
+    (models / "net.toml").write_text('model = "beside:mlp"\ninput_shape = [4, 10]\n')
+    elsewhere = tmp_path / "run"
+    elsewhere.mkdir()
+    proc = run("plan", "--scenario", str(models / "net.toml"), "--repeat", "1", "--budget", "1GB", cwd=elsewhere)
+    assert proc.returncode == 0 and "fits without checkpointing" in proc.stdout, proc.stderr
