@@ -73,6 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.timeline:
         write_output(lambda path: timeline(schedule.levels, path, title=_title(prof, f"{schedule.strategy} plan"),
                                            budget=budget), args.timeline)
+        print(f"wrote {args.timeline}", file=sys.stderr)  # stdout may be --json
     if args.json:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
         return 0
@@ -191,6 +192,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             raise MemfitError("the measured step has other marks than the planned one; cannot draw them side by side")
         write_output(lambda path: timeline(levels, path, title=_title(schedule, "predicted and measured"),
                                            budget=schedule.budget_bytes), args.timeline)
+        print(f"wrote {args.timeline}", file=sys.stderr)
     if args.json:
         print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok}, indent=2))
     else:

@@ -216,6 +216,7 @@ def test_validate_rebuilds_what_the_schedule_was_made_for(work):
                "--trust-source", cwd=work)
     assert proc.returncode == 0, proc.stderr
     assert (work / "v.svg").read_text().lstrip().startswith("<?xml")
+    assert "wrote v.svg" in proc.stderr
     result = json.loads(proc.stdout)
     assert result["ok"] and result["measured_peak_bytes"] == result["predicted_peak_bytes"]
     proc = run("validate", "--schedule", "made.json", "--steps", "1", "--scenario", "tiny.toml", cwd=work)
@@ -403,6 +404,8 @@ def test_nan_losses_compare_equal():
         (["plan", "--budget", "1GB", "--strategy", "sqrt", "--no-segments"], "--no-segments rules out"),
         (["plan", "--budget", "1GB", "--device", "cpu:1"], "--device must be cpu"),
         (["plan", "--budget", "1GB", "--model", "nosuch.py:mlp"], "nosuch.py: no such model file"),
+        (["plan", "--budget", "1GB", "--scenario", "tiny.toml", "--parallel", "fsdp", "--world-size", "0"],
+         "--world-size must be at least 2 for fsdp, got 0"),
     ],
 )
 def test_usage_mistakes_are_one_line(work, args, message):
