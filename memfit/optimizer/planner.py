@@ -17,6 +17,7 @@ from memfit.schedule import Schedule
 
 GRANULARITIES = ("module", "fine")
 STRATEGY_NAMES = ("ilp", *STRATEGIES)
+TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
 
 
 def check_granularity(profile: Profile, granularity: str) -> bool:
@@ -143,11 +144,13 @@ def _choose(
     # The integer model rounds bytes up to its quantum (and CBC works in floating point), so at
     # the edges (a budget at or just below the unplanned peak) it can miss a schedule that fits
     # by predict(), the exact model. A fitting baseline that costs less stands in, and says so:
-    # the ILP's answer is never worse than a baseline's.
+    # the ILP's answer is never worse than a baseline's. "Less" is by more than TIE_FRACTION of
+    # the step: below that the two are a tie the integer model's rounded times cannot split.
     figures = baselines(profile, budget_bytes)
     best = _cheapest_fitting(figures)
     found = None if sol is None else policies_of(profile.unit_names, sol.roles)
-    if best is not None and (found is None or figures[best]["recompute_s"] < predict(profile, found).recompute_s):
+    if best is not None and (found is None or figures[best]["recompute_s"] + TIE_FRACTION * profile.step_s
+                             < predict(profile, found).recompute_s):
         policies = STRATEGIES[best](profile, budget_bytes)
         assert policies is not None  # it fits: baselines() said so
         what = "found no schedule" if sol is None else "found a dearer one"
