@@ -82,6 +82,13 @@ def test_validate_and_example(workdir):
     (workdir / "mixed.json").write_text(json.dumps(data))
     proc = run("validate", "--schedule", "mixed.json", "--scenario", "tiny.toml", "--steps", "1", "--json",
                cwd=workdir)
+    assert proc.returncode == 1, proc.stderr  # edited by hand: the predictions are the old plan's
+    result = json.loads(proc.stdout)
+    assert result["edited"] and not result["ok"] and result["grads_equal"] and result["losses_equal"]
+    del data["policies_sha256"]  # a schedule from an older memfit, or another tool: nothing to compare
+    (workdir / "mixed.json").write_text(json.dumps(data))
+    proc = run("validate", "--schedule", "mixed.json", "--scenario", "tiny.toml", "--steps", "1", "--json",
+               cwd=workdir)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["ok"] and result["grads_equal"] and result["losses_equal"]
