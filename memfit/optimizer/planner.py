@@ -80,8 +80,9 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if strategy != "ilp" and (why := not_applicable(profile, strategy)):
         raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
+    figures = baselines(profile, budget_bytes)  # stored in the schedule, and the ILP's safety net
     policies, strategy, used, status, seconds = _choose(
-        profile, budget_bytes, strategy, solver, segments, max_segment, time_limit, fine)
+        profile, budget_bytes, strategy, solver, segments, max_segment, time_limit, fine, figures)
     pred = predict(profile, policies)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise MemfitError(
@@ -102,7 +103,7 @@ def plan(
         solve_s=seconds,
         fingerprint=dict(profile.fingerprint),
         input_shapes=profile.input_shapes,
-        baselines=baselines(profile, budget_bytes),
+        baselines=figures,
         optimizer=profile.optimizer,
         device=profile.device,
         source=dict(profile.source),
@@ -115,7 +116,7 @@ def plan(
 
 def _choose(
     profile: Profile, budget_bytes: int, strategy: str, solver: str, segments: bool, max_segment: int,
-    time_limit: float | None, fine: bool = False,
+    time_limit: float | None, fine: bool = False, figures: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Policies, str, str, str, float]:
     """(policies, strategy, solver, status, seconds) of the cheapest schedule of ``strategy``
     that fits. When the ILP's time limit passes with no answer, the cheapest fitting baseline
@@ -132,7 +133,8 @@ def _choose(
     try:
         sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
     except SolverTimeout:
-        best = _cheapest_fitting(baselines(profile, budget_bytes))
+        figures = figures if figures is not None else baselines(profile, budget_bytes)
+        best = _cheapest_fitting(figures)
         if best is None:
             raise SolverTimeout(
                 f"the {solver} solver found no answer within the time limit and no baseline fits "
@@ -146,7 +148,7 @@ def _choose(
     # by predict(), the exact model. A fitting baseline that costs less stands in, and says so:
     # the ILP's answer is never worse than a baseline's. "Less" is by more than TIE_FRACTION of
     # the step: below that the two are a tie the integer model's rounded times cannot split.
-    figures = baselines(profile, budget_bytes)
+    figures = figures if figures is not None else baselines(profile, budget_bytes)
     best = _cheapest_fitting(figures)
     found = None if sol is None else policies_of(profile.unit_names, sol.roles)
     if best is not None and (found is None or figures[best]["recompute_s"] + TIE_FRACTION * profile.step_s

@@ -53,7 +53,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -132,7 +132,7 @@ class _Open:
     k: int  # the member that ran last
     last: Any = None  # its output, until the next member takes it
     pause: Any = None  # identity saved-tensor hooks between members
-    ran: bool = field(default=False)  # the member ``k`` returned
+    ran: bool = False  # the member ``k`` returned
 
 
 class Region(PerThread):
