@@ -20,7 +20,7 @@ import torch
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.profiler.devices import DEVICES
+from memfit.devices import DEVICES
 from memfit.profiler.estimate import estimate
 from memfit.report import table
 from memfit.scenarios import builtin_names, load_scenario

@@ -47,7 +47,7 @@ _LAZY = {
     "apply": "memfit.runtime.apply",
     "remove": "memfit.runtime.apply",
     "tighten": "memfit.runtime.apply",
-    "keep_freed_cpu_memory": "memfit.measure.memory",
+    "keep_freed_cpu_memory": "memfit.measure.malloc",
     "Validation": "memfit.runtime.validate",
     "validate": "memfit.runtime.validate",
     "sweep": "memfit.optimizer.sweep",
@@ -56,7 +56,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from memfit.measure.memory import keep_freed_cpu_memory
+    from memfit.measure.malloc import keep_freed_cpu_memory
     from memfit.measure.step import default_loss
     from memfit.optimizer.model import Prediction, predict
     from memfit.optimizer.planner import min_budget_bytes, plan

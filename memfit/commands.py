@@ -72,7 +72,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_output(schedule.save, output)
     if args.timeline:
         write_output(lambda path: timeline(schedule.levels, path, title=_title(prof, f"{schedule.strategy} plan"),
-                                           budget=budget), args.timeline)
+                                           budget=budget, checkpointed=schedule.checkpointed), args.timeline)
         print(f"wrote {args.timeline}", file=sys.stderr)  # stdout may be --json
     if args.json:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
@@ -160,8 +160,6 @@ def _title(made: Any, what: str) -> str:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from memfit.plots import check_plot_path, timeline
-    from memfit.report import validation_report
-    from memfit.runtime.validate import measure_levels, validate
     from memfit.schedule import load_schedule
 
     if args.steps < 1:
@@ -179,6 +177,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             raise MemfitError("this schedule holds no predicted timeline (made by an older memfit): plan it again "
                               "to draw --timeline")
     sc, device = modelflags.validation_setup(args, schedule)
+    from memfit.report import validation_report
+    from memfit.runtime.validate import measure_levels, validate
+
     model, inputs = modelflags.build_model(sc, device)
     check_interrupt()
     optimizer = sc.step_optimizer
@@ -191,7 +192,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if len(measured) != len(schedule.levels["plan"]):
             raise MemfitError("the measured step has other marks than the planned one; cannot draw them side by side")
         write_output(lambda path: timeline(levels, path, title=_title(schedule, "predicted and measured"),
-                                           budget=schedule.budget_bytes), args.timeline)
+                                           budget=schedule.budget_bytes, checkpointed=schedule.checkpointed),
+                     args.timeline)
         print(f"wrote {args.timeline}", file=sys.stderr)
     if args.json:
         print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok}, indent=2))
@@ -252,17 +254,9 @@ def _count(n: int) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from memfit.budget import budget_range, parse_bytes
-    from memfit.jsonio import write_atomic
-    from memfit.optimizer.planner import STRATEGY_NAMES
-    from memfit.optimizer.sweep import sweep
+    from memfit.optimizer import STRATEGY_NAMES
     from memfit.plots import check_plot_path, curve
-    from memfit.profile import Profile
-    from memfit.report import sweep_report
-    from memfit.runtime.validate import measure_plans
-    from memfit.scenarios import scenario_from_source
 
     budgets = budget_range(args.budgets) if args.budgets else None
     if budgets is not None and args.points is not None:
@@ -279,6 +273,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_outputs(args, outputs)
     if args.plot:
         check_plot_path(args.plot)
+    from memfit.jsonio import write_atomic
+    from memfit.optimizer.sweep import sweep
+    from memfit.profile import Profile
+    from memfit.report import sweep_report
+
     prof = Profile.load(args.profile) if args.profile else modelflags.profile_of(args)
     if args.measure and not prof.source:
         raise MemfitError("--measure needs the model: this profile does not say how it was built; profile it with "
@@ -287,6 +286,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   segments=not args.no_segments, max_segment=args.max_segment, granularity=args.granularity)
     check_interrupt()
     if args.measure:
+        from tqdm import tqdm
+
+        from memfit.runtime.validate import measure_plans
+        from memfit.scenarios import scenario_from_source
+
         plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]
         sc = scenario_from_source(prof.source, trusted=not args.profile or args.trust_source)
         model, inputs = modelflags.build_model(sc, prof.device)

@@ -75,7 +75,7 @@ def target_of(args: argparse.Namespace, sc: Any) -> str | None:
     scenario's own target; else None (measure here)."""
     import torch
 
-    from memfit.profiler.devices import device_spec
+    from memfit.devices import device_spec
 
     if args.target is not None:
         if args.device is not None:
@@ -96,7 +96,7 @@ def profile_of(args: argparse.Namespace) -> Any:
     """The profile the flags ask for: estimated for a target, or measured here."""
     import torch
 
-    from memfit.profiler.devices import DEVICES
+    from memfit.devices import DEVICES
 
     repeat = 5 if args.repeat is None else args.repeat
     if repeat < 1:

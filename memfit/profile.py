@@ -116,7 +116,7 @@ class Profile:
     torch_version: str = ""
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
     mode: str = "measured"  # or "estimated": from shapes on fake tensors, for ``target``
-    target: str = ""  # the device estimated for (profiler/devices.py); "" when measured
+    target: str = ""  # the device estimated for (devices.py); "" when measured
     parallel: dict[str, Any] = field(default_factory=dict)  # {"kind": fsdp|ddp, "world_size"}: one rank's
 
     @property

@@ -45,7 +45,7 @@ class Scenario:
     units: str | list[str] = "auto"
     dtype: str = "float32"
     origin: str | None = None  # a built-in scenario's name or a TOML file's absolute path; None for --model
-    target: str | None = None  # the device to estimate for when no GPU is at hand (profiler/devices.py)
+    target: str | None = None  # the device to estimate for when no GPU is at hand (devices.py)
     requires: str | None = None  # a package the factory imports (transformers), not a dependency of memfit's
 
     @property
@@ -279,7 +279,7 @@ def load_scenario(name_or_path: str) -> Scenario:
     if dtype not in DTYPES:
         raise bad("dtype", f"one of {', '.join(DTYPES)}")
     if "target" in data:
-        from memfit.profiler.devices import DEVICES
+        from memfit.devices import DEVICES
 
         if data["target"] not in DEVICES:
             raise bad("target", f"one of {', '.join(DEVICES)}")

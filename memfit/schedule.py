@@ -6,13 +6,14 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import FileFormatError
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.profile import is_fine_option
+
+if TYPE_CHECKING:
+    from torch import nn  # only the fingerprint's argument: the optimizer and the CLI's checks run without torch
 
 SCHEDULE_FORMAT = "memfit.schedule/1"
 POLICIES = ("none", "full")  # and "segment:<first>..<last>"
@@ -49,7 +50,7 @@ class Schedule:
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
     # planned for a step under torch.compile: {"backend", "peak_bytes" (its compiled step, measured)}
     compile: dict[str, Any] = field(default_factory=dict)
-    target: str = ""  # the device the profile was estimated for (profiler/devices.py); "" when measured
+    target: str = ""  # the device the profile was estimated for (devices.py); "" when measured
     parallel: dict[str, Any] = field(default_factory=dict)  # {"kind": fsdp|ddp, "world_size"}: a plan per rank
     # loaded from a file whose policies were changed after planning: its predictions are another plan's
     edited: bool = False

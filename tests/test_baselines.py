@@ -76,3 +76,46 @@ def test_baselines_predicted_equals_measured():
         measured = measure_steps(twin, inputs).peak_bytes
         assert measured <= sched.predicted_peak_bytes <= measured * 1.03, name
     assert len(seen) >= 4
+
+
+def test_a_baseline_that_does_not_fit_shows_its_tightest_schedule():
+    """Beside the plan, a baseline that cannot fit the budget still shows the least peak it
+    reaches (its tightest schedule's figures, marked), not '-'; the report says what the marks
+    and columns mean."""
+    from memfit.optimizer.baselines import BASELINES
+    from memfit.report import schedule_report
+
+    prof = random_profile(9, 4)
+    budget = memfit.min_budget_bytes(prof)
+    sched = memfit.plan(prof, budget)
+    missed = {k: v for k, v in sched.baselines.items() if not v["fits"]}
+    assert missed, "at the smallest budget some baseline does not fit"
+    for name, figures in missed.items():
+        peaks = [memfit.predict(prof, c).peak_bytes for c in BASELINES[name].candidates(prof)]
+        assert figures["peak_bytes"] == min(peaks) > budget
+    text = schedule_report(sched, prof)
+    rows = {line.split("  ")[0]: line for line in text.splitlines()}
+    from memfit.report import BASELINE_NAMES
+
+    for name in missed:
+        row = next(v for k, v in rows.items() if k.startswith(BASELINE_NAMES[name]))
+        assert memfit.format_bytes(missed[name]["peak_bytes"]) + " *" in row and " no " in row
+    assert "*: the strategy does not fit; its tightest schedule's figures" in text
+
+
+def test_the_unit_table_explains_kept_over_saved_and_segment_times():
+    from memfit.profile import Profile
+    from memfit.report import schedule_report
+
+    from .test_sweep import FIXTURES
+
+    prof = Profile.load(FIXTURES / "hf-llama.json")
+    sched = memfit.plan(prof, 100 * 2**20)
+    text = schedule_report(sched, prof)
+    assert any(p.startswith("segment:") for p in sched.policies.values())
+    assert "recompute: each member's own forward, once; a segment recomputes all its members together" in text
+    assert "kept to bwd: what stays allocated" not in text  # kept never exceeds saved here
+    gpt2 = Profile.load(FIXTURES / "hf-gpt2.json")
+    unit = gpt2.units[0]
+    unit.options["none"].stored_bytes = int(unit.saved_bytes * 1.05)
+    assert "kept to bwd: what stays allocated" in schedule_report(memfit.plan(gpt2, 2**40), gpt2)

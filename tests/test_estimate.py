@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import memfit
+from memfit.devices import DEVICES, device_spec
 from memfit.measure.step import Inputs
-from memfit.profiler.devices import DEVICES, device_spec
 from memfit.profiler.estimate import estimate
 from memfit.runtime.validate import measure_steps
 

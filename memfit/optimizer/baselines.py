@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from memfit.optimizer import BASELINE_NAMES
 from memfit.optimizer.model import Prediction, predict
 from memfit.optimizer.roles import SEGMENT, Role
 from memfit.profile import Profile
@@ -128,3 +129,4 @@ def _strategy(baseline: Baseline) -> Callable[[Profile, int], Policies | None]:
 STRATEGIES: dict[str, Callable[[Profile, int], Policies | None]] = {
     name: _strategy(b) for name, b in BASELINES.items()
 }
+assert tuple(BASELINES) == BASELINE_NAMES, "the CLI offers memfit.optimizer.BASELINE_NAMES"

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
+from memfit.optimizer import SOLVERS
 from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role, segment_roles, unit_costs
 from memfit.profile import Profile
 
-SOLVERS = ("cpsat", "cbc", "dp")
 _RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
 
 

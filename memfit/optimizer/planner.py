@@ -7,7 +7,8 @@ from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
-from memfit.optimizer.baselines import STRATEGIES, Policies, not_applicable
+from memfit.optimizer import STRATEGY_NAMES
+from memfit.optimizer.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.ilp import IntModel, SolverTimeout, solve
 from memfit.optimizer.model import predict
@@ -16,7 +17,6 @@ from memfit.profile import Profile
 from memfit.schedule import Schedule
 
 GRANULARITIES = ("module", "fine")
-STRATEGY_NAMES = ("ilp", *STRATEGIES)
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
 
 
@@ -190,21 +190,20 @@ def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: s
 
 def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, Any]]:
     """Every baseline strategy at this budget: whether it applies to the model at all and fits,
-    its predicted peak, recompute time and overhead (for none and full also when they do not
-    fit, since they have only one schedule)."""
+    and the predicted peak, recompute time and overhead of the schedule it uses, or when it
+    does not fit, of its tightest schedule (the least peak it can reach)."""
     out: dict[str, dict[str, Any]] = {}
-    for name, strategy in STRATEGIES.items():
+    for name, baseline in BASELINES.items():
         if not_applicable(profile, name):
             out[name] = {"applies": False, "fits": False}
             continue
-        policies = strategy(profile, budget_bytes)
-        fits = policies is not None
-        if policies is None:
-            policies = strategy(profile, 2**62) if name in ("none", "full") else None
-        if policies is None:
-            out[name] = {"applies": True, "fits": False}
-            continue
-        p = predict(profile, policies)
+        candidates = baseline.candidates(profile)
+        predictions = [predict(profile, c) for c in candidates]
+        k = pick(baseline, predictions, budget_bytes)
+        fits = k is not None
+        if k is None:
+            k = min(range(len(predictions)), key=lambda i: (predictions[i].peak_bytes, predictions[i].recompute_s))
+        p = predictions[k]
         out[name] = {"applies": True, "fits": fits, "peak_bytes": p.peak_bytes, "recompute_s": p.recompute_s,
                      "overhead": p.overhead}
     return out

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.budget import parse_bytes
 from memfit.errors import MemfitError
+from memfit.optimizer import SOLVERS, STRATEGY_NAMES
 from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.frontier import chain_frontier, read
-from memfit.optimizer.ilp import SOLVERS, IntModel, solve
+from memfit.optimizer.ilp import IntModel, solve
 from memfit.optimizer.model import Prediction, predict
-from memfit.optimizer.planner import STRATEGY_NAMES, check_granularity, min_budget_bytes
+from memfit.optimizer.planner import check_granularity, min_budget_bytes
 from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
 

@@ -21,11 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.devices import Device
 from memfit.errors import MemfitError
 from memfit.measure.memory import Mark
 from memfit.measure.step import iter_tensors, storage_key
 from memfit.profile import Profile
-from memfit.profiler.devices import Device
 from memfit.units import find_units
 
 _ACTIVE: list[Device] = []
@@ -208,8 +208,8 @@ def estimate(
     the rest. ``"ddp"``: the whole model per rank, plus DDP's gradient buckets."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memfit.devices import device_spec
     from memfit.profiler import profile
-    from memfit.profiler.devices import device_spec
 
     spec = device_spec(target)
     with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), estimating(spec), _fused_attention(spec.cuda):

@@ -8,10 +8,12 @@ roofline, so an estimated slowdown ranks plans well but is not a stopwatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.errors import MemfitError
+
+if TYPE_CHECKING:
+    import torch
 
 GiB = 2**30
 EFFICIENCY = 0.6  # share of the peak that real kernels of a training step reach (a common rule of thumb)
@@ -33,8 +35,8 @@ class Device:
         return self.memory_bytes - (CUDA_CONTEXT_BYTES if self.cuda else 0)
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
-        key = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
-        return self.tflops.get(key, self.tflops["float32"]) * 1e12
+        key = str(dtype).removeprefix("torch.")  # no torch import: the CLI reads this table before loading torch
+        return self.tflops.get(key if key in ("bfloat16", "float16") else "float32", self.tflops["float32"]) * 1e12
 
     def seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
         return max(flops / self.flops_per_s(dtype), nbytes / (self.bandwidth_gbs * 1e9)) / EFFICIENCY
