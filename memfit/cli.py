@@ -39,6 +39,15 @@ examples:
 memory sizes are binary: 24GB = 24GiB = 24G = 24 x 2^30 bytes; 1536MB; 0.5TB; a bare number is bytes.
 in train.py:  model = memfit.apply(model, memfit.load_schedule("schedule.json"))
 """
+SIZES, TRAIN = EPILOG.splitlines()[-2:]
+
+
+def _epilog(command: str) -> str:
+    """A subcommand's own examples from EPILOG, and the notes that concern it."""
+    mine = [line for line in EPILOG.splitlines() if line.startswith("  memfit ") and f"memfit {command} " in line + " "]
+    notes = [SIZES] if command in ("plan", "sweep") else []
+    notes += [TRAIN] if command in ("plan", "validate") else []
+    return "\n".join(["examples:", *mine, *(["", *notes] if notes else [])]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "command", None):
             parser.print_help()
             return 2
-        from memfit.measure.memory import keep_freed_cpu_memory
+        from memfit.measure.malloc import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()  # steadier, additive CPU step times (see its docstring)
         code = int(args.func(args) or 0)
@@ -118,15 +127,14 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from memfit import __version__
-    from memfit.optimizer.ilp import SOLVERS
-    from memfit.optimizer.planner import STRATEGY_NAMES
+    from memfit.optimizer import SOLVERS, STRATEGY_NAMES
 
     p.add_argument("--version", action="version", version=f"memfit {__version__}")
     p.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        cmd = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
+        cmd = sub.add_parser(name, help=help_text, description=help_text, epilog=_epilog(name),
                              formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="show the whole traceback of an error")
@@ -245,7 +253,7 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
                    help="optimizer whose state and step count (default: the scenario's, else adamw)")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     if not validate:
-        from memfit.profiler.devices import DEVICES
+        from memfit.devices import DEVICES
 
         g.add_argument("--target", help=f"estimate for this device without having it, from shapes: "
                        f"{', '.join(DEVICES)} "

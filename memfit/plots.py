@@ -6,7 +6,8 @@ extension, 800 px wide; each function returns the Figure so that tests can read 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import textwrap
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from memfit.errors import MemfitError
@@ -108,14 +109,15 @@ Levels = Sequence[Sequence[Any]]  # (phase label, live bytes at its start, its p
 
 
 def timeline(levels: Mapping[str, Levels], path: str | os.PathLike[str] | None, *, title: str,
-             budget: int | None = None) -> Figure:
+             budget: int | None = None, checkpointed: Collection[str] = ()) -> Figure:
     """Live memory at the start and the peak of every phase of the step, one line per series:
     ``levels["none"]`` (no checkpointing) and ``levels["plan"]`` as predicted, and
-    ``levels["measured"]`` when given; the budget as a line, the plan's peak phase marked."""
+    ``levels["measured"]`` when given; the budget as a line, the plan's peak phase marked, the
+    forward and backward of the ``checkpointed`` units shaded."""
     plt = _pyplot()
     plan = levels["plan"]
     unit, scale = _unit(max([budget or 0, *(peak for series in levels.values() for _, _, peak in series)]))
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
     style = {"none": ("no checkpointing", "#7f7f7f", {}), "plan": ("this plan", "#1f77b4", {}),
              "measured": ("this plan, measured", "#d62728", {"linestyle": "--", "marker": "o",
                                                               "markerfacecolor": "none", "markersize": 4})}
@@ -125,20 +127,28 @@ def timeline(levels: Mapping[str, Levels], path: str | os.PathLike[str] | None, 
             xs = [k for k in range(len(levels[key])) for _ in (0, 1)]
             ys = [v / scale for _, start, peak in levels[key] for v in (start, peak)]
             ax.plot(xs, ys, color=colour, label=label, linewidth=1.5, **extra)
+    names = [str(name) for name, _, _ in plan]
+    shaded = [k for k, name in enumerate(names) if name.partition(" ")[2] in set(checkpointed)]
+    for n, k in enumerate(shaded):
+        ax.axvspan(k - 0.5, k + 0.5, color="#1f77b4", alpha=0.12, linewidth=0,
+                   label="checkpointed unit (forward; backward with its recompute)" if n == 0 else None)
     top = max(range(len(plan)), key=lambda k: plan[k][2])
+    right = top > 0.6 * len(plan)  # keep the label inside the axes
     ax.annotate(f"peak {plan[top][2] / scale:.1f} {unit}\n{plan[top][0]}", (top, plan[top][2] / scale),
-                textcoords="offset points", xytext=(10, 10), fontsize=8, arrowprops={"arrowstyle": "->"})
+                textcoords="offset points", xytext=(-20 if right else 20, -45), ha="right" if right else "left",
+                fontsize=9, arrowprops={"arrowstyle": "->"}, zorder=5,
+                bbox={"boxstyle": "round,pad=0.3", "facecolor": "white", "edgecolor": "#999999", "alpha": 0.95})
     if budget is not None:
-        ax.axhline(budget / scale, color="black", linestyle=":", label=f"budget {budget / scale:.1f} {unit}")
-    labels = [str(name) for name, _, _ in plan]
-    step = max(1, len(labels) // 24)
-    ax.set_xticks(range(0, len(labels), step))
-    ax.set_xticklabels([labels[k] for k in range(0, len(labels), step)], rotation=75, fontsize=6, ha="right")
+        ax.axhline(budget / scale, color="black", linestyle=":", label=f"budget {budget / scale:.1f} {unit}", zorder=1)
+    step = max(1, -(-len(names) // 20))
+    ax.set_xticks(range(0, len(names), step))
+    ax.set_xticklabels([names[k] for k in range(0, len(names), step)], rotation=60, fontsize=8, ha="right",
+                       rotation_mode="anchor")
     ax.set_xlabel("phase of the training step (forward, loss, backward with recompute, optimizer)")
     ax.set_ylabel(f"live memory ({unit})")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.fill(line, 90) for line in title.splitlines()), fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     if path is not None:
         _save(fig, path)

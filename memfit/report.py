@@ -10,11 +10,12 @@ from memfit.optimizer.model import predict
 from memfit.optimizer.planner import best_baseline
 from memfit.optimizer.roles import roles_of, unit_costs
 from memfit.profile import DERIVE, Profile, child_regions
-from memfit.runtime.validate import Validation
 from memfit.schedule import Schedule, segment_span
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from memfit.runtime.validate import Validation
 
 BASELINE_NAMES = {
     "none": "checkpoint nothing",
@@ -59,6 +60,14 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
                          _ms(cost.recompute_s)])
         head = ["unit", "policy", "recomputes", "saved for bwd", "kept to bwd", "recompute"]
         out = [table(head, rows, [False, False, False, True, True, True])]
+        if any(unit_costs(profile, j, roles[j]).fwd_end > 1.005 * u.saved_bytes  # more than the rounding shown
+               for j, u in enumerate(profile.units)):
+            out.append("kept to bwd: what stays allocated from the unit's forward until its backward, which the plan "
+                       "counts; it can exceed the tensors autograd saved (its output, tensors it stores, allocator "
+                       "rounding)")
+        if any(segment_span(p) for p in schedule.policies.values()):
+            out.append("recompute: each member's own forward, once; a segment recomputes all its members together, "
+                       "in the backward of its last")
     else:
         out = [table(["unit", "policy", "recomputes"], [[n, p, recomputes(p)] for n, p in schedule.policies.items()],
                      [False, False, False])]
@@ -73,10 +82,11 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         if not figures.get("applies", True):
             summary.append([name, "-", "n/a", "-"])
             continue
-        if "peak_bytes" not in figures:
+        if "peak_bytes" not in figures:  # from an older memfit, which kept no figures for a misfit
             summary.append([name, "-", "no", "-"])
             continue
-        summary.append([name, format_bytes(int(figures["peak_bytes"])), "yes" if figures["fits"] else "no",
+        tightest = "" if figures["fits"] else " *"
+        summary.append([name, format_bytes(int(figures["peak_bytes"])) + tightest, "yes" if figures["fits"] else "no",
                         _pct(figures["overhead"])])
     out.append(table(["strategy", "predicted peak", "fits", "slowdown"], summary, [False, True, False, True]))
     if best is not None and schedule.strategy == "ilp":
@@ -96,6 +106,8 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if schedule.compile:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
                    f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")
+    if any(not f["fits"] and "peak_bytes" in f for f in schedule.baselines.values()):
+        out.append("*: the strategy does not fit; its tightest schedule's figures")
     if any(not f.get("applies", True) for f in schedule.baselines.values()):
         out.append("n/a: the strategy has no schedule for these units (sqrt needs a chain of units)")
     if profile is not None:
@@ -221,7 +233,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     out = []
     peak = schedule.predicted_peak_bytes
     if schedule.target:
-        from memfit.profiler.devices import device_spec
+        from memfit.devices import device_spec
 
         spec = device_spec(schedule.target)
         out.append(f"estimated for {spec.title} ({spec.name}) from shapes on fake tensors, nothing allocated: memory "

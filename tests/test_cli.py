@@ -108,6 +108,13 @@ def test_validate_and_example(workdir):
 def test_help_and_scenarios(workdir):
     proc = run("plan", "--help", cwd=workdir)
     assert proc.returncode == 0 and "24GB" in proc.stdout and "examples:" in proc.stdout
+    for command in ("plan", "validate", "sweep", "profile", "show", "scenarios"):  # each its own examples
+        text = run(command, "--help", cwd=workdir).stdout
+        examples = [line for line in text.split("examples:")[1].splitlines() if line.startswith("  memfit ")]
+        assert examples and all(f"memfit {command} " in line + " " for line in examples), (command, examples)
+    top = run("--help", cwd=workdir).stdout
+    assert {"plan", "validate", "sweep", "show", "scenarios"} <= {line.split()[1] for line in top.splitlines()
+                                                                 if line.startswith("  memfit ")}
     proc = run("scenarios", cwd=workdir)
     assert "gpt-1b (default)" in proc.stdout and "hf-llama" in proc.stdout and "estimated (rtx4090)" in proc.stdout
     # sizes counted on the meta device: Llama-2-7B's 6,738,415,616 parameters, gpt-small's 5,853,184

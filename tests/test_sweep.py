@@ -117,6 +117,27 @@ def test_timeline_draws_predicted_levels(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_timeline_marks_checkpointed_units_and_keeps_its_words_readable():
+    """The checkpointed units' phases are shaded (and only theirs), the peak label sits on a
+    white box above the budget line, tick labels are 8 pt, and a long title is wrapped."""
+    prof = random_profile(6, 1)
+    sched = memfit.plan(prof, memfit.min_budget_bytes(prof) + 10)
+    title = "m: plan\ninputs " + ", ".join(f"x{i}=float32[4,128]" for i in range(12))
+    fig = timeline(sched.levels, None, title=title, budget=sched.budget_bytes, checkpointed=sched.checkpointed)
+    ax = fig.axes[0]
+    names = [n for n, _, _ in sched.levels["plan"]]
+    shaded = sorted(round(p.get_x() + 0.5) for p in ax.patches)
+    expected = [k for k, n in enumerate(names) if n.split(" ", 1)[-1] in sched.checkpointed]
+    assert sched.checkpointed and shaded == expected and len(expected) == 2 * len(sched.checkpointed)
+    label = next(t for t in ax.texts if t.get_text().startswith("peak "))
+    budget_line = next(line for line in ax.get_lines() if line.get_label().startswith("budget"))
+    assert label.get_bbox_patch().get_facecolor()[:3] == (1.0, 1.0, 1.0)
+    assert label.get_zorder() > budget_line.get_zorder()
+    assert {t.get_fontsize() for t in ax.get_xticklabels()} == {8}
+    assert all(len(line) <= 90 for line in ax.get_title().splitlines())
+    assert ax.get_title().replace("\n", " ").split() == title.replace("\n", " ").split()
+
+
 def test_measured_timeline_equals_the_predicted_one():
     """On the CPU the live bytes at every mark of the scheduled step are the predicted ones.
 
