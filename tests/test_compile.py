@@ -5,12 +5,14 @@ import copy
 import functools
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import memfit
+from memfit.runtime import watch
 from memfit.runtime.apply import set_policies
 from memfit.runtime.compiled import compiled_peak, plan_compiled
 from memfit.runtime.validate import measure_steps
@@ -176,3 +178,35 @@ def test_cli_compile_mistakes_stop_before_profiling(extra, message, capsys):
     assert main(["plan", "--budget", "300MB", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "profiling" not in err
+
+
+def _compile_warnings(model, batch, steps=2):
+    out = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            memfit.default_loss(model(**batch)).backward()
+        out.append([str(w.message) for w in seen if issubclass(w.category, memfit.MemfitWarning)])
+    return out
+
+
+def test_an_eager_schedule_run_compiled_warns_once(monkeypatch):
+    """An eager plan does not hold for the compiled step (the partitioner saves other tensors);
+    a model compiled over it says so once, from inside the compiled forward (fullgraph holds),
+    and a schedule planned for compilation, or the eager model, says nothing."""
+    monkeypatch.setattr(watch, "_SAID", set())
+    model, batch = tiny_gpt()
+    names = find_units(model, "auto")
+    memfit.apply(model, _schedule(model, dict.fromkeys(names, "full")))
+    eager = _compile_warnings(model, batch, steps=1)
+    compiled = _compile_warnings(torch.compile(model, backend="aot_eager", fullgraph=True), batch)
+    assert eager == [[]]
+    assert len(compiled[0]) == 1 and "runs under torch.compile" in compiled[0][0]
+    assert "memfit plan --compile" in compiled[0][0] and compiled[1] == []
+
+    torch._dynamo.reset()
+    planned, _ = tiny_gpt()
+    schedule = _schedule(planned, dict.fromkeys(names, "full"))
+    schedule.compile = {"backend": "aot_eager", "peak_bytes": 1}
+    memfit.apply(planned, schedule)
+    assert _compile_warnings(torch.compile(planned, backend="aot_eager"), batch) == [[], []]

@@ -67,6 +67,19 @@ def test_drift_warning_once_per_new_larger_input_signature(planned):
         model(**{k: torch.cat([v, v, v]) for k, v in batch.items()})  # another larger shape: one more
         assert len(caught) == 2
     memfit.remove(model)
+    # planned from the command line: the warning ends in the command that plans again
+    for source, tail in (({"scenario": "gpt-small"}, "and plan again: memfit plan --scenario gpt-small --budget "),
+                         ({"model": "m.py:f", "input_shape": [4, 32]},
+                          "plan again for them: memfit plan --model m.py:f --input-shape 8x32 --budget ")):
+        sched.source = source
+        memfit.apply(model, sched)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(big["idx"])
+        text = str(caught[0].message)
+        assert tail in text and text.rstrip().endswith("MiB"), text
+        memfit.remove(model)
+    memfit.remove(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(**big)  # removed: no watching

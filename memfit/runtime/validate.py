@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import ScheduleMismatchError
+from memfit.errors import MemfitWarning, ScheduleMismatchError
 from memfit.measure.memory import memory_recorder
 from memfit.measure.step import (
     Inputs,
@@ -162,7 +163,9 @@ def validate(
     model.load_state_dict(state)
     apply(model, schedule)
     try:
-        sched = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend)
+        with warnings.catch_warnings():  # compiling an eager plan is what validate --compile is asked to check
+            warnings.filterwarnings("ignore", r"memfit: this \w+ runs under torch.compile", MemfitWarning)
+            sched = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend)
     finally:
         remove(model)
         model.load_state_dict(state)

@@ -9,6 +9,10 @@ dicts and dataclasses; scalars (``num_items_in_batch``, a 0-d tensor the Trainer
 dimension longer, a wider dtype, or a tensor the plan did not have) and than every input warned
 about before: once per new largest input, so a run with dynamic padding warns a few times, not
 once per batch length. Smaller inputs fit the plan and are quiet.
+
+A model compiled with ``torch.compile`` whose schedule was planned for the eager step is warned
+about once: the compiled step keeps what AOTAutograd's partitioner chooses, not what the plan
+counted (measured 7% over the budget on a GPT-style model).
 """
 
 from __future__ import annotations
@@ -90,6 +94,19 @@ def ceiling(a: Signature, b: Signature) -> Signature:
     return out
 
 
+_SAID: set[str] = set()
+
+
+def compiled_unplanned(message: str) -> None:
+    """Warn ``message`` once per process. Called from a compiled forward: Dynamo runs the
+    functions in ``torch._dynamo.config.reorderable_logging_functions`` after the graph instead
+    of breaking it (a config set, not a documented API; it keeps ``fullgraph=True`` working)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(MemfitWarning(message), stacklevel=2)
+
+
+
 def _text(dtype: str, shape: tuple[int, ...]) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
@@ -118,10 +135,22 @@ class Watch:
         # Hugging Face modules that can turn on their own checkpointing (gradient_checkpointing_enable)
         self.hf_layers = [Weak(m) for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         self.hf_warned = False
+        self.eager_only = "" if schedule.compile else (
+            f"memfit: this {type(model).__name__} runs under torch.compile, and its schedule was planned for the "
+            "eager step: the compiled step saves what the compiler's partitioner chooses and runs each segment "
+            "member as its own checkpoint, so its peak may exceed the planned "
+            f"{format_bytes(schedule.predicted_peak_bytes)}; plan the compiled step (memfit plan --compile inductor), "
+            "or check this one (memfit validate --compile inductor)")
+        if self.eager_only:  # here, not at import: torch._dynamo takes seconds to import (an optimizer step does)
+            torch._dynamo.config.reorderable_logging_functions.add(compiled_unplanned)
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
+            if self.eager_only and torch.is_grad_enabled():
+                compiled_unplanned(self.eager_only)
             return  # Dynamo guards on shapes itself; describing symbolic shapes would break the graph
+        if not torch.is_grad_enabled():
+            return
         inputs = Inputs(args, kwargs)
         if not self.device_checked:
             self.device_checked = True
@@ -146,17 +175,23 @@ class Watch:
             warnings.warn(PlanDriftWarning(
                 f"memfit: this model's schedule was planned for inputs {s.input_shapes}, and this forward's are "
                 f"larger: {'; '.join(grown)}; its peak may exceed the planned {format_bytes(s.predicted_peak_bytes)} "
-                f"(budget {format_bytes(s.budget_bytes)}); plan again for the largest inputs: {self._redo()}"
+                f"(budget {format_bytes(s.budget_bytes)}); {self._redo({p: self.warned[p] for p in sig})}"
             ), stacklevel=3)
 
-    def _redo(self) -> str:
+    def _redo(self, largest: Signature) -> str:
+        """How to plan again for inputs as large as ``largest``: a command to run, last."""
         s = self.schedule
         budget = format_bytes(s.budget_bytes).replace(" ", "")
         source = next((f"--{k} {s.source[k]}" for k in ("scenario", "model") if s.source.get(k)), "")
+        shapes = [shape for _, shape in largest.values()]
+        if source and s.source.get("input_shape") and len(shapes) == 1:  # the factory takes --input-shape
+            return f"plan again for them: memfit plan {source} --input-shape {'x'.join(map(str, shapes[0]))} " \
+                   f"--budget {budget}"
         if source:
-            return f"memfit plan {source} --budget {budget} with these input shapes"
-        return (f"memfit.plan(memfit.profile(model, <these inputs>), budget=\"{budget}\") "
-                f"for {s.fingerprint.get('model_class', 'this model')}")
+            where = "the scenario's [args]" if s.source.get("scenario") else "what the factory returns"
+            return f"make the inputs in {where} this large, and plan again: memfit plan {source} --budget {budget}"
+        return (f"plan this {s.fingerprint.get('model_class', 'model')} again with inputs this large: "
+                f"memfit.plan(memfit.profile(model, inputs), budget=\"{budget}\")")
 
     def _check_device(self, model: nn.Module, inputs: Inputs) -> None:
         """A plan holds for the device kind it was measured or estimated for; say so on another."""
@@ -167,7 +202,7 @@ class Watch:
         name = torch.cuda.get_device_name(here) if here.type == "cuda" else "the CPU"
         s = self.schedule
         if s.target:
-            from memfit.profiler.devices import device_spec
+            from memfit.devices import device_spec
 
             spec = device_spec(s.target)
             if (here.type == "cuda") != spec.cuda or (here.type == "cuda" and spec.title.lower() not in name.lower()):
