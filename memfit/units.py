@@ -13,8 +13,7 @@ from memfit.errors import UnitSelectionError
 def find_units(model: nn.Module, spec: str | Sequence[str] = "auto") -> list[str]:
     """Names of the units, in forward order.
 
-    ``"auto"`` picks the longest ``nn.ModuleList``/``nn.Sequential`` whose children all share
-    one class (the transformer layers, the residual blocks); otherwise ``spec`` lists module
+    ``"auto"`` picks the repeated blocks (``_auto_units``); otherwise ``spec`` lists module
     names or glob patterns (``"model.layers.*"``), matched against ``model.named_modules()``.
     """
     if isinstance(spec, str) and spec == "auto":
@@ -43,20 +42,45 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True))
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
 def _auto_units(model: nn.Module) -> list[str]:
-    best: list[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+    """The repeated blocks: a class of which some ``nn.ModuleList``/``nn.Sequential`` holds two or
+    more modules with parameters and nothing else, and all its modules in the model, so that the
+    residual blocks of all of a ResNet's stages are units (``layer1.0`` … ``layer4.2``, not only
+    the longest stage). Not blocks: containers themselves, and stages, whose children are
+    containers of blocks and at most one more module (a downsample); their blocks are. Of the
+    classes left, the outermost (not inside another's blocks), then the one with the most
+    blocks, then parameters. A heuristic: name the units (``units=``/``--units``) where it
+    picks wrong."""
+    named = list(model.named_modules())
+    classes: set[type[nn.Module]] = set()
+    for _, module in named:
+        if not isinstance(module, _CONTAINERS) or len(module) < 2:
             continue
-        classes = {type(child) for child in module}
-        if len(classes) != 1 or not any(True for _ in next(iter(module)).parameters()):
-            continue
-        if len(module) > len(best):
-            prefix = f"{name}." if name else ""
-            best = [f"{prefix}{child}" for child, _ in module.named_children()]
-    if not best:
+        kinds = {type(child) for child in module.children()}
+        if len(kinds) == 1 and any(True for _ in next(iter(module)).parameters()):
+            classes |= kinds
+    if not classes:
         raise UnitSelectionError(
             "found no nn.ModuleList or nn.Sequential of two or more blocks of one class to use as "
             "units; name them with --units (units=[...] in Python): module names or globs such as 'layers.*'"
         )
-    return best
+    groups = {k: [(n, m) for n, m in named if n and type(m) is k] for k in classes}
+    holders = {id(m) for _, m in named if isinstance(m, _CONTAINERS) and len(m) >= 1
+               and all(type(c) in classes for c in m.children())}
+
+    def stage(member: nn.Module) -> bool:
+        children = list(member.children())
+        held = sum(id(c) in holders for c in children)
+        return held >= 1 and len(children) - held <= 1
+
+    blocks = {k: v for k, v in groups.items()
+              if not issubclass(k, _CONTAINERS) and not all(stage(m) for _, m in v)} or groups
+    names = {k: [n for n, _ in v] for k, v in blocks.items()}
+    every = [n for v in names.values() for n in v]
+    outer = {k: v for k, v in names.items() if not any(n.startswith(o + ".") for n in v for o in every)} or names
+    best = max(outer, key=lambda k: (len(outer[k]), sum(p.numel() for _, m in blocks[k] for p in m.parameters())))
+    chosen = outer[best]
+    return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen)]  # outermost, if a class nests

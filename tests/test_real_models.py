@@ -166,3 +166,43 @@ def test_two_forwards_before_one_backward_keep_both_updates():
     for (n, p), q in zip(plain.named_parameters(), scheduled.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
 
+
+
+def _staged(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Blocks inside stages, as timm and many user models are: stages.0..2, each a Sequential of
+    two residual blocks, between a stem and a head."""
+    from torch import nn
+
+    from .models import BasicBlock
+
+    torch.manual_seed(seed)
+    stages, c = [], 8
+    for i in range(3):
+        wide = 8 * 2**i
+        down = None if wide == c else nn.Sequential(nn.Conv2d(c, wide, 1, 2, bias=False), nn.BatchNorm2d(wide))
+        stages.append(nn.Sequential(BasicBlock(c, wide, 1 if down is None else 2, down), BasicBlock(wide, wide)))
+        c = wide
+    model = nn.Sequential()
+    model.add_module("stem", nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
+    model.add_module("stages", nn.Sequential(*stages))
+    model.add_module("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10)))
+    return model, torch.randn(4, 3, 32, 32)
+
+
+def test_default_units_are_the_blocks_of_every_stage():
+    """The default units are the residual blocks of all stages, as BLOCKS names them by hand (not
+    the longest stage, not the stages): on the staged model, its 6 blocks, whose plan reaches a
+    lower peak than the 3 stages' plan can."""
+    from memfit.units import find_units
+
+    for factory, names in BLOCKS.values():
+        assert find_units(factory()[0]) == names
+    model, x = _staged()
+    assert find_units(model) == [f"stages.{i}.{j}" for i in range(3) for j in range(2)]
+    blocks = memfit.profile(copy.deepcopy(model), x, optimizer="sgd-momentum", repeat=1)
+    stages = memfit.profile(copy.deepcopy(model), x, units="stages.*", optimizer="sgd-momentum", repeat=1)
+    assert len(blocks.units) == 6 and len(stages.units) == 3
+    assert memfit.min_budget_bytes(blocks) < memfit.min_budget_bytes(stages)
+    sched = memfit.plan(blocks, memfit.min_budget_bytes(blocks))
+    check = memfit.validate(copy.deepcopy(model), x, sched, steps=0)
+    assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes
