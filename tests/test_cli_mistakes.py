@@ -537,3 +537,19 @@ def test_a_model_by_file_path_and_a_scenario_beside_its_module(work, tmp_path):
     elsewhere.mkdir()
     proc = run("plan", "--scenario", str(models / "net.toml"), "--repeat", "1", "--budget", "1GB", cwd=elsewhere)
     assert proc.returncode == 0 and "fits without checkpointing" in proc.stdout, proc.stderr
+
+
+def test_usage_errors_and_plans_from_a_profile_answer_without_torch(tmp_path):
+    """A mistake is answered before torch is imported (seconds of a 2-core machine), and so is
+    a plan from a profile file, which needs only the solver."""
+    fixture = str(ROOT / "tests" / "fixtures" / "gpt-small.json")
+    script = ("import sys\nfrom memfit.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    code = e.code\nprint('TORCH', 'torch' in sys.modules, code)")
+    for argv, code in ((["sweep", "--budgets", "5:1:1"], 2), (["plan", "--budget", "12QB"], 2),
+                       (["validate", "--schedule", "none.json"], 2), (["plan", "--help"], 0),
+                       (["plan", "--profile", fixture, "--budget", "200MB", "-o", str(tmp_path / "s.json")], 0)):
+        proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=120)
+        last = (proc.stdout.strip().splitlines() or [""])[-1]
+        assert last == f"TORCH False {code}", (argv, proc.stderr)
+    assert (tmp_path / "s.json").exists()
