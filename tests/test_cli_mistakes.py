@@ -553,3 +553,6 @@ def test_usage_errors_and_plans_from_a_profile_answer_without_torch(tmp_path):
         last = (proc.stdout.strip().splitlines() or [""])[-1]
         assert last == f"TORCH False {code}", (argv, proc.stderr)
     assert (tmp_path / "s.json").exists()
+    # the plan's table: sqrt(N) does not fit 200 MB on this fixture and shows its tightest peak, marked
+    rows = {line[:24].strip(): line for line in proc.stdout.splitlines()}
+    assert "216.14 MiB *  no" in rows["sqrt(N) segments"] and "*: the strategy does not fit" in proc.stdout
