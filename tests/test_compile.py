@@ -30,6 +30,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.filterwarnings("ignore:memfit. this .* runs under torch.compile")  # an eager plan, compiled on purpose
 @pytest.mark.parametrize("pattern", ["full", "mixed", "segments"])
 @pytest.mark.parametrize("factory", [tiny_gpt, kw_net, _small_cnn], ids=["gpt-dropout", "kwargs-tuple", "cnn-bn"])
 def test_compiled_schedule_gives_the_plain_models_results(factory, pattern):

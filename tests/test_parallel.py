@@ -25,16 +25,33 @@ def tiny(tmp_path_factory):
     return load_scenario(str(path))
 
 
+_PROFILES: dict[str, memfit.Profile] = {}
+
+
+def _ranks(tiny, parallel: str) -> memfit.Profile:
+    """The 2-rank profile of ``tiny`` under ``parallel``, measured once for the module (each
+    measurement spawns two processes that import torch)."""
+    if parallel not in _PROFILES:
+        _PROFILES[parallel] = profile_ranks(tiny, parallel=parallel, world_size=2, repeat=1)
+    return _PROFILES[parallel]
+
+
 @pytest.mark.parametrize("parallel", ["fsdp", "fsdp-bf16", "ddp"])
 def test_per_rank_plans_predict_the_per_rank_peak(tiny, parallel):
-    prof = profile_ranks(tiny, parallel=parallel, world_size=2, repeat=1)
+    prof = _ranks(tiny, parallel)
     assert prof.parallel == {"kind": parallel, "world_size": 2}
     assert prof.unit_names == ["h.0", "h.1", "h.2", "h.3"]
     lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
     scheds = [memfit.plan(prof, int(lo + f * (hi - lo))) for f in (0.0, 0.5, 1.0)]
     assert scheds[0].parallel == prof.parallel
     plans = [{}, *(s.policies for s in scheds)]
-    got = measure_ranks(tiny, plans, parallel=parallel, world_size=2)
+    estimated = _estimated_plans(tiny, parallel) if parallel in ("fsdp", "ddp") else []
+    got = measure_ranks(tiny, plans + [s.policies for s in estimated], parallel=parallel, world_size=2)
+    # estimate mode for N ranks: FSDP2 on fake tensors over PyTorch's fake process group, in this
+    # process; its per-rank plans are checked against the same 2 real gloo ranks
+    for s, measured in zip(estimated, got["peaks"][len(plans):], strict=True):
+        assert abs(s.predicted_peak_bytes - measured) / measured <= 0.05, (s.policies, s.predicted_peak_bytes, measured)
+    got = {k: v[:len(plans)] for k, v in got.items()}
     headroom = fsdp_headroom(prof)
     assert (headroom > 0) == parallel.startswith("fsdp")
     for s, measured in zip(scheds, got["peaks"][1:], strict=True):
@@ -44,7 +61,7 @@ def test_per_rank_plans_predict_the_per_rank_peak(tiny, parallel):
         for losses, grads in zip(got["losses"][1:], got["grads"][1:], strict=True):
             assert losses == got["losses"][0]
             assert all(np.array_equal(grads[k], got["grads"][0][k]) for k in grads)
-        fp32 = profile_ranks(tiny, parallel="fsdp", world_size=2, repeat=1)
+        fp32 = _ranks(tiny, "fsdp")
         # units gathered in bf16: the forward's gathered parameters take half the bytes
         assert memfit.predict(prof, {}).peak_bytes < memfit.predict(fp32, {}).peak_bytes
         return
@@ -63,7 +80,7 @@ def test_fsdp_shards_what_one_process_holds(tiny):
     one process holds (the shards; replicated inputs and buffers aside)."""
     model, batch = tiny.build()
     single = memfit.profile(model, batch, units=find_units(model, tiny.units), repeat=1)
-    rank = profile_ranks(tiny, parallel="fsdp", world_size=2, repeat=1)
+    rank = _ranks(tiny, "fsdp")
     held = single.param_bytes + single.optimizer_state_bytes
     assert abs(rank.baseline_bytes - rank.input_bytes - held / 2) <= 0.02 * held
 
@@ -87,33 +104,28 @@ def test_cli_plans_per_rank_and_refuses_what_it_cannot_check(tiny, tmp_path, cap
     assert "this schedule is per rank, for ddp on 2 ranks" in capsys.readouterr().err
     assert main(["plan", "--budget", "1GB", "--world-size", "4"]) == 2
     assert "give --parallel too" in capsys.readouterr().err
-    assert main(["plan", "--budget", "24GB", "--parallel", "fsdp", "--world-size", "8", "-o", str(out)]) == 0
-    assert "on each of 8 fsdp ranks" in capsys.readouterr().out  # gpt-1b estimated for 8 RTX 4090s
+    assert main(["plan", "--scenario", "gpt-small", "--target", "rtx4090", "--budget", "1GB", "--parallel", "fsdp",
+                 "--world-size", "8", "-o", str(out)]) == 0
+    assert "on each of 8 fsdp ranks" in capsys.readouterr().out  # estimated for 8 RTX 4090s
     assert memfit.load_schedule(out).parallel == {"kind": "fsdp", "world_size": 8}
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_estimated_ranks_predict_the_measured_ones(tiny, parallel):
-    """Estimate mode for N ranks: FSDP2 runs on fake tensors over PyTorch's fake process group,
-    in this process; its per-rank plans are checked against 2 real gloo ranks."""
+def _estimated_plans(tiny, parallel: str) -> list[memfit.Schedule]:
+    """Plans at three budgets from the estimated 2-rank profile of ``tiny``."""
     from memfit.profiler.estimate import estimate
 
     prof = estimate(lambda: tiny.build("cpu"), target="cpu", units=tiny.units, parallel=parallel, world_size=2)
     assert prof.parallel == {"kind": parallel, "world_size": 2} and prof.mode == "estimated"
     lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
-    scheds = [memfit.plan(prof, int(lo + f * (hi - lo))) for f in (0.0, 0.5, 1.0)]
-    got = measure_ranks(tiny, [s.policies for s in scheds], parallel=parallel, world_size=2)
-    for s, measured in zip(scheds, got["peaks"], strict=True):
-        assert abs(s.predicted_peak_bytes - measured) / measured <= 0.05, (s.policies, s.predicted_peak_bytes, measured)
+    return [memfit.plan(prof, int(lo + f * (hi - lo))) for f in (0.0, 0.5, 1.0)]
 
 
 def test_eight_fsdp_ranks_hold_an_eighth_of_the_static_memory():
-    """A 1.1B-parameter GPT in bf16 with AdamW, estimated for 8 H100s: each rank starts its step
-    with an eighth of the parameters and optimizer state, and peaks with the activations and the
-    gathered units on top."""
+    """A GPT with AdamW, estimated for 8 H100s: each rank starts its step with an eighth of the
+    parameters and optimizer state, and peaks with the activations and the gathered units on top."""
     from memfit.profiler.estimate import estimate
 
-    sc = load_scenario("gpt-1b")
+    sc = load_scenario("gpt-small")
     one = estimate(lambda: sc.build("cpu"), target="h100", units=sc.units)
     eight = estimate(lambda: sc.build("cpu"), target="h100", units=sc.units, parallel="fsdp", world_size=8)
     held = one.param_bytes + one.optimizer_state_bytes
