@@ -20,7 +20,8 @@ import argparse
 import time
 
 import memfit
-from memfit.optimizer.ilp import IntModel, solve
+from memfit.optimizer.ilp import solve
+from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.synthetic import random_profile
 from memfit.report import table
 

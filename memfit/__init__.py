@@ -18,10 +18,12 @@ from memfit.errors import (
     BudgetFormatError,
     FileFormatError,
     InfeasibleBudgetError,
+    InternalError,
     MemfitError,
     MemfitWarning,
     PlanDriftWarning,
     ScheduleMismatchError,
+    SolverTimeout,
     UnitSelectionError,
 )
 
@@ -87,6 +89,7 @@ __all__ = [
     "BudgetFormatError",
     "FileFormatError",
     "InfeasibleBudgetError",
+    "InternalError",
     "MemfitError",
     "MemfitWarning",
     "PlanDriftWarning",
@@ -94,6 +97,7 @@ __all__ = [
     "Profile",
     "Schedule",
     "ScheduleMismatchError",
+    "SolverTimeout",
     "UnitSelectionError",
     "Validation",
     "apply",

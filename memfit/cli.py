@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from typing import NoReturn
 
 from memfit import commands
@@ -15,7 +16,7 @@ from memfit.console import (
     remove_outputs,
     user_code_error,
 )
-from memfit.errors import MemfitError
+from memfit.errors import InternalError, MemfitError
 from memfit.profile import PARALLEL
 
 EPILOG = """\
@@ -79,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"memfit: error: {exc}", file=sys.stderr)
         return 2
+    except InternalError as exc:
+        traceback.print_exc()
+        print(f"memfit: internal error, a bug in memfit rather than a mistake of yours: {exc}\nplease report it with "
+              "the command line and the traceback above", file=sys.stderr)
+        return 70  # EX_SOFTWARE
     except Exception as exc:
         if interrupted():
             return _interrupted()

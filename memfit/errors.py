@@ -1,4 +1,5 @@
-"""Errors a user can cause. The CLI prints these without a traceback and exits 2."""
+"""Errors a user can cause (``MemfitError``: the CLI prints them without a traceback and exits
+2), and ``InternalError``, a broken invariant of memfit's own, which the CLI shows whole."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ class FileFormatError(MemfitError):
 
 class ScheduleMismatchError(MemfitError):
     """A schedule that was made for another model (fingerprint or unit names differ)."""
+
+
+class SolverTimeout(MemfitError):
+    """The time limit passed before the solver found any answer."""
+
+
+class InternalError(Exception):
+    """A bug in memfit: an invariant does not hold. Not a ``MemfitError``: there is nothing for
+    the user to fix, so the CLI shows the traceback and asks for a report."""
 
 
 class UnitSelectionError(MemfitError):

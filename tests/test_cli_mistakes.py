@@ -556,3 +556,26 @@ def test_usage_errors_and_plans_from_a_profile_answer_without_torch(tmp_path):
     # the plan's table: sqrt(N) does not fit 200 MB on this fixture and shows its tightest peak, marked
     rows = {line[:24].strip(): line for line in proc.stdout.splitlines()}
     assert "216.14 MiB *  no" in rows["sqrt(N) segments"] and "*: the strategy does not fit" in proc.stdout
+
+
+def test_a_broken_invariant_is_a_bug_report_not_a_user_error(monkeypatch, tmp_path, capsys):
+    """A plan whose prediction exceeds its own budget cannot be the user's doing: InternalError,
+    not a MemfitError; the CLI shows the traceback, asks for a report and exits 70."""
+    from memfit.cli import main
+    from memfit.optimizer import planner
+
+    real = planner.predict
+
+    def over(profile, policies):
+        p = real(profile, policies)
+        p.peak_bytes += 2**40
+        return p
+
+    monkeypatch.setattr(planner, "predict", over)
+    fixture = str(ROOT / "tests" / "fixtures" / "gpt-small.json")
+    assert not issubclass(memfit.InternalError, memfit.MemfitError)
+    code = main(["plan", "--profile", fixture, "--budget", "400MB", "-o", str(tmp_path / "s.json")])
+    err = capsys.readouterr().err
+    assert code == 70 and "Traceback (most recent call last)" in err and "InternalError" in err
+    assert "a bug in memfit rather than a mistake of yours" in err and "please report it" in err
+    assert not (tmp_path / "s.json").exists()

@@ -6,7 +6,8 @@ import random
 import pytest
 
 import memfit
-from memfit.optimizer.ilp import IntModel, solve
+from memfit.optimizer.ilp import solve
+from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.planner import min_budget_bytes
 from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role
 
@@ -143,7 +144,7 @@ def test_timeline_that_is_not_a_chain():
     prof = random_profile(8, 11, chain=False)
     bwd = [k for k, p in enumerate(prof.phases) if p.kind == "backward"]
     prof.phases[bwd[0]], prof.phases[bwd[1]] = prof.phases[bwd[1]], prof.phases[bwd[0]]
-    from memfit.optimizer.ilp import chain_layout
+    from memfit.optimizer.intmodel import chain_layout
 
     assert chain_layout(IntModel.of(prof)) is None
     hi = memfit.predict(prof, {}).peak_bytes

@@ -13,7 +13,8 @@ import pytest
 
 import memfit
 from memfit.optimizer.frontier import chain_frontier, read
-from memfit.optimizer.ilp import IntModel, solve
+from memfit.optimizer.ilp import solve
+from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.sweep import COLUMNS, sweep
 from memfit.plots import curve, timeline
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.optimizer.ilp import IntModel, Layout, chain_layout
+from memfit.optimizer.intmodel import IntModel, Layout, chain_layout
 from memfit.optimizer.roles import NONE, Role
 
 

@@ -17,7 +17,7 @@ import bisect
 from dataclasses import dataclass
 
 from memfit.optimizer.dp import _Walk, trace_back
-from memfit.optimizer.ilp import IntModel, chain_layout
+from memfit.optimizer.intmodel import IntModel, chain_layout
 from memfit.optimizer.roles import NONE, Role
 
 _NEVER = 2**63  # a level above every cap

@@ -1,122 +1,20 @@
 """The integer program: one role per unit, one constraint per phase, least recompute time.
 
 Every solver (OR-Tools CP-SAT, PuLP with CBC, and the chain DP in dp.py) works on the same
-integer data, ``IntModel``: bytes divided by a quantum and rounded so that whatever fits the
-scaled model fits the real one, and recompute time in whole nanoseconds. Levels are sums
-carried by a few variables, which keeps the model linear in size. Every role's costs are
-``roles.unit_costs``, as ``predict`` uses them, rounded up.
+integer data, ``intmodel.IntModel``. Levels are sums carried by a few variables, which keeps
+the model linear in size.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, SolverTimeout
 from memfit.optimizer import SOLVERS
-from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role, segment_roles, unit_costs
-from memfit.profile import Profile
-
-_RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
-
-
-class SolverTimeout(MemfitError):
-    """The time limit passed before the solver found any answer."""
-
-
-@dataclass(slots=True)
-class IntPhase:
-    unit: int | None
-    kind: str  # "remainder", "forward", "backward"
-    peak: int = 0  # remainder only
-    end: int = 0
-    ckpt_end: int = 0  # remainder's end when some unit is checkpointed
-
-
-@dataclass(slots=True)
-class IntModel:
-    quantum: int
-    baseline: int
-    phases: list[IntPhase]
-    roles: list[list[Role]]  # the roles each unit may take
-    costs: dict[tuple[int, Role], tuple[int, int, int, int]]  # (fwd peak, fwd end, bwd peak, bwd end)
-    recompute_ns: dict[tuple[int, Role], int]
-    net: list[int]  # each unit's largest level change over the whole step, over its roles
-
-    @property
-    def n(self) -> int:
-        return len(self.roles)
-
-    @staticmethod
-    def of(profile: Profile, *, segments: bool = True, max_segment: int = 8, fine: bool = False) -> IntModel:
-        """The scaled model; segments (of up to ``max_segment`` units) only for chains; the
-        profile's finer options (child modules, op-level policies) only when ``fine``."""
-        figures = [profile.baseline_bytes, *(abs(v) for p in profile.phases for v in (p.peak_bytes, p.end_bytes))]
-        for u in profile.units:
-            for o in u.options.values():
-                figures += [abs(o.fwd_peak_bytes), abs(o.stored_bytes), abs(o.bwd_peak_bytes), abs(o.bwd_end_bytes)]
-        q = max(1, math.ceil(sum(figures) / _RANGE))
-
-        def up(x: float) -> int:
-            return -int((-x) // q)
-
-        phases = [
-            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes)) if p.unit is None
-            else IntPhase(p.unit, p.kind)
-            for p in profile.phases
-        ]
-        units = profile.units
-        roles: list[list[Role]] = [
-            [NONE, FULL, *(Role(k) for k in u.options if fine and k not in (NONE.kind, FULL.kind))] for u in units
-        ]
-        if segments and profile.chain:
-            for seg in segment_roles(len(units), max_segment):
-                for j in range(seg.first, seg.last + 1):
-                    roles[j].append(seg)
-        # One composition for every solver and for predict(): roles.unit_costs, each figure
-        # rounded up, so that whatever fits the scaled model fits the real one.
-        costs: dict[tuple[int, Role], tuple[int, int, int, int]] = {}
-        recompute: dict[tuple[int, Role], int] = {}
-        for j in range(len(units)):
-            for role in roles[j]:
-                c = unit_costs(profile, j, role)
-                costs[j, role] = (up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end))
-                recompute[j, role] = round(c.recompute_s * 1e9)
-        net = [max(costs[j, r][1] + costs[j, r][3] for r in roles[j] if r.kind != SEGMENT) for j in range(len(units))]
-        return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)
-
-
-@dataclass(slots=True)
-class Layout:
-    """Where each phase sits in a step whose units run forward in order and backward in reverse."""
-
-    fwd: list[int]  # phase index of each unit's forward
-    bwd: list[int]  # phase index of each unit's backward
-    after_fwd: list[list[int]]  # remainder phases after unit j's forward, before the next unit phase
-    after_bwd: list[list[int]]  # remainder phases after unit j's backward, before the next unit phase
-    pre: list[int]  # remainder phases before the first forward
-
-
-def chain_layout(model: IntModel) -> Layout | None:
-    n = model.n
-    order = [(p.kind, p.unit) for p in model.phases if p.unit is not None]
-    expected = [("forward", j) for j in range(n)] + [("backward", j) for j in reversed(range(n))]
-    if order != expected:
-        return None
-    lay = Layout([0] * n, [0] * n, [[] for _ in range(n)], [[] for _ in range(n)], [])
-    current: list[int] = lay.pre
-    for t, p in enumerate(model.phases):
-        if p.unit is None:
-            current.append(t)
-        elif p.kind == "forward":
-            lay.fwd[p.unit] = t
-            current = lay.after_fwd[p.unit]
-        else:
-            lay.bwd[p.unit] = t
-            current = lay.after_bwd[p.unit]
-    return lay
-
+from memfit.optimizer.dp import solve_dp
+from memfit.optimizer.intmodel import RANGE, IntModel, Layout, chain_layout
+from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role
 
 
 @dataclass(slots=True)
@@ -141,11 +39,9 @@ def solve(
         raise MemfitError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
     cap = None if budget_bytes is None or minimize == "peak" else budget_bytes // model.quantum
     if cap is not None:
-        cap = min(cap, 4 * _RANGE)  # scaled levels stay below _RANGE: a larger budget changes nothing
+        cap = min(cap, 4 * RANGE)  # scaled levels stay below RANGE: a larger budget changes nothing
     start = time.perf_counter()
     if solver == "dp":
-        from memfit.optimizer.dp import solve_dp
-
         result = solve_dp(model, cap, minimize)
     else:
         result = _solve_mip(model, cap, minimize, time_limit, solver)

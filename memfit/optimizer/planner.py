@@ -6,11 +6,12 @@ import math
 from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.errors import InfeasibleBudgetError, MemfitError
+from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
 from memfit.optimizer import STRATEGY_NAMES
 from memfit.optimizer.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick
 from memfit.optimizer.dp import dp_exact
-from memfit.optimizer.ilp import IntModel, SolverTimeout, solve
+from memfit.optimizer.ilp import solve
+from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.model import predict
 from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
@@ -85,9 +86,9 @@ def plan(
         profile, budget_bytes, strategy, solver, segments, max_segment, time_limit, fine, figures)
     pred = predict(profile, policies)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
-        raise MemfitError(
-            f"internal check failed: the schedule predicts {pred.peak_bytes} bytes, over the budget of "
-            f"{budget_bytes}; please report this with the profile"
+        raise InternalError(
+            f"the schedule predicts {pred.peak_bytes} bytes, over the budget of {budget_bytes}; please report this "
+            "with the profile"
         )
     ladder = _fallbacks(profile, pred.peak_bytes, fallbacks, strategy, solver, segments, max_segment, time_limit,
                         fine)

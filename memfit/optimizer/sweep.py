@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memfit.budget import parse_bytes
-from memfit.errors import MemfitError
+from memfit.errors import InternalError, MemfitError
 from memfit.optimizer import SOLVERS, STRATEGY_NAMES
 from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.frontier import chain_frontier, read
-from memfit.optimizer.ilp import IntModel, solve
+from memfit.optimizer.ilp import solve
+from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.model import Prediction, predict
 from memfit.optimizer.planner import check_granularity, min_budget_bytes
 from memfit.optimizer.roles import policies_of
@@ -113,7 +114,8 @@ def _row(budget: int, strategy: str, status: str, policies: Policies | None, pre
                 "predicted_overhead": math.nan, "recompute_s": math.nan, "checkpointed": None, "policies": "",
                 "solve_s": seconds, "frontier_violation": False}
     if pred.peak_bytes > budget:  # the scaled models round up, so this is a bug if it happens
-        raise MemfitError(f"internal check failed: {strategy} at {budget} bytes predicts {pred.peak_bytes}")
+        raise InternalError(f"{strategy} at {budget} bytes predicts {pred.peak_bytes}; please report this with the "
+                            "profile")
     return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": pred.peak_bytes,
             "predicted_overhead": pred.overhead, "recompute_s": pred.recompute_s,
             "checkpointed": sum(v != "none" for v in policies.values()), "policies": json.dumps(policies),
