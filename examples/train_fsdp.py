@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import memfit
+from memfit.measure.harness import measure_steps
 from memfit.parallel import shard
-from memfit.runtime.validate import measure_steps
 from memfit.scenarios import scenario_from_source
 from memfit.units import find_units
 

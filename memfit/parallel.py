@@ -216,8 +216,8 @@ def _profile_rank(scenario: Any, parallel: str, device: str, *, repeat: int, gra
 
 
 def _measure_rank(scenario: Any, parallel: str, device: str, *, plans: list[dict[str, str]]) -> dict[str, Any]:
+    from memfit.measure.harness import measure_steps
     from memfit.runtime.apply import set_policies
-    from memfit.runtime.validate import measure_steps
     from memfit.units import find_units
 
     out: dict[str, Any] = {"peaks": [], "losses": [], "grads": []}

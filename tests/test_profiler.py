@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.measure.harness import measure_steps
 from memfit.measure.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
 from memfit.profiler.saved import unit_facts
-from memfit.runtime.validate import measure_steps
 from memfit.units import find_units
 
 from .conftest import kw_net, tiny_gpt

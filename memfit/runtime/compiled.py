@@ -20,11 +20,11 @@ from torch import nn
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
+from memfit.measure.harness import measure_steps
 from memfit.measure.step import Inputs, LossFn, default_loss, device_of, make_optimizer
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.profile import Profile
 from memfit.runtime.apply import clear_policies, set_policies
-from memfit.runtime.validate import measure_steps
 from memfit.schedule import Schedule
 
 ROUNDS = 4  # re-plans at most; each costs a compilation

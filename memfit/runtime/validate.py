@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitWarning, ScheduleMismatchError
-from memfit.measure.memory import memory_recorder
+from memfit.measure.harness import measure_steps
 from memfit.measure.step import (
     Inputs,
     LossFn,
@@ -27,16 +27,6 @@ from memfit.measure.step import (
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.schedule import Schedule
-
-
-@dataclass(slots=True)
-class StepRun:
-    """What one configuration did: losses per step, final gradients and buffers, peak, time."""
-
-    losses: list[float]
-    grads: dict[str, torch.Tensor | None]
-    buffers: dict[str, torch.Tensor]
-    peak_bytes: int
 
 
 @dataclass(slots=True)
@@ -68,37 +58,6 @@ class Validation:
     @property
     def ok(self) -> bool:
         return self.fits and self.losses_equal and self.grads_equal and self.buffers_equal and not self.edited
-
-
-def measure_steps(
-    model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
-    steps: int = 2, seed: int = 0, compile: str | Callable[..., Any] | None = None,
-) -> StepRun:
-    """Run ``steps`` training steps (the first warms up, and compiles under ``compile``, a
-    ``torch.compile`` backend, by name or as a callable) from a fixed seed; the peak is the last
-    step's. The optimizer has learning rate 0, so every step sees the same weights."""
-    inp = Inputs.of(inputs)
-    runner = model if compile is None else torch.compile(model, backend=compile)
-    loss = loss_fn or default_loss
-    device = device_of(model)
-    opt = make_optimizer(optimizer, model.parameters())
-    model.train()
-    torch.manual_seed(seed)
-    losses = []
-    for _ in range(steps - 1):
-        zero_grad(model, opt)
-        losses.append(training_step(runner, inp, loss, opt))
-    zero_grad(model, opt)
-    baseline = static_bytes(model, opt, inp)
-    recorder = memory_recorder(device)
-    with recorder:
-        recorder.on_mark("start")
-        losses.append(training_step(runner, inp, loss, opt))
-        recorder.on_mark("end")
-    marks = recorder.marks()
-    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level)
 
 
 def step_times(
