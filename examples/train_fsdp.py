@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit.measure.harness import measure_steps
-from memfit.parallel import shard
+from memfit.measure.ranks import shard
 from memfit.scenarios import scenario_from_source
 from memfit.units import find_units
 

@@ -113,7 +113,8 @@ def profile_of(args: argparse.Namespace) -> Any:
         raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
     ranks = 2 if args.world_size is None else args.world_size
     if args.parallel is not None and target is None:
-        from memfit.parallel import check_parallel, profile_ranks
+        from memfit.measure.ranks import check_parallel
+        from memfit.parallel import profile_ranks
 
         check_parallel(args.parallel, ranks)  # before saying what it will do
         print(f"measuring {sc.name} on one of {ranks} {args.parallel} ranks", file=sys.stderr)

@@ -1,8 +1,7 @@
 """The layers memfit keeps (docs/architecture.md): read every module's imports, function-level
 ones included (``TYPE_CHECKING`` blocks aside), and fail on an import circle or on a module that
-imports a higher layer. ``KNOWN`` lists the violations left from before the layering was
-enforced (issue 22); the test fails on any new one, and on a listed one that is gone, so that
-the list only shrinks."""
+imports a higher layer. ``KNOWN`` would list violations left from before (none are left);
+the test fails on any new one, and on a listed one that is gone, so that the list only shrinks."""
 
 import ast
 from pathlib import Path
@@ -29,17 +28,8 @@ LAYERS = [
     ["memfit.commands", "memfit.cli", "memfit"],
 ]
 
-# (importer, imported): left from before; remove an entry when its import goes
-KNOWN = {
-    # one circle left: estimate mode runs the profiler on fake tensors and reads FSDP2's wrapping
-    # from parallel.py, which profiles each rank; the profiler's timeline asks estimate.py whether
-    # estimate mode is on (a module global, to be passed instead)
-    ("memfit.parallel", "memfit.profiler"),
-    ("memfit.profiler", "memfit.profiler.timeline"),
-    ("memfit.profiler.estimate", "memfit.parallel"),
-    ("memfit.profiler.estimate", "memfit.profiler"),
-    ("memfit.profiler.timeline", "memfit.profiler.estimate"),
-}
+# (importer, imported): violations left from before; remove an entry when its import goes
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _name(path: Path) -> str:

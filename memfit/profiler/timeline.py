@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.measure import fake
 from memfit.measure.memory import Mark, memory_recorder
 from memfit.measure.step import Inputs, LossFn, training_step, zero_grad
-from memfit.profiler import estimate
 from memfit.profiler.marks import TimeRecorder, UnitMarks
 
 
@@ -37,9 +37,9 @@ def recorded_step(
 ) -> list[Mark]:
     """One training step with marks; ``what`` is ``memory`` or ``time``."""
     zero_grad(model, optimizer)
-    target = estimate.active()
+    target = fake.active()
     if target is not None:  # fake tensors: live bytes of fake storages, roofline time
-        recorder: Any = estimate.FakeMemoryRecorder(target) if what == "memory" else estimate.RooflineClock(target)
+        recorder: Any = fake.FakeMemoryRecorder(target) if what == "memory" else fake.RooflineClock(target)
     else:
         recorder = memory_recorder(device) if what == "memory" else TimeRecorder(device)
     with recorder, UnitMarks(model, unit_names, recorder.on_mark):

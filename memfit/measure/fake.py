@@ -1,0 +1,127 @@
+"""The fake meters of estimate mode (profiler/estimate.py): live bytes of fake storages, rounded
+as the CUDA caching allocator rounds them on CUDA targets, and a roofline clock over a device's
+published figures. Beside the real meters in memory.py; the profiler's timeline picks these
+while ``estimating`` is on (a module-level flag, still to be passed instead: issue 22)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# Private: a dispatch mode sees every op with its real arguments; torch.utils.flop_counter and
+# FlopCounterMode are built on the same class (torch 2.1+).
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.devices import Device
+from memfit.measure.memory import Mark
+from memfit.measure.step import iter_tensors, storage_key
+
+_ACTIVE: list[Device] = []
+CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
+# Convolution kernels reorder their operands into scratch buffers (oneDNN on the CPU, cuDNN
+# workspaces on CUDA) that fake tensors cannot show: allowed for as this many copies of the op's
+# largest operand, live during the op. Fitted on the CPU to the ResNet-style test CNN, whose
+# measured backward holds about two (tests/test_estimate.py); cuDNN's depend on the algorithm.
+_WORKSPACE = {"convolution": 1, "convolution_backward": 2}
+
+
+def active() -> Device | None:
+    """The target being estimated for, inside ``estimating``."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextmanager
+def estimating(target: Device) -> Iterator[None]:
+    _ACTIVE.append(target)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+class FakeMemoryRecorder(TorchDispatchMode):
+    """Live bytes of the storages that ops create while it is active, each counted until its
+    Python storage object is collected (PyTorch keeps one per storage while the storage lives)."""
+
+    def __init__(self, target: Device) -> None:
+        super().__init__()
+        self._granule = CUDA_GRANULE if target.cuda else 1
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._level = self._peak = 0
+        self._marks: list[Mark] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
+        for t in iter_tensors(out):
+            st = t.untyped_storage()
+            if storage_key(st) not in inputs and st not in self._seen:  # new storage: not a view, not in place
+                size = -(-st.nbytes() // self._granule) * self._granule
+                self._seen[st] = size
+                self._level += size
+                self._peak = max(self._peak, self._level)
+                weakref.finalize(st, self._free, size)
+        workspace = _WORKSPACE.get(func._overloadpacket.__name__, 0)
+        if workspace:  # buffers the kernel allocates and frees inside itself, which no tensor shows
+            largest = max((t.numel() * t.element_size() for t in iter_tensors((args, kwargs))), default=0)
+            self._peak = max(self._peak, self._level + workspace * largest)
+        return out
+
+    def _free(self, size: int) -> None:
+        self._level -= size
+
+    def on_mark(self, label: str) -> None:
+        self._marks.append(Mark(label, self._level, self._peak))
+        self._peak = self._level
+
+    def marks(self) -> list[Mark]:
+        return self._marks
+
+
+class RooflineClock(TorchDispatchMode):
+    """Estimated seconds of the ops run while it is active: ``Device.seconds`` of each op's
+    FLOPs (PyTorch's own flop formulas; attention as one fused kernel) and bytes moved."""
+
+    def __init__(self, target: Device) -> None:
+        super().__init__()
+        self._target = target
+        self._seconds = 0.0
+        self._marks: list[Mark] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in iter_tensors((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tensors)
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+        self._seconds += self._target.seconds(_flops(func, args, kwargs, out), moved, dtype)
+        return out
+
+    def on_mark(self, label: str) -> None:
+        self._marks.append(Mark(label, 0, 0, self._seconds))
+
+    def marks(self) -> list[Mark]:
+        return self._marks
+
+
+def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> float:
+    packet = func._overloadpacket
+    count: Callable[..., int] | None = flop_registry.get(packet)
+    if count is not None:
+        return float(count(*args, **kwargs, out_val=out))
+    name = packet.__name__
+    if name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+        # The CPU's flash kernel, standing in for the target's fused attention: two products of
+        # B·H·Tq·Tk·D multiply-adds forward; the backward recomputes one and adds three.
+        q = args[1] if name.endswith("backward") else args[0]
+        k = args[2] if name.endswith("backward") else args[1]
+        b, h, tq, d = q.shape
+        per = 2.0 * b * h * tq * k.shape[-2] * d
+        return per * (4 if name.endswith("backward") else 2)
+    return 0.0
