@@ -13,9 +13,10 @@ LAYERS = [
     # records, formats and names: no torch model needed
     ["memfit.errors", "memfit.budget", "memfit.jsonio", "memfit.console", "memfit.devices", "memfit.profile",
      "memfit.schedule", "memfit.measure.malloc", "memfit.optimizer"],
-    # the measuring floor (the training step, meters, timing), cutting a model into units, and the
-    # optimizer, which needs neither torch nor a model
-    ["memfit.measure", "memfit.units", "memfit.optimizer."],
+    # the measuring floor (the training step, meters, timing), cutting a model into units, the
+    # private PyTorch symbols memfit uses (torch_private.py), and the optimizer, which needs
+    # neither torch nor a model
+    ["memfit.measure", "memfit.units", "memfit.optimizer.", "memfit.torch_private"],
     # applying options to a model: what the profiler measures with and what apply() installs
     ["memfit.runtime"],
     # measuring a model's options
@@ -113,3 +114,17 @@ def test_no_new_upward_import_or_circle():
     assert not new, f"imports against the layers or in a circle: {sorted(new)} (circles: {circles})"
     gone = KNOWN - found
     assert not gone, f"these known violations are gone; remove them from KNOWN: {sorted(gone)}"
+
+
+def test_private_torch_symbols_are_imported_in_one_module():
+    """``torch_private.py`` is the one module that reaches into PyTorch's private names; every
+    other module asks it (grep for the private paths memfit has used)."""
+    private = ("torch.utils._python_dispatch", "torch.utils._pytree", "torch._subclasses", "torch.testing._internal",
+               "_checkpoint_without_reentrant_generator", "batchnorm._BatchNorm", "._schema", "torch._C._autograd",
+               "torch._dynamo.")
+    for path in ROOT.rglob("*.py"):
+        if path.name == "torch_private.py":
+            continue
+        code = "\n".join(line for line in path.read_text().splitlines()
+                         if not line.lstrip().startswith("#") and "``" not in line and not line.strip().startswith('"'))
+        assert not [p for p in private if p in code], (path, [p for p in private if p in code])

@@ -11,16 +11,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-
-# Private: a dispatch mode sees every op with its real arguments; torch.utils.flop_counter and
-# FlopCounterMode are built on the same class (torch 2.1+).
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.devices import Device
 from memfit.measure.memory import Mark
 from memfit.measure.step import iter_tensors, storage_key
+from memfit.torch_private import TorchDispatchMode
 
 _ACTIVE: list[Device] = []
 CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes

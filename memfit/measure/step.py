@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from memfit.errors import MemfitError
+from memfit.torch_private import is_fake
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 LossFn = Callable[[Any], torch.Tensor]

@@ -21,6 +21,7 @@ from memfit.errors import MemfitError
 from memfit.measure.fake import estimating
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
 from memfit.profile import Profile
+from memfit.torch_private import FakeTensorMode, fake_store
 from memfit.units import find_units
 
 
@@ -34,13 +35,10 @@ def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    # Private: PyTorch's own fake process group for tracing distributed code without peers.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     check_parallel(parallel, world_size)
     if dist.is_initialized():
         raise MemfitError("estimate(parallel=...) runs its own fake ranks; call it outside a distributed run")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,)) if is_fsdp(parallel) else None
     finally:
@@ -95,8 +93,6 @@ def estimate(
     the root), in this process, over PyTorch's fake process group, whose collectives move no
     data: the shards, the gathered units and the reduce-scatter inputs are fake tensors like
     the rest. ``"ddp"``: the whole model per rank, plus DDP's gradient buckets."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from memfit.devices import device_spec
     from memfit.profiler import profile
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.measure.step import Inputs, LossFn, iter_tensors, local, storage_bytes, storage_key
 from memfit.profiler.marks import UnitMarks
+from memfit.torch_private import TorchDispatchMode
 
 
 class _Producers(TorchDispatchMode):

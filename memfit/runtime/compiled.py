@@ -32,7 +32,7 @@ ROUNDS = 4  # re-plans at most; each costs a compilation
 
 def check_backend(backend: str) -> str:
     """``backend`` if ``torch.compile`` knows it, else a ``MemfitError`` naming the ones it knows."""
-    known = torch._dynamo.list_backends(exclude_tags=())
+    known = torch.compiler.list_backends(exclude_tags=())
     if backend not in known:
         usual = sorted(b for b in known if "TESTING" not in b and not b.startswith("relu_"))  # not Dynamo's test ones
         raise MemfitError(f"unknown torch.compile backend {backend!r}; use one of {', '.join(usual)}")
@@ -50,7 +50,7 @@ def compiled_peak(model: nn.Module, inputs: Any, policies: dict[str, str], backe
     finally:
         clear_policies(model)
         model.load_state_dict(state)
-        torch._dynamo.reset()  # the next plan's hooks differ: start it from a clean cache
+        torch.compiler.reset()  # the next plan's hooks differ: start it from a clean cache
 
 
 def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str | int, backend: str, *,
@@ -130,7 +130,7 @@ def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str],
             timed(k)  # compiles
         plain, sched = alternate(timed, 2, steps)
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return statistics.median(plain), median_ratio(plain, sched)
 
 

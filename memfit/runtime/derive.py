@@ -36,13 +36,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
 from memfit.measure.step import storage_key
 from memfit.runtime.regions import PerThread, Weak, recomputing
+from memfit.torch_private import TorchDispatchMode, op_schema, saved_tensors_hooks_active, tree_flatten, tree_map
 
 _aten = torch.ops.aten
 _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group_norm", "_fused_rms_norm")
@@ -52,7 +51,7 @@ _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group
 def cheap(func: Any) -> bool:
     """Ops worth running again rather than keeping their output: deterministic, functional,
     elementwise or a norm."""
-    if func._schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
+    if op_schema(func).is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
         return False
     return torch.Tag.pointwise in func.tags or func in _NORMS
 
@@ -153,7 +152,7 @@ def _kind(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
     """(cheap, the arguments it writes into), worked out once per op: the watch runs on every op."""
     kind = _KINDS.get(func)
     if kind is None:
-        writes = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+        writes = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments)
                        if a.alias_info is not None and a.alias_info.is_write)
         kind = _KINDS[func] = (cheap(func), writes)
     return kind
@@ -195,7 +194,7 @@ class Derive(PerThread):
         self._exit()
         unit = self._unit()
         if (unit is None or recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
-                or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+                or saved_tensors_hooks_active()):
             return
         watch = _Watch()
         self.derived_bytes = 0

@@ -60,7 +60,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
-    _checkpoint_without_reentrant_generator,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
@@ -68,6 +67,7 @@ from torch.utils.checkpoint import noop_context_fn as _noop
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
+from memfit.torch_private import BatchNorm, checkpoint_generator
 
 _aten = torch.ops.aten
 _thread = threading.local()
@@ -212,7 +212,7 @@ class Region(PerThread):
         calls = [_Call(k, (), {}, False, _substituted(module))]
         # Keyword arguments travel in the closure, so that names such as ``debug`` in a unit's
         # forward cannot collide with the generator's own keywords.
-        gen = _checkpoint_without_reentrant_generator(
+        gen = checkpoint_generator(
             self._recompute(calls, kwargs), True, self._contexts, "default", False, True, *args)
         next(gen)  # inside the region from here: saved tensors are left for recomputation
         self._tls.open = _Open(gen, calls, k)
@@ -314,7 +314,7 @@ class _PutBack:
 
     def __enter__(self) -> None:
         self.stats = [(b, b.clone()) for ref in self.units if (unit := ref()) is not None for m in unit.modules()
-                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+                      if isinstance(m, BatchNorm) and m.training and m.track_running_stats
                       for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
         self.inner.__enter__()
 

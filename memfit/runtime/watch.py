@@ -30,6 +30,7 @@ from memfit.errors import MemfitWarning, PlanDriftWarning
 from memfit.measure.step import Inputs, iter_tensors
 from memfit.runtime.regions import Weak
 from memfit.schedule import Schedule
+from memfit.torch_private import allow_in_compiled_graph
 
 _ENTRY = re.compile(r"^(?:(?P<path>[^=\[]+)=)?(?P<dtype>[a-z0-9_]+)\[(?P<dims>[0-9,]*)\]$")
 Signature = dict[str, tuple[str, tuple[int, ...]]]
@@ -98,9 +99,8 @@ _SAID: set[str] = set()
 
 
 def compiled_unplanned(message: str) -> None:
-    """Warn ``message`` once per process. Called from a compiled forward: Dynamo runs the
-    functions in ``torch._dynamo.config.reorderable_logging_functions`` after the graph instead
-    of breaking it (a config set, not a documented API; it keeps ``fullgraph=True`` working)."""
+    """Warn ``message`` once per process; called from a compiled forward, after its graph
+    (``torch_private.allow_in_compiled_graph``)."""
     if message not in _SAID:
         _SAID.add(message)
         warnings.warn(MemfitWarning(message), stacklevel=2)
@@ -142,7 +142,7 @@ class Watch:
             f"{format_bytes(schedule.predicted_peak_bytes)}; plan the compiled step (memfit plan --compile inductor), "
             "or check this one (memfit validate --compile inductor)")
         if self.eager_only:  # here, not at import: torch._dynamo takes seconds to import (an optimizer step does)
-            torch._dynamo.config.reorderable_logging_functions.add(compiled_unplanned)
+            allow_in_compiled_graph(compiled_unplanned)
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():

@@ -1,0 +1,61 @@
+"""Every private PyTorch symbol memfit uses, imported here once, each with why and since which
+torch it is known to work (checked on 2.13, the version memfit is tested with). Where a public
+API does the job (``torch.compiler.reset``, ``list_backends``), memfit uses that instead.
+
+A torch upgrade that moves one of these breaks this module alone, at import or at first use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Fake tensors: estimate mode builds and runs the model without memory. Since torch 2.0.
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+# The base of every dispatch-level observer: FlopCounterMode and selective checkpointing are
+# built on it. memfit's meters (measure/fake.py), saved-tensor attribution (profiler/saved.py)
+# and derive (runtime/derive.py) see each op with its real arguments through it. Since torch 1.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# pytree flattening of op arguments, as SAC and torch.compile use it. Since torch 1.10.
+from torch.utils._pytree import tree_flatten, tree_map
+
+# The generator form of non-reentrant checkpointing (what torch.distributed._composable.checkpoint
+# builds on): opened and closed around several module calls, a segment of units. Since torch 2.1.
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as checkpoint_generator
+
+# BatchNorm1d/2d/3d and SyncBatchNorm share this base; its running statistics are put back around
+# a recompute (runtime/regions.py). Since torch 1.0.
+BatchNorm = nn.modules.batchnorm._BatchNorm
+
+__all__ = ["BatchNorm", "FakeTensorMode", "TorchDispatchMode", "allow_in_compiled_graph", "checkpoint_generator",
+           "fake_store", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map"]
+
+
+def op_schema(func: Any) -> Any:
+    """An ATen op's schema (mutability, argument names): ``OpOverload._schema``. Since torch 1.13."""
+    return func._schema
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether another saved-tensor hook pair is in force (checkpoint's, FSDP's, the user's):
+    ``torch._C._autograd._top_saved_tensors_default_hooks``. Since torch 2.0."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def fake_store() -> Any:
+    """PyTorch's own store for the "fake" process group, whose collectives move nothing, for
+    estimating N ranks in one process. Imported on use: it pulls in torch.testing. Since torch 2.2."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def allow_in_compiled_graph(fn: Any) -> None:
+    """Let ``fn`` be called from a compiled forward without a graph break: Dynamo runs the
+    functions in ``torch._dynamo.config.reorderable_logging_functions`` after the graph (a config
+    set, not a documented API; it keeps ``fullgraph=True`` working). Since torch 2.2. Imports
+    torch._dynamo (seconds), so call it only where compilation may follow."""
+    torch._dynamo.config.reorderable_logging_functions.add(fn)
