@@ -17,7 +17,7 @@ from memfit.console import (
     user_code_error,
 )
 from memfit.errors import InternalError, MemfitError
-from memfit.profile import PARALLEL
+from memfit.profile import OPTIMIZERS, PARALLEL
 
 EPILOG = """\
 examples:
@@ -255,7 +255,7 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     g.add_argument("--model", help="your own model: module:factory returning a model or (model, inputs)")
     g.add_argument("--input-shape", help="random input shape when the factory returns only a model, e.g. 8x3x224x224")
     g.add_argument("--units", nargs="+", help="unit module names or globs (default: the repeated blocks)")
-    g.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum", "none"],
+    g.add_argument("--optimizer", choices=OPTIMIZERS,
                    help="optimizer whose state and step count (default: the scenario's, else adamw)")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     if not validate:

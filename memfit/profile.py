@@ -21,6 +21,7 @@ PROFILE_FORMAT = "memfit.profile/1"
 # per-rank profiles: FSDP2 (fully_shard per unit and the root; fsdp-bf16 with a MixedPrecisionPolicy
 # of bf16 parameters and fp32 gradient reduction) or DDP
 PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")  # the optimizers whose state a profile counts
 OPTIONS = ("none", "full")  # measured for every unit
 # Finer options, measured when profiled with granularity="fine": ``child:<a>[+<b>...]``
 # checkpoints those modules of the unit (relative names), ``a>b`` a chain of them as one region;

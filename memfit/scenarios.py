@@ -8,13 +8,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import MemfitError
-from memfit.measure.step import OPTIMIZERS
+from memfit.profile import OPTIMIZERS
+
+if TYPE_CHECKING:  # torch is imported where a model is built: checking a schedule's source needs none
+    import torch
+    from torch import nn
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,7 +32,7 @@ def _builtin_dir() -> Path:
 
 BUILTIN_DIR = _builtin_dir()
 DEFAULT = "gpt-1b"  # does not fit 24 GB unplanned; estimated for an RTX 4090 where there is no GPU
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name
 
 
 @dataclass(slots=True)
@@ -62,11 +63,14 @@ class Scenario:
 
     def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
         """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
+        import torch
+        from torch import nn
+
         here = Path(self.origin).parent if self.origin and self.origin.endswith(".toml") else None
         factory = load_factory(self.model, here)
         if not callable(factory):
             raise MemfitError(f"{self.model} is not a function or class that builds a model")
-        dtype = DTYPES[self.dtype]
+        dtype = getattr(torch, self.dtype)
         try:
             # Built in the dtype, not cast after: half the memory while building, and fake
             # parameters (estimate mode) cannot be cast.
@@ -108,6 +112,8 @@ class Scenario:
     def parameter_count(self) -> int:
         """The model's parameters, built on the meta device: nothing allocated, a 7B model in
         a fraction of a second."""
+        import torch
+
         with torch.device("meta"):
             model, _ = self.build("cpu")
         return sum(p.numel() for p in model.parameters())
@@ -156,6 +162,8 @@ def cli_flag(source: dict[str, Any]) -> str:
 
 def _cast(obj: Any, dtype: torch.dtype | None, device: torch.device | None = None) -> Any:
     """Floating-point tensors to ``dtype``, every tensor to ``device``, through dicts and tuples."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         if dtype is not None and obj.is_floating_point():
             obj = obj.to(dtype)
@@ -219,6 +227,8 @@ def builtin_names() -> list[str]:
 
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    import torch
+
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.profile import OPTIMIZERS
 from memfit.torch_private import is_fake
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")
 LossFn = Callable[[Any], torch.Tensor]
 
 
