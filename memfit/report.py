@@ -54,14 +54,15 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if profile is not None:
         roles = roles_of(profile, schedule.policies)
         rows: list[list[str]] = []
+        kept_more = False  # a unit keeps visibly more than autograd saved: said below the table
         for j, (u, policy) in enumerate(zip(profile.units, schedule.policies.values(), strict=True)):
             cost = unit_costs(profile, j, roles[j])
+            kept_more |= cost.fwd_end > 1.005 * u.saved_bytes  # more than the rounding shown
             rows.append([u.name, policy, recomputes(policy), format_bytes(u.saved_bytes), format_bytes(cost.fwd_end),
                          _ms(cost.recompute_s)])
         head = ["unit", "policy", "recomputes", "saved for bwd", "kept to bwd", "recompute"]
         out = [table(head, rows, [False, False, False, True, True, True])]
-        if any(unit_costs(profile, j, roles[j]).fwd_end > 1.005 * u.saved_bytes  # more than the rounding shown
-               for j, u in enumerate(profile.units)):
+        if kept_more:
             out.append("kept to bwd: what stays allocated from the unit's forward until its backward, which the plan "
                        "counts; it can exceed the tensors autograd saved (its output, tensors it stores, allocator "
                        "rounding)")

@@ -117,10 +117,17 @@ BASELINES: dict[str, Baseline] = {
 }
 
 
+def predicted(baseline: Baseline, profile: Profile) -> tuple[list[Policies], list[Prediction]]:
+    """The schedules ``baseline`` may use for this profile, each with its prediction: computed
+    once, then ``pick`` chooses among them at any budget."""
+    candidates = baseline.candidates(profile)
+    return candidates, [predict(profile, c) for c in candidates]
+
+
 def _strategy(baseline: Baseline) -> Callable[[Profile, int], Policies | None]:
     def choose(profile: Profile, budget: int) -> Policies | None:
-        candidates = baseline.candidates(profile)
-        k = pick(baseline, [predict(profile, c) for c in candidates], budget)
+        candidates, predictions = predicted(baseline, profile)
+        k = pick(baseline, predictions, budget)
         return None if k is None else candidates[k]
 
     return choose

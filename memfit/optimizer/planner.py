@@ -8,7 +8,7 @@ from typing import Any
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
 from memfit.optimizer import STRATEGY_NAMES
-from memfit.optimizer.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick
+from memfit.optimizer.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick, predicted
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.ilp import solve
 from memfit.optimizer.intmodel import IntModel
@@ -198,8 +198,7 @@ def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, Any]]:
         if not_applicable(profile, name):
             out[name] = {"applies": False, "fits": False}
             continue
-        candidates = baseline.candidates(profile)
-        predictions = [predict(profile, c) for c in candidates]
+        _, predictions = predicted(baseline, profile)
         k = pick(baseline, predictions, budget_bytes)
         fits = k is not None
         if k is None:

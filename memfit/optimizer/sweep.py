@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.budget import parse_bytes
 from memfit.errors import InternalError, MemfitError
 from memfit.optimizer import SOLVERS, STRATEGY_NAMES
-from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick
+from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick, predicted
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.frontier import chain_frontier, read
 from memfit.optimizer.ilp import solve
@@ -127,8 +127,7 @@ def _baseline_rows(profile: Profile, sizes: list[int], strategy: str) -> list[di
         return [_row(b, strategy, "n/a", None, None, 0.0) for b in sizes]
     start = time.perf_counter()
     baseline = BASELINES[strategy]
-    candidates = baseline.candidates(profile)
-    predictions = [predict(profile, c) for c in candidates]
+    candidates, predictions = predicted(baseline, profile)
     share = (time.perf_counter() - start) / len(sizes)
     rows = []
     for b in sizes:
