@@ -206,3 +206,6 @@ def test_default_units_are_the_blocks_of_every_stage():
     sched = memfit.plan(blocks, memfit.min_budget_bytes(blocks))
     check = memfit.validate(copy.deepcopy(model), x, sched, steps=0)
     assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes
+    scheduled = copy.deepcopy(model)  # and a plain loop, as a user writes it, gives the plain copy's results
+    memfit.apply(scheduled, sched)
+    train_and_compare(model, scheduled, x)
