@@ -6,7 +6,7 @@
 For each ``torch._functorch.config.activation_memory_budget`` the model is compiled (backend
 aot_eager, whose partitioner then recomputes what its runtime estimates say is cheapest) and its
 steady-state peak measured. At that peak memfit plans twice from one fine profile: at module
-granularity and with ``granularity="fine"`` (children, op-level policies), both run eagerly.
+granularity and with ``granularity="fine"`` (children, op sets), both run eagerly.
 Every configuration is built at once and timed in one interleaved series (each timed step after
 an untimed step of its own, the order reversing every round, GC held off), medians over
 --rounds rounds; slowdowns are against the plain eager step of the same rounds.

@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 
     prof = command("profile", "measure a model's training step per unit and write profile JSON")
     _source_args(prof)
-    _granularity(prof, "also measure each unit's finer options (children, chains, op-level policies, derive)")
+    _granularity(prof, "also measure each unit's finer options (children, chains, op sets, derive)")
     prof.add_argument("-o", "--output", default="profile.json", help="profile file to write (default: %(default)s)")
     prof.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
     prof.set_defaults(func=commands.cmd_profile)

@@ -2,7 +2,8 @@
 
 The memory part is a timeline of phases. Each phase moves the live-bytes level by ``end_bytes``
 and reaches ``peak_bytes`` above the level it started at. Unit phases carry one such pair per
-option (``none``, ``full``, and finer ones), remainder phases (embedding, head, loss, optimizer step) one pair.
+option (memfit/policy.py: ``none``, ``full``, and finer ones), remainder phases (embedding,
+head, loss, optimizer step) one pair.
 Walking the timeline from ``baseline_bytes`` gives the step's peak for any choice of options.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from memfit.jsonio import Fields, read_json, write_json_atomic
+from memfit.policy import COARSE, is_option
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -22,28 +24,6 @@ PROFILE_FORMAT = "memfit.profile/1"
 # of bf16 parameters and fp32 gradient reduction) or DDP
 PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")  # the optimizers whose state a profile counts
-OPTIONS = ("none", "full")  # measured for every unit
-# Finer options, measured when profiled with granularity="fine": ``child:<a>[+<b>...]``
-# checkpoints those modules of the unit (relative names), ``a>b`` a chain of them as one region;
-# ``selective:<policy>[@<child>]`` the unit or a child under an op-level policy (runtime/apply.py);
-# ``derive``: no checkpoint, cheap saved tensors re-derived in the backward (runtime/derive.py).
-FINE_KINDS = ("child", "selective")
-DERIVE = "derive"
-
-
-def is_fine_option(name: str) -> bool:
-    if name == DERIVE:
-        return True
-    kind, sep, rest = name.partition(":")
-    return kind in FINE_KINDS and bool(sep) and all(m for region in child_regions(rest) for m in region)
-
-
-def child_regions(names: str) -> list[list[str]]:
-    """``a+b>c`` -> [["a"], ["b", "c"]]: the regions a ``child:`` option checkpoints, each a
-    module or a chain of them (relative names)."""
-    return [part.split(">") for part in names.split("+")]
-
-
 @dataclass(slots=True)
 class OptionCost:
     """What one way of running a unit costs, measured in a step where every unit ran that way."""
@@ -123,7 +103,7 @@ class Profile:
     @property
     def fine(self) -> bool:
         """Some unit has an option finer than none / full (profiled with granularity="fine")."""
-        return any(len(u.options) > len(OPTIONS) for u in self.units)
+        return any(len(u.options) > len(COARSE) for u in self.units)
 
     @property
     def unit_names(self) -> list[str]:
@@ -168,8 +148,8 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
     for u in f.items("units"):
         opts = u.obj("options")
         options = {}
-        for name in [*OPTIONS, *(k for k in opts.data if k not in OPTIONS)]:
-            if name not in OPTIONS and not is_fine_option(name):
+        for name in [*COARSE, *(k for k in opts.data if k not in COARSE)]:
+            if not is_option(name):
                 raise_field(opts.where, "options", f"unknown option {name!r}")
             o = opts.obj(name)
             options[name] = OptionCost(

@@ -9,8 +9,9 @@ from memfit.budget import format_bytes
 from memfit.optimizer.model import predict
 from memfit.optimizer.planner import best_baseline
 from memfit.optimizer.roles import roles_of, unit_costs
-from memfit.profile import DERIVE, Profile, child_regions
-from memfit.schedule import Schedule, segment_span
+from memfit.policy import COARSE, is_segment, read
+from memfit.profile import Profile
+from memfit.schedule import Schedule
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -66,7 +67,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
             out.append("kept to bwd: what stays allocated from the unit's forward until its backward, which the plan "
                        "counts; it can exceed the tensors autograd saved (its output, tensors it stores, allocator "
                        "rounding)")
-        if any(segment_span(p) for p in schedule.policies.values()):
+        if any(is_segment(p) for p in schedule.policies.values()):
             out.append("recompute: each member's own forward, once; a segment recomputes all its members together, "
                        "in the backward of its last")
     else:
@@ -95,7 +96,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         ratio = schedule.predicted_recompute_s / theirs if theirs > 0 else 1.0
         out.append(f"recompute time of this plan / best baseline ({best}): {ratio:.2f}")
     used = sum(p != "none" for p in schedule.policies.values())
-    segments = len({p for p in schedule.policies.values() if segment_span(p)})
+    segments = len({p for p in schedule.policies.values() if is_segment(p)})
     in_segments = f" ({segments} segment{'s' if segments > 1 else ''})" if segments else ""
     out.append("")
     took = "" if schedule.solve_s is None else f" in {schedule.solve_s:.2f} s"
@@ -126,21 +127,8 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
 
 def recomputes(policy: str) -> str:
     """What a unit's policy recomputes in the backward, in words."""
-    kind, _, rest = policy.partition(":")
-    if policy == "none":
-        return "-"
-    if policy == "full":
-        return "the whole unit"
-    if policy == DERIVE:
-        return "cheap ops whose saved outputs it re-derives (norms, activations, dropout)"
-    if kind == "child":  # a chain (a>b) recomputes a, and b only where b holds more than one product
-        return "only " + ", ".join("→".join(r) for r in child_regions(rest))
-    if kind == "selective":
-        op_policy, _, child = rest.partition("@")
-        what = f"all but {op_policy} outputs" if op_policy == "gemm" else f"op policy {op_policy}"
-        return f"{child}: {what}" if child else what
-    span = segment_span(policy)
-    return f"segment {span[0]}..{span[1]}, at once" if span else policy
+    parsed = read(policy)
+    return parsed.describe() if parsed is not None else policy
 
 
 def profile_report(profile: Profile) -> str:
@@ -164,7 +152,7 @@ def profile_report(profile: Profile) -> str:
     ]
     if profile.fine:
         finer = [[u.name, o, recomputes(o), format_bytes(c.stored_bytes), format_bytes(c.bwd_peak_bytes),
-                  _ms(c.recompute_s)] for u in profile.units for o, c in u.options.items() if o not in ("none", "full")]
+                  _ms(c.recompute_s)] for u in profile.units for o, c in u.options.items() if o not in COARSE]
         lines += ["", "finer options (for plan --granularity fine; an option that none or full beats is left out):",
                   table(["unit", "option", "recomputes", "kept", "bwd peak", "recompute"], finer,
                         [False, False, False, True, True, True])]

@@ -10,25 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.errors import FileFormatError
 from memfit.jsonio import Fields, read_json, write_json_atomic
-from memfit.profile import is_fine_option
+from memfit.policy import KINDS_HELP, read
 
 if TYPE_CHECKING:
     from torch import nn  # only the fingerprint's argument: the optimizer and the CLI's checks run without torch
 
 SCHEDULE_FORMAT = "memfit.schedule/1"
-POLICIES = ("none", "full")  # and "segment:<first>..<last>"
-
-
-def segment_span(policy: str) -> tuple[str, str] | None:
-    """The (first, last) unit names of a ``segment:<first>..<last>`` policy; None for any other."""
-    kind, _, span = policy.partition(":")
-    first, sep, last = span.partition("..")
-    return (first, last) if kind == "segment" and sep else None
 
 
 @dataclass(slots=True)
 class Schedule:
-    policies: dict[str, str]  # unit -> none, full, child:<a>[+<b>], selective:<p>, derive, segment:<i>..<k>; in order
+    policies: dict[str, str]  # unit -> its policy, as memfit/policy.py spells it; in order
     budget_bytes: int
     predicted_peak_bytes: int
     predicted_recompute_s: float
@@ -123,12 +115,8 @@ def _compile(f: Fields) -> dict[str, Any]:
 
 def _policies(f: Fields) -> dict[str, str]:
     for unit, policy in f.data.items():
-        if policy not in POLICIES and not (isinstance(policy, str) and (
-                segment_span(policy) or is_fine_option(policy))):
-            raise FileFormatError(
-                f"{f.where}: unit {unit!r} has the policy {policy!r}; expected none, full, child:<children>, "
-                "selective:<policy>, derive or segment:<first>..<last>"
-            )
+        if read(policy) is None:
+            raise FileFormatError(f"{f.where}: unit {unit!r} has the policy {policy!r}; expected {KINDS_HELP}")
     return dict(f.data)
 
 

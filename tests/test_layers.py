@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1] / "memfit"
 # lowest first; a module may import its own layer's modules and the layers below
 LAYERS = [
     # records, formats and names: no torch model needed
-    ["memfit.errors", "memfit.budget", "memfit.jsonio", "memfit.console", "memfit.devices", "memfit.profile",
-     "memfit.schedule", "memfit.measure.malloc", "memfit.optimizer"],
+    ["memfit.errors", "memfit.budget", "memfit.jsonio", "memfit.console", "memfit.devices", "memfit.policy",
+     "memfit.profile", "memfit.schedule", "memfit.measure.malloc", "memfit.optimizer"],
     # the measuring floor (the training step, meters, timing), cutting a model into units, the
     # private PyTorch symbols memfit uses (torch_private.py), and the optimizer, which needs
     # neither torch nor a model
@@ -128,3 +128,17 @@ def test_private_torch_symbols_are_imported_in_one_module():
         code = "\n".join(line for line in path.read_text().splitlines()
                          if not line.lstrip().startswith("#") and "``" not in line and not line.strip().startswith('"'))
         assert not [p for p in private if p in code], (path, [p for p in private if p in code])
+
+
+def test_the_policy_grammar_is_spelled_in_one_module():
+    """Only memfit/policy.py writes a policy's kind into a string (docstrings aside): everything
+    else builds and reads policies through its types."""
+    kinds = ("child:", "segment:", "selective:")
+    for path in ROOT.rglob("*.py"):
+        if path.name == "policy.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        spelled = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and id(n) not in docs and any(k in n.value for k in kinds)]
+        assert not spelled, (path, spelled)

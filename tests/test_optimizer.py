@@ -28,7 +28,7 @@ def assignments(n, max_segment):
 
 
 def _shift(role, by):
-    return Role(role.kind, role.first + by, role.last + by) if role.kind == SEGMENT else role
+    return Role(role.option, role.first + by, role.last + by) if role.is_segment else role
 
 
 def brute_force(profile, budget, max_segment):

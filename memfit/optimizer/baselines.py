@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from memfit.optimizer import BASELINE_NAMES
 from memfit.optimizer.model import Prediction, predict
-from memfit.optimizer.roles import SEGMENT, Role
+from memfit.optimizer.roles import FULL, SEGMENT, Role
 from memfit.profile import Profile
 
 Policies = dict[str, str]
@@ -77,7 +77,7 @@ def _sqrt(profile: Profile) -> list[Policies]:
     policies: Policies = {}
     for first in range(0, n, size):
         last = min(n, first + size) - 1
-        role = Role(SEGMENT, first, last) if last > first else Role("full")
+        role = Role(SEGMENT, first, last) if last > first else FULL
         for j in range(first, last + 1):
             policies[names[j]] = role.policy(names)
     return [policies]

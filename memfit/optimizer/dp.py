@@ -40,7 +40,7 @@ def dp_exact(model: IntModel) -> bool:
     """The DPs are exact when the units' phases run as a chain (forwards in order, backwards in
     reverse) and each unit changes the level by one net amount over the step, whatever its role."""
     return chain_layout(model) is not None and all(
-        c[1] + c[3] == model.net[j] for (j, role), c in model.costs.items() if role.kind != "segment")
+        c.net == model.net[j] for (j, role), c in model.costs.items() if not role.is_segment)
 
 
 class _Walk:
@@ -63,7 +63,7 @@ class _Walk:
         return self.model.baseline + self.before[t] + units_part
 
     def blocks(self, i: int, any_ckpt: bool) -> list[Role]:
-        return [r for r in self.model.roles[i] if r.kind != "segment" or r.first == i] if any_ckpt else [NONE]
+        return [r for r in self.model.roles[i] if not r.is_segment or r.first == i] if any_ckpt else [NONE]
 
     def block(self, i: int, role: Role, p0: int) -> tuple[int, int]:
         """(kept bytes after the block, highest level in the block's forward and backward).
@@ -85,7 +85,7 @@ class _Walk:
 
     def _block(self, i: int, role: Role) -> tuple[int, int]:
         model, lay, n, p0 = self.model, self.lay, self.model.n, 0
-        last = role.last if role.kind == "segment" else i
+        last = role.last if role.is_segment else i
         members = range(i, last + 1)
         w, pf = -(2**62), p0
         for j in members:  # each member's forward, then the remainder after it
@@ -97,7 +97,7 @@ class _Walk:
         ub = self.netsuf[last + 1] + pf  # unit bytes as the block's backward begins
         for j in reversed(members):
             _, fe, bp, be = model.costs[j, role]
-            if role.kind != "segment":  # one net per unit, the largest over its roles
+            if not role.is_segment:  # one net per unit, the largest over its roles
                 be = model.net[j] - fe
             w = max(w, self.level(lay.bwd[j], ub) + bp)
             ub += be
@@ -116,7 +116,7 @@ class _Walk:
             best = 2**62
             for role in self.blocks(i, any_ckpt):
                 d, w = self.block(i, role, 0)
-                last = role.last if role.kind == "segment" else i
+                last = role.last if role.is_segment else i
                 best = min(best, max(w, d + floor[last + 1]))
             floor[i] = best
         return floor
@@ -128,7 +128,7 @@ class _Walk:
         return max([w, *(self.level(t, self.netsuf[0]) + phases[t].peak for t in lay.after_bwd[0])])
 
     def _cost(self, i: int, role: Role) -> int:
-        last = role.last if role.kind == "segment" else i
+        last = role.last if role.is_segment else i
         return sum(self.model.recompute_ns[j, role] for j in range(i, last + 1))
 
 
@@ -154,7 +154,7 @@ def _run(
                 w = max(w, worst)
                 if not (by_peak or cap is None or w <= cap):
                     continue
-                last = role.last if role.kind == "segment" else i
+                last = role.last if role.is_segment else i
                 key = (pf, seen or role != NONE)
                 entry = (cost + walk.cost(i, role), w, (i, (p0, seen), role))
                 old = frontier[last + 1].get(key)

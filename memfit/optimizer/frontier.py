@@ -73,7 +73,7 @@ def _run(walk: _Walk, n: int, any_ckpt: bool, grid: list[int] | None) -> list[Fr
         for idx, (p0, seen, cost, worst, _) in enumerate(stages[i]):
             for role in blocks:
                 pf, w = walk.block(i, role, p0)
-                last = role.last if role.kind == "segment" else i
+                last = role.last if role.is_segment else i
                 # Counting what the rest will surely reach merges states that end alike, early.
                 w = max(up(max(w, pf + floor[last + 1])), worst)
                 if w == _NEVER:

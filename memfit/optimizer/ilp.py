@@ -14,7 +14,7 @@ from memfit.errors import MemfitError, SolverTimeout
 from memfit.optimizer import SOLVERS
 from memfit.optimizer.dp import solve_dp
 from memfit.optimizer.intmodel import RANGE, IntModel, Layout, chain_layout
-from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role
+from memfit.optimizer.roles import FULL, NONE, Role
 
 
 @dataclass(slots=True)
@@ -52,7 +52,7 @@ def solve(
 
 
 def _segments(model: IntModel) -> list[Role]:
-    return sorted({r for rs in model.roles for r in rs if r.kind == SEGMENT}, key=lambda r: (r.first, r.last))
+    return sorted({r for rs in model.roles for r in rs if r.is_segment}, key=lambda r: (r.first, r.last))
 
 
 def _solve_mip(
@@ -60,7 +60,7 @@ def _solve_mip(
 ) -> tuple[list[Role], str, int] | None:
     """CP-SAT and CBC share this formulation; ``_CpSat`` and ``_Cbc`` hide their spelling."""
     b = _CpSat() if solver == "cpsat" else _Cbc()
-    x = [{r: b.boolean(f"o{j}_{k}") for k, r in enumerate(model.roles[j]) if r.kind != SEGMENT} for j in range(model.n)]
+    x = [{r: b.boolean(f"o{j}_{k}") for k, r in enumerate(model.roles[j]) if not r.is_segment} for j in range(model.n)]
     for seg in _segments(model):
         var = b.boolean(f"s{seg.first}_{seg.last}")
         b.hint(var, 0)
@@ -69,7 +69,7 @@ def _solve_mip(
     for j in range(model.n):
         b.add_eq(list(x[j].values()), 1)
         for role, var in x[j].items():  # checkpointing every unit usually fits: a first answer to improve
-            if role.kind != SEGMENT:
+            if not role.is_segment:
                 b.hint(var, int(role == FULL))
     any_ckpt = b.boolean("any_ckpt")  # some unit is checkpointed: exactly the OR of the roles
     checkpointed = [var for j in range(model.n) for role, var in x[j].items() if role != NONE]
@@ -111,10 +111,9 @@ def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: 
             peaks.append(level + ph.peak)
             end_expr = level + ph.end + b.expr([(ph.ckpt_end - ph.end, any_ckpt)])
         else:
-            pi, ei = (0, 1) if ph.kind == "forward" else (2, 3)
-            terms = x[ph.unit].items()
-            peaks.append(level + b.expr([(model.costs[ph.unit, r][pi], v) for r, v in terms]))
-            end_expr = level + b.expr([(model.costs[ph.unit, r][ei], v) for r, v in terms])
+            fwd, costs = ph.kind == "forward", [(model.costs[ph.unit, r], v) for r, v in x[ph.unit].items()]
+            peaks.append(level + b.expr([(c.fwd_peak if fwd else c.bwd_peak, v) for c, v in costs]))
+            end_expr = level + b.expr([(c.fwd_end if fwd else c.bwd_end, v) for c, v in costs])
         nxt = b.integer(-big, big, f"L{k}")
         b.add_le(end_expr - nxt, 0)  # the level may only be over-estimated, never under
         level = b.expr([(1, nxt)])
@@ -134,18 +133,18 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
     def at(t: int, const: int):  # type: ignore[no-untyped-def]
         return b.expr([(r1[t] - r0[t], any_ckpt)], model.baseline + r0[t] + const)
 
-    def unit(j: int, idx: int):  # type: ignore[no-untyped-def]
-        return b.expr([(model.costs[j, r][idx], v) for r, v in x[j].items()])
+    def unit(j: int, field: str):  # type: ignore[no-untyped-def]
+        return b.expr([(getattr(model.costs[j, r], field), v) for r, v in x[j].items()])
 
     def net(j: int):  # type: ignore[no-untyped-def]
-        return b.expr([(model.costs[j, r][1] + model.costs[j, r][3], v) for r, v in x[j].items()])
+        return b.expr([(model.costs[j, r].net, v) for r, v in x[j].items()])
 
     kept, after = [b.expr([], 0)], [b.expr([], 0)] * (n + 1)
     hinted = 0
     for j in range(n):  # may only be over-estimated, as every level
         v = b.integer(-big, big, f"P{j}")
-        b.add_le(kept[j] + unit(j, 1) - v, 0)
-        hinted += model.costs[j, FULL][1]
+        b.add_le(kept[j] + unit(j, "fwd_end") - v, 0)
+        hinted += model.costs[j, FULL].fwd_end
         b.hint(v, hinted)  # its value when every unit is checkpointed (the hinted roles)
         kept.append(b.expr([(1, v)]))
     for j in reversed(range(n)):
@@ -154,10 +153,11 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
         after[j] = b.expr([(1, v)])
     peaks = [at(t, model.phases[t].peak) for t in lay.pre]
     for j in range(n):
-        peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, 0))
+        peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, "fwd_peak"))
         peaks += [at(t, model.phases[t].peak) + kept[j + 1] for t in lay.after_fwd[j]]
-        peaks.append(at(lay.bwd[j], 0) + kept[j + 1] + after[j + 1] + unit(j, 2))
-        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + after[j + 1] + unit(j, 3) for t in lay.after_bwd[j]]
+        peaks.append(at(lay.bwd[j], 0) + kept[j + 1] + after[j + 1] + unit(j, "bwd_peak"))
+        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + after[j + 1] + unit(j, "bwd_end")
+                  for t in lay.after_bwd[j]]
     return peaks
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role, segment_roles, unit_costs
+from memfit.optimizer.roles import FULL, NONE, Role, segment_roles, unit_costs
 from memfit.profile import Profile
 
 RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
@@ -23,13 +24,27 @@ class IntPhase:
     ckpt_end: int = 0  # remainder's end when some unit is checkpointed
 
 
+class IntCosts(NamedTuple):
+    """One unit's phases under one role, in quanta: ``roles.Costs`` rounded up."""
+
+    fwd_peak: int
+    fwd_end: int
+    bwd_peak: int
+    bwd_end: int
+
+    @property
+    def net(self) -> int:
+        """The level change over the whole step."""
+        return self.fwd_end + self.bwd_end
+
+
 @dataclass(slots=True)
 class IntModel:
     quantum: int
     baseline: int
     phases: list[IntPhase]
     roles: list[list[Role]]  # the roles each unit may take
-    costs: dict[tuple[int, Role], tuple[int, int, int, int]]  # (fwd peak, fwd end, bwd peak, bwd end)
+    costs: dict[tuple[int, Role], IntCosts]
     recompute_ns: dict[tuple[int, Role], int]
     net: list[int]  # each unit's largest level change over the whole step, over its roles
 
@@ -40,7 +55,7 @@ class IntModel:
     @staticmethod
     def of(profile: Profile, *, segments: bool = True, max_segment: int = 8, fine: bool = False) -> IntModel:
         """The scaled model; segments (of up to ``max_segment`` units) only for chains; the
-        profile's finer options (child modules, op-level policies) only when ``fine``."""
+        profile's finer options (child modules, op sets) only when ``fine``."""
         figures = [profile.baseline_bytes, *(abs(v) for p in profile.phases for v in (p.peak_bytes, p.end_bytes))]
         for u in profile.units:
             for o in u.options.values():
@@ -57,7 +72,7 @@ class IntModel:
         ]
         units = profile.units
         roles: list[list[Role]] = [
-            [NONE, FULL, *(Role(k) for k in u.options if fine and k not in (NONE.kind, FULL.kind))] for u in units
+            [NONE, FULL, *(Role(k) for k in u.options if fine and k not in (NONE.option, FULL.option))] for u in units
         ]
         if segments and profile.chain:
             for seg in segment_roles(len(units), max_segment):
@@ -65,14 +80,14 @@ class IntModel:
                     roles[j].append(seg)
         # One composition for every solver and for predict(): roles.unit_costs, each figure
         # rounded up, so that whatever fits the scaled model fits the real one.
-        costs: dict[tuple[int, Role], tuple[int, int, int, int]] = {}
+        costs: dict[tuple[int, Role], IntCosts] = {}
         recompute: dict[tuple[int, Role], int] = {}
         for j in range(len(units)):
             for role in roles[j]:
                 c = unit_costs(profile, j, role)
-                costs[j, role] = (up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end))
+                costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end))
                 recompute[j, role] = round(c.recompute_s * 1e9)
-        net = [max(costs[j, r][1] + costs[j, r][3] for r in roles[j] if r.kind != SEGMENT) for j in range(len(units))]
+        net = [max(costs[j, r].net for r in roles[j] if not r.is_segment) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)
 
 

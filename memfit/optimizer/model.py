@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from memfit.optimizer.roles import member_input, roles_of, unit_costs
+from memfit.optimizer.roles import NONE, member_input, roles_of, unit_costs
 from memfit.profile import Profile
 
 
@@ -26,13 +26,13 @@ class Prediction:
 
 def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
     """Peak bytes and recompute time of the step when each unit runs with its given policy
-    (``none``, ``full`` or ``segment:<first>..<last>``; units not named are ``none``)."""
+    (memfit/policy.py; units not named are ``none``)."""
     roles = roles_of(profile, policies)
     costs = [unit_costs(profile, j, r) for j, r in enumerate(roles)]
     level = profile.baseline_bytes
     peak, where = level, "start"
     levels = []
-    any_ckpt = any(r.kind != "none" for r in roles)
+    any_ckpt = any(r != NONE for r in roles)
     pending = 0  # a segment member's input, freed in the gap after the member (roles.member_input)
     for phase in profile.phases:
         if phase.unit is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from memfit.policy import Children
 from memfit.profile import OptionCost, Phase, Profile, UnitProfile
 
 
@@ -34,7 +35,7 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
         full = units[-1].options["full"]
         for m in range(fine):
             kept = rf.randint(s, a)
-            units[-1].options[f"child:c{m}"] = OptionCost(
+            units[-1].options[str(Children.of(f"c{m}"))] = OptionCost(
                 kept + rf.randint(0, 30), kept, rf.randint(0, a - kept + 40), grads - kept,
                 full.recompute_s * rf.uniform(0.1, 1.0))
         phases.append(Phase(f"forward u{i}", i, "forward"))

@@ -24,7 +24,8 @@ from memfit.measure.step import (
     zero_grad,
 )
 from memfit.measure.timing import alternate, median_ratio
-from memfit.profile import OPTIONS, OptionCost, Phase, Profile, UnitProfile
+from memfit.policy import COARSE, Children, read
+from memfit.profile import OptionCost, Phase, Profile, UnitProfile
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import UnitFacts, unit_facts
 from memfit.profiler.timeline import Stretch, check_same_shape, recorded_step, stretches
@@ -85,13 +86,14 @@ def profile(
         say("saved-for-backward bytes")
         facts = unit_facts(model, names, inp, loss)
         finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
-        options = [*OPTIONS, *dict.fromkeys(o for opts in finer.values() for o in opts)]
+        options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
+        offered = {o.names for o in map(read, options) if isinstance(o, Children)}
         for c in children or []:
-            if f"child:{c}" not in options:
+            if c not in offered:
                 unit = model.get_submodule(names[0])
                 raise MemfitError(f"no unit has the child {c!r}; {names[0]}'s children are "
                                   f"{', '.join(n for n, _ in unit.named_children())} (nested ones with dots: mlp.0)")
-        configs = [{n: o if o in OPTIONS or o in finer[n] else "none" for n in names} for o in options]
+        configs = [{n: o if o in COARSE or o in finer[n] else "none" for n in names} for o in options]
         memory: dict[str, list[Stretch]] = {}
         for option, policies in zip(options, configs, strict=True):
             say(f"memory with every unit {option}")
@@ -119,7 +121,7 @@ def profile(
         model, names, inp, optimizer, device, memory, times, facts, baseline, state_bytes, params,
         _recompute_factor(times, full_times),
     )
-    for option, runs in zip(options[len(OPTIONS):], finer_times, strict=True):
+    for option, runs in zip(options[len(COARSE):], finer_times, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], times, runs)
     _prune(prof)
     return prof
@@ -153,7 +155,7 @@ def _assemble(
             )
         fwd_s, bwd_s = median_time(fk), median_time(bk)
         options = {}
-        for option in OPTIONS:
+        for option in COARSE:
             f, b = memory[option][fk], memory[option][bk]
             # A checkpointed unit runs its forward once more, inside its backward, at the cost
             # measured for all units together (see _recompute_factor).
@@ -180,7 +182,7 @@ def _assemble(
             phases.append(Phase(label, None, "remainder", peak, end, ckpt_end))
     step_s = statistics.median(_seconds(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
-    measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in OPTIONS}
+    measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in COARSE}
     return Profile(
         model_class=model_fingerprint(model, names)["model_class"],
         device=str(device),
@@ -291,7 +293,7 @@ def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretc
 
     Its recompute time is the step's measured overhead over the plain step (interleaved, as for
     ``full``), shared among the units by how much longer each one's forward and backward took
-    (an op-level policy costs in the forward too, where its dispatch mode runs)."""
+    (an op set costs in the forward too, where its dispatch mode runs)."""
     index = {s.label: k for k, s in enumerate(memory)}
     extra = max(0.0, median_ratio([_seconds(r) for r in plain], [_seconds(r) for r in runs]) - 1.0) * prof.step_s
 
@@ -311,7 +313,7 @@ def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretc
 def _prune(prof: Profile) -> None:
     """Drop each finer option that another option of its unit dominates: no plan needs it."""
     for u in prof.units:
-        for name in [o for o in u.options if o not in OPTIONS]:
+        for name in [o for o in u.options if o not in COARSE]:
             cost = u.options[name]
             if any(_dominates(c, cost) for o, c in u.options.items() if o != name):
                 del u.options[name]
@@ -319,7 +321,7 @@ def _prune(prof: Profile) -> None:
 
 def _dominates(a: OptionCost, b: OptionCost) -> bool:
     """``a`` is never worse than ``b`` at any moment of the step, nor dearer: no plan needs ``b``
-    (an op policy that keeps more than autograd would, say)."""
+    (an op set that keeps more than autograd would, say)."""
     return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes
             and a.stored_bytes <= b.stored_bytes and a.fwd_peak_bytes <= b.fwd_peak_bytes
             and a.bwd_peak_bytes <= b.bwd_peak_bytes and a.recompute_s <= b.recompute_s)

@@ -1,5 +1,5 @@
 """Which finer options to measure for each unit: its children worth checkpointing alone, cheap
-chains, op-level policies on the whole unit and on each of those children, and ``derive`` (cheap
+chains, op sets on the whole unit and on each of those children, and ``derive`` (cheap
 saved tensors re-derived in the backward, runtime/derive.py) where it frees ``MIN_SHARE``.
 
 A **chain** is a cheap producer (a module with no weight matrix: a norm, an activation) whose
@@ -24,9 +24,10 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.measure.step import Inputs, LossFn, storage_key
-from memfit.profile import DERIVE, child_regions
+from memfit.policy import DERIVE, Children, PolicyError, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
+from memfit.runtime.regions import GEMM
 
 MIN_SHARE = 0.1  # of the unit's saved bytes
 MAX_CHILDREN = 3  # child options per unit class, the largest savers first
@@ -47,21 +48,22 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             if children is None:
                 chains = _chains(model, name, inputs, loss_fn)
                 kids = _children(model, name, inputs, loss_fn, unit_saved[j])
-                chosen[key] = [_with_chains(f"child:{c}", chains) for c in kids]
+                chosen[key] = [str(_with_chains(c, chains)) for c in kids]
                 if chains:
-                    chosen[key].insert(0, "child:" + "+".join(f"{p}>{recv[-1]}" for p, recv in chains))
+                    chosen[key].insert(0, str(Children(tuple((p, recv[-1]) for p, recv in chains))))
             else:
-                kids = [c for c in children if all(_has(unit, m) for r in child_regions(c) for m in r)]
-                chosen[key] = [f"child:{c}" for c in kids]
-            # the op policy inside each chosen child (measured cheaper than on the whole unit, whose
+                kids = [c for c in children
+                        if (o := _children_of(c)) and all(_has(unit, m) for r in o.regions for m in r)]
+                chosen[key] = [str(Children.of(c)) for c in kids]
+            # the op set inside each chosen child (measured cheaper than on the whole unit, whose
             # child options beat it: GPT block 30 MiB kept for 25 ms, attention alone 26 MiB for 23 ms);
             # on the whole unit only where no child stands out
-            inner = [c for c in kids if "+" not in c and ">" not in c]
-            chosen[key] += [f"selective:gemm@{c}" for c in inner if _has_products(unit.get_submodule(c))]
+            inner = [c for c in kids if _children_of(c) == Children(((c,),))]  # one module each
+            chosen[key] += [str(Selective(GEMM, c)) for c in inner if _has_products(unit.get_submodule(c))]
             if not inner and _has_products(unit):
-                chosen[key].append("selective:gemm")
+                chosen[key].append(str(Selective(GEMM)))
             if unit_saved[j] > 0 and _derivable(model, name, inputs, loss_fn) >= MIN_SHARE * unit_saved[j]:
-                chosen[key].append(DERIVE)
+                chosen[key].append(str(DERIVE))
         out[name] = list(chosen[key])
     return out
 
@@ -103,16 +105,22 @@ def _children(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, save
     return [c for _, c in ranked[:MAX_CHILDREN]]
 
 
-def _with_chains(option: str, chains: list[tuple[str, list[str]]]) -> str:
-    """``child:X`` with X's own producer in front (``ln_2>mlp``) and the chains outside X."""
-    x = option[len("child:"):]
-    parts = [x]
+def _with_chains(x: str, chains: list[tuple[str, list[str]]]) -> Children:
+    """Child X with X's own producer in front (``ln_2>mlp``) and the chains outside X."""
+    regions = [(x,)]
     for p, recv in chains:
         if x in recv:
-            parts[0] = f"{p}>{x}"
+            regions[0] = (p, x)
         elif not any(_within(m, x) or _within(x, m) for m in (p, recv[-1])):
-            parts.append(f"{p}>{recv[-1]}")
-    return "child:" + "+".join(parts)
+            regions.append((p, recv[-1]))
+    return Children(tuple(regions))
+
+
+def _children_of(names: str) -> Children | None:
+    try:
+        return Children.of(names)
+    except PolicyError:
+        return None
 
 
 def _within(inner: str, outer: str) -> bool:

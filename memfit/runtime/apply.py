@@ -10,12 +10,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
-from memfit.profile import DERIVE, child_regions
+from memfit.policy import DERIVE, KEEP, KINDS_HELP, Children, Full, Segment, Selective, read
 from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
-from memfit.runtime.regions import SELECTIVE, Region, guard
+from memfit.runtime.regions import OP_SETS, Region, guard
 from memfit.runtime.watch import Watch
-from memfit.schedule import Schedule, fingerprint_difference, model_fingerprint, segment_span
+from memfit.schedule import Schedule, fingerprint_difference, model_fingerprint
 
 
 def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
@@ -101,12 +101,7 @@ def remove(model: nn.Module) -> nn.Module:
 
 
 def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
-    """Checkpoint each unit as its policy says: ``full``; ``child:<a>[+<b>...]`` (only those
-    modules of the unit, each its own region; ``child:<a>><b>``: a chain, ``a`` feeding ``b``);
-    ``selective:<policy>`` (the unit, under an op-level policy;
-    ``selective:<policy>@<child>``: only that child, under it);
-    ``derive`` (no region: cheap saved tensors re-derived in the backward, runtime/derive.py);
-    ``segment:<first>..<last>`` (those units as one region). Every name must be a submodule, and
+    """Run each unit as its policy (memfit/policy.py) says. Every name must be a submodule, and
     a segment's units must all say so, in order."""
     modules: dict[str, nn.Module] = {}
     for name in policies:
@@ -115,35 +110,8 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
         except AttributeError:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
     _refuse_shared(modules)
-    names = list(policies)
-    plan: list[tuple[list[str], str, bool]] = []  # (module names, op policy, chain) for each region
-    derived = [n for n, p in policies.items() if p == DERIVE]
-    j = 0
-    while j < len(names):
-        policy = policies[names[j]]
-        kind, _, rest = policy.partition(":")
-        if policy in ("none", "full", DERIVE) or kind in ("child", "selective"):
-            if kind == "child":  # a+b: two regions; a>b: one chain from a to b
-                plan += [([f"{names[j]}.{m}" for m in r], "", len(r) > 1) for r in child_regions(rest)]
-            elif kind == "selective":  # selective:<policy>, or selective:<policy>@<child> for one child
-                op_policy, _, child = rest.partition("@")
-                plan.append(([f"{names[j]}.{child}" if child else names[j]], op_policy, False))
-            elif policy not in ("none", DERIVE):
-                plan.append(([names[j]], "", False))
-            j += 1
-            continue
-        span = segment_span(policy)
-        if span is None or span[0] != names[j] or span[1] not in names[j + 1:]:
-            raise MemfitError(
-                f"unit {names[j]!r} has the policy {policy!r}; use none, full, child:<children>, "
-                "selective:<policy>, derive or segment:<first>..<last> naming this unit first and a later unit last"
-            )
-        first, last = span
-        k = names.index(last)
-        if any(policies[n] != policy for n in names[j : k + 1]):
-            raise MemfitError(f"every unit from {first!r} to {last!r} must have the policy {policy!r}")
-        plan.append((names[j : k + 1], "", False))
-        j = k + 1
+    plan = _region_plan(policies)
+    derived = [n for n, p in policies.items() if read(p) == DERIVE]
     for name in derived:
         _refuse_checkpointed(name, modules[name])
     for members, _, _ in plan:
@@ -155,13 +123,39 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
                     raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
                                                 ) from None
             _refuse_checkpointed(name, modules[name])
-    if any(p and p not in SELECTIVE for _, p, _ in plan):
-        bad = next(p for _, p, _ in plan if p and p not in SELECTIVE)
-        raise MemfitError(f"unknown op-level policy selective:{bad}; known: {', '.join(SELECTIVE)}")
     for name in derived:
         modules[name].__dict__["_memfit_derive"] = Derive(modules[name])
-    regions = [Region([modules[n] for n in members], op_policy, chain=chain) for members, op_policy, chain in plan]
+    regions = [Region([modules[n] for n in members], op_set, chain=chain) for members, op_set, chain in plan]
     model.__dict__["_memfit_guard"] = (guard(model, regions) if regions else []) + cache_off(model)
+
+
+def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool]]:
+    """(module names, op set, chain) of each region the policies ask for, in order."""
+    names = list(policies)
+    plan: list[tuple[list[str], str, bool]] = []
+    j = 0
+    while j < len(names):
+        unit, policy = names[j], read(policies[names[j]])
+        j += 1
+        if isinstance(policy, Full):
+            plan.append(([unit], "", False))
+        elif isinstance(policy, Children):  # a+b: two regions; a>b: one chain from a to b
+            plan += [([f"{unit}.{m}" for m in r], "", len(r) > 1) for r in policy.regions]
+        elif isinstance(policy, Selective):  # the unit, or only its child, under the op set
+            if policy.ops not in OP_SETS:
+                raise MemfitError(f"unknown op set in {policy}; known: {', '.join(OP_SETS)}")
+            plan.append(([f"{unit}.{policy.child}" if policy.child else unit], policy.ops, False))
+        elif isinstance(policy, Segment) and policy.first == unit and policy.last in names[j:]:
+            k = names.index(policy.last)
+            if any(policies[n] != policies[unit] for n in names[j - 1 : k + 1]):
+                raise MemfitError(f"every unit from {policy.first!r} to {policy.last!r} must have the policy "
+                                  f"{policies[unit]!r}")
+            plan.append((names[j - 1 : k + 1], "", False))
+            j = k + 1
+        elif policy not in (KEEP, DERIVE):
+            raise MemfitError(f"unit {unit!r} has the policy {policies[unit]!r}; use {KINDS_HELP} "
+                              "naming this unit first and a later unit last")
+    return plan
 
 
 def clear_policies(model: nn.Module) -> None:

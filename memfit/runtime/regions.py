@@ -137,12 +137,12 @@ class _Open:
 
 class Region(PerThread):
     """Units ``modules`` (one, or a segment that runs them one after another) checkpointed as
-    one, keeping what ``op_policy`` (a name in ``SELECTIVE``, or "") says."""
+    one, keeping what ``op_set`` (a name in ``OP_SETS``, or "") says."""
 
-    def __init__(self, modules: list[nn.Module], op_policy: str = "", *, chain: bool = False) -> None:
+    def __init__(self, modules: list[nn.Module], op_set: str = "", *, chain: bool = False) -> None:
         super().__init__()
         self._modules = [Weak(m) for m in modules]
-        self.op_policy = op_policy
+        self.op_set = op_set
         self.handles: list[RemovableHandle] = []
         self._chain = chain
         for k, module in enumerate(modules):
@@ -168,13 +168,13 @@ class Region(PerThread):
     def compiled_context_fn(self) -> Callable[[], Any]:
         """What a compiled unit's checkpoint keeps instead of recomputing: nothing, or the op
         policy's choice (the compiled graph updates BatchNorm's buffers once by itself)."""
-        if not self.op_policy:
+        if not self.op_set:
             return _noop
         return functools.partial(create_selective_checkpoint_contexts,
-                                 functools.partial(_keep, SELECTIVE[self.op_policy]))
+                                 functools.partial(_keep, OP_SETS[self.op_set]))
 
     def _contexts(self) -> tuple[Any, Any]:
-        """The region's checkpoint contexts: the op policy's, and around its recomputation, the
+        """The region's checkpoint contexts: the op set's, and around its recomputation, the
         BatchNorm statistics put back as they were (outside SAC's dispatch mode, which would
         take the copies for ops of the unit)."""
         made = self.compiled_context_fn()
@@ -388,11 +388,12 @@ def _ops(*names: str) -> frozenset[Any]:
     return frozenset(getattr(_aten, n).default for n in names if hasattr(_aten, n))
 
 
-# Op-level policies: the outputs each keeps (MUST_SAVE); everything else in the unit is recomputed.
-SELECTIVE: dict[str, frozenset[Any]] = {
+# Op sets for selective checkpointing: the outputs each keeps (MUST_SAVE); everything else in the unit is recomputed.
+GEMM = "gemm"
+OP_SETS: dict[str, frozenset[Any]] = {
     # matrix products, convolutions and attention kernels: the dear ops; the cheap elementwise
     # ones between them (norms, activations, dropout, softmax) come back in the backward
-    "gemm": _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+    GEMM: _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention"),
 }

@@ -28,8 +28,9 @@ from torch import nn
 from memfit.budget import format_bytes
 from memfit.errors import MemfitWarning, PlanDriftWarning
 from memfit.measure.step import Inputs, iter_tensors
+from memfit.policy import is_segment
 from memfit.runtime.regions import Weak
-from memfit.schedule import Schedule, segment_span
+from memfit.schedule import Schedule
 from memfit.torch_private import allow_in_compiled_graph
 
 _ENTRY = re.compile(r"^(?:(?P<path>[^=\[]+)=)?(?P<dtype>[a-z0-9_]+)\[(?P<dims>[0-9,]*)\]$")
@@ -138,7 +139,7 @@ class Watch:
             f"memfit: this {type(model).__name__} runs under torch.compile, and its schedule was planned for the "
             "eager step: the compiled step saves what the compiler's partitioner chooses"
             + (" and runs each segment member as its own checkpoint"
-               if any(segment_span(p) for p in schedule.policies.values()) else "")
+               if any(is_segment(p) for p in schedule.policies.values()) else "")
             + ", so its peak may exceed the planned "
             f"{format_bytes(schedule.predicted_peak_bytes)}; plan the compiled step (memfit plan --compile inductor), "
             "or check this one (memfit validate --compile inductor)")

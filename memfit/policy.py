@@ -1,0 +1,161 @@
+"""The policy language: what a schedule tells one unit to do, spelled and parsed here only.
+
+An *option* is one way of running a unit that the profiler measures: ``none`` (keep
+everything), ``full`` (checkpoint the unit), and with ``granularity="fine"`` ``child:...``
+(checkpoint only some of its modules), ``selective:...`` (checkpoint under an *op set*: the
+ops whose outputs are kept while the rest is recomputed) and ``derive`` (no checkpoint; cheap
+saved tensors re-derived in the backward). A *segment* is not measured: several units in a
+chain checkpointed as one region, planned from their measured ``none`` and ``full``. A unit's
+*policy* in a schedule is one of its options or its membership of a segment; ``str(policy)``
+is its JSON spelling (the one schedules and profiles have always used) and ``parse`` its inverse.
+
+    none  full  derive
+    child:<region>[+<region>...]      a region is a module, or a chain a>b (a feeds b), by relative name
+    selective:<op set>[@<child>]      the unit, or only that child of it, under the op set
+    segment:<first unit>..<last unit> every unit from first to last says the same
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+SEGMENT_HELP = "segment:<first>..<last>"
+KINDS_HELP = f"none, full, child:<children>, selective:<op set>, derive or {SEGMENT_HELP}"
+
+
+class PolicyError(ValueError):
+    """A string that is no policy; callers say where it came from and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """Keep every saved tensor (no checkpoint)."""
+
+    def __str__(self) -> str:
+        return "none"
+
+    def describe(self) -> str:
+        return "-"
+
+
+@dataclass(frozen=True, slots=True)
+class Full:
+    """Checkpoint the whole unit: keep its input, recompute it in the backward."""
+
+    def __str__(self) -> str:
+        return "full"
+
+    def describe(self) -> str:
+        return "the whole unit"
+
+
+@dataclass(frozen=True, slots=True)
+class Children:
+    """Checkpoint only these modules of the unit, each region on its own; a region of several
+    modules is a chain (each feeds the next) checkpointed as one."""
+
+    regions: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def of(cls, names: str) -> Children:
+        """``a+b>c`` -> regions (a,), (b, c): the part of ``child:a+b>c`` after the colon."""
+        regions = tuple(tuple(part.split(">")) for part in names.split("+"))
+        if not all(m for region in regions for m in region):
+            raise PolicyError(f"child:{names} names an empty module")
+        return cls(regions)
+
+    def __str__(self) -> str:
+        return "child:" + self.names
+
+    @property
+    def names(self) -> str:
+        return "+".join(">".join(r) for r in self.regions)
+
+    def describe(self) -> str:  # a chain (a>b) recomputes a, and b only where b holds more than one product
+        return "only " + ", ".join("→".join(r) for r in self.regions)
+
+
+@dataclass(frozen=True, slots=True)
+class Selective:
+    """Checkpoint the unit, or only its module ``child``, keeping the outputs of op set ``ops``."""
+
+    ops: str
+    child: str = ""
+
+    def __str__(self) -> str:
+        return f"selective:{self.ops}" + (f"@{self.child}" if self.child else "")
+
+    def describe(self) -> str:
+        what = f"all but {self.ops} outputs" if self.ops == "gemm" else f"op set {self.ops}"
+        return f"{self.child}: {what}" if self.child else what
+
+
+@dataclass(frozen=True, slots=True)
+class Derive:
+    """No checkpoint: saved tensors that cheap ops can re-derive are dropped (runtime/derive.py)."""
+
+    def __str__(self) -> str:
+        return "derive"
+
+    def describe(self) -> str:
+        return "cheap ops whose saved outputs it re-derives (norms, activations, dropout)"
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Membership of the segment ``first..last``: those units checkpointed as one region."""
+
+    first: str
+    last: str
+
+    def __str__(self) -> str:
+        return f"segment:{self.first}..{self.last}"
+
+    def describe(self) -> str:
+        return f"segment {self.first}..{self.last}, at once"
+
+
+Policy = Keep | Full | Children | Selective | Derive | Segment
+Option = Keep | Full | Children | Selective | Derive  # what a profile measures
+KEEP, FULL, DERIVE = Keep(), Full(), Derive()
+COARSE = (str(KEEP), str(FULL))  # the options measured for every unit
+_PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE)}
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(text: str) -> Policy:
+    """The policy ``text`` spells; PolicyError if it spells none."""
+    if not isinstance(text, str):
+        raise PolicyError(f"{text!r} is not a string")
+    if text in _PLAIN:
+        return _PLAIN[text]
+    kind, sep, rest = text.partition(":")
+    if sep and kind == "child":
+        return Children.of(rest)
+    if sep and kind == "selective":
+        ops, _, child = rest.partition("@")
+        if ops and (child or "@" not in rest):
+            return Selective(ops, child)
+    if sep and kind == "segment":
+        first, dots, last = rest.partition("..")
+        if first and dots and last:
+            return Segment(first, last)
+    raise PolicyError(f"{text!r} is not a policy; expected {KINDS_HELP}")
+
+
+def read(text: object) -> Policy | None:
+    """``parse``, or None where ``text`` is no policy."""
+    try:
+        return parse(text)  # type: ignore[arg-type]
+    except (PolicyError, TypeError):  # TypeError: an unhashable value (a list in a hand-edited file)
+        return None
+
+
+def is_option(text: object) -> bool:
+    """``text`` names something a profile can measure (every policy but a segment)."""
+    return read(text) is not None and not isinstance(read(text), Segment)
+
+
+def is_segment(text: object) -> bool:
+    return isinstance(read(text), Segment)
