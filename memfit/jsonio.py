@@ -6,6 +6,8 @@ import json
 import math
 import os
 import tempfile
+import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,5 +173,30 @@ class Fields:
     def obj(self, key: str) -> Fields:
         return Fields(self._get(key, (dict,), "an object"), f"{self.where}.{key}")
 
+    def record(self, kind: Any, minimum: dict[str, float] | None = None) -> dict[str, Any]:
+        """This object as the TypedDict ``kind``: each field checked against its annotated type
+        (``minimum`` for numbers), optional ones only where present; fields it lacks are dropped.
+        Every record in memfit's files is read by this one method."""
+        hints = typing.get_type_hints(kind)
+        keys = [*(k for k in self.data if k in hints), *(k for k in kind.__required_keys__ if k not in self.data)]
+        return {k: self._typed(k, hints[k], (minimum or {}).get(k)) for k in keys}  # in the file's order
+
+    def _typed(self, key: str, hint: Any, minimum: float | None) -> Any:
+        if hint is int:
+            return self.int(key, None if minimum is None else int(minimum))
+        if hint is float:
+            return self.float(key, minimum)
+        if hint is str:
+            return self.str(key)
+        if hint is bool:
+            return self._get(key, (bool,), "true or false")
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kinds = tuple(typing.get_origin(o) or o for o in options)  # list[int] -> list
+        return self._get(key, kinds, " or ".join(_WORDS.get(k, k.__name__) for k in kinds))
+
     def items(self, key: str) -> list[Fields]:
         return [Fields(v, f"{self.where}.{key}[{i}]") for i, v in enumerate(self.list(key))]
+
+
+_WORDS = {type(None): "null", list: "a list", dict: "an object", str: "a string", int: "an integer",
+          float: "a number", bool: "true or false"}

@@ -31,7 +31,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
-from memfit.profile import Profile, profile_from_dict
+from memfit.profile import ParallelLayout, Profile, profile_from_dict
 
 TIMEOUT_S = 600
 
@@ -159,7 +159,7 @@ def _profile_rank(scenario: Any, parallel: str, device: str, *, repeat: int, gra
     prof.phases = [dataclasses.replace(p, label=p.label.replace("module.", "")) for p in prof.phases]
     prof.fingerprint = model_fingerprint(model, names)
     prof.model_class = prof.fingerprint["model_class"]
-    prof.parallel = {"kind": parallel, "world_size": torch.distributed.get_world_size()}
+    prof.parallel = ParallelLayout(kind=parallel, world_size=torch.distributed.get_world_size())
     prof.baseline_bytes += held_by_wrapper(model, parallel)
     prof.source = scenario.source()
     return dataclasses.asdict(prof)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import COARSE, is_option
@@ -24,6 +24,13 @@ PROFILE_FORMAT = "memfit.profile/1"
 # of bf16 parameters and fp32 gradient reduction) or DDP
 PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")  # the optimizers whose state a profile counts
+class ParallelLayout(TypedDict):
+    """A plan per rank: how the ranks hold the model."""
+
+    kind: str  # one of PARALLEL
+    world_size: int
+
+
 @dataclass(slots=True)
 class OptionCost:
     """What one way of running a unit costs, measured in a step where every unit ran that way."""
@@ -98,7 +105,7 @@ class Profile:
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
     mode: str = "measured"  # or "estimated": from shapes on fake tensors, for ``target``
     target: str = ""  # the device estimated for (devices.py); "" when measured
-    parallel: dict[str, Any] = field(default_factory=dict)  # {"kind": fsdp|ddp, "world_size"}: one rank's
+    parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # one rank's; {} for one process
 
     @property
     def fine(self) -> bool:
@@ -207,18 +214,19 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         source=f.obj("source").data if "source" in data else {},
         mode=_choice(f, "mode", ("measured", "estimated"), "measured"),
         target=str(data.get("target", "")),
-        parallel=_parallel(f),
+        parallel=read_parallel(f),
     )
 
 
-def _parallel(f: Fields) -> dict[str, Any]:
+def read_parallel(f: Fields) -> ParallelLayout | dict[str, Any]:
+    """A profile's or schedule's ``parallel`` field: {} for one process."""
     if not f.data.get("parallel"):
         return {}
     p = f.obj("parallel")
-    kind = p.str("kind")
-    if kind not in PARALLEL:
-        raise_field(p.where, "kind", kind)
-    return {"kind": kind, "world_size": p.int("world_size", minimum=2)}
+    layout = p.record(ParallelLayout, {"world_size": 2})
+    if layout["kind"] not in PARALLEL:
+        raise_field(p.where, "kind", layout["kind"])
+    return layout
 
 
 def _choice(f: Fields, key: str, allowed: tuple[str, ...], default: str) -> str:

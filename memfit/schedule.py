@@ -6,16 +6,59 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from memfit.errors import FileFormatError
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import KINDS_HELP, read
+from memfit.profile import ParallelLayout, read_parallel
 
 if TYPE_CHECKING:
     from torch import nn  # only the fingerprint's argument: the optimizer and the CLI's checks run without torch
 
 SCHEDULE_FORMAT = "memfit.schedule/1"
+
+
+class BaselineFigures(TypedDict, total=False):
+    """How a baseline strategy did at the schedule's budget: its own plan's figures where it fits,
+    its tightest schedule's where it does not; none where it has no schedule (``applies``)."""
+
+    applies: bool
+    fits: bool
+    peak_bytes: int
+    recompute_s: float
+    overhead: float
+
+
+class Fallback(TypedDict):
+    """A tighter plan for ``memfit.tighten``, for the same units."""
+
+    budget_bytes: int
+    policies: dict[str, str]
+    predicted_peak_bytes: int
+    predicted_recompute_s: float
+    predicted_overhead: float
+
+
+class CompiledPeak(TypedDict):
+    """A plan for the step under ``torch.compile``: its backend and the compiled step's measured peak."""
+
+    backend: str
+    peak_bytes: int
+
+
+class Source(TypedDict, total=False):
+    """How the CLI built the model (scenarios.py), so that ``validate`` can build it again."""
+
+    scenario: str | None
+    model: str | None
+    dtype: str | None
+    units: str | list[str] | None
+    input_shape: list[int] | None
+
+
+_AT_LEAST_0 = {"peak_bytes": 0, "recompute_s": 0.0, "overhead": 0.0}
+Levels = dict[str, list[list[Any]]]  # "plan" / "none" -> [phase, live bytes at its start, its peak] each
 
 
 @dataclass(slots=True)
@@ -31,19 +74,15 @@ class Schedule:
     solve_s: float | None  # not saved (it would make identical plans differ): None once loaded
     fingerprint: dict[str, Any]
     input_shapes: str = ""
-    # baseline name -> {"applies", "fits"[, "peak_bytes", "recompute_s", "overhead"]}
-    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    baselines: dict[str, BaselineFigures] = field(default_factory=dict)  # by baseline name
     optimizer: str | None = "adamw"  # the optimizer whose state the plan counted
     device: str = "cpu"  # where the profile was measured
-    source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
-    # predicted (phase, live bytes at its start, its peak) for "plan" and "none", for timelines
-    levels: dict[str, list[list[Any]]] = field(default_factory=dict)
-    # tighter plans for memfit.tighten: budget_bytes, policies, predicted_peak_bytes, _recompute_s, _overhead
-    fallbacks: list[dict[str, Any]] = field(default_factory=list)
-    # planned for a step under torch.compile: {"backend", "peak_bytes" (its compiled step, measured)}
-    compile: dict[str, Any] = field(default_factory=dict)
+    source: Source = field(default_factory=lambda: Source())
+    levels: Levels = field(default_factory=dict)  # predicted, for timelines
+    fallbacks: list[Fallback] = field(default_factory=list)  # tighter each
+    compile: CompiledPeak | dict[str, Any] = field(default_factory=dict)  # {} for the eager step
     target: str = ""  # the device the profile was estimated for (devices.py); "" when measured
-    parallel: dict[str, Any] = field(default_factory=dict)  # {"kind": fsdp|ddp, "world_size"}: a plan per rank
+    parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # a plan per rank; {} for one process
     # loaded from a file whose policies were changed after planning: its predictions are another plan's
     edited: bool = False
 
@@ -69,17 +108,11 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     """Read a schedule written by ``Schedule.save`` / ``memfit plan -o``, checking every field."""
     f = Fields(read_json(path, SCHEDULE_FORMAT), str(path))
     policies = _policies(f.obj("policies"))
-    baselines = f.obj("baselines").data if "baselines" in f.data else {}
-    for name, figures in baselines.items():
-        if not isinstance(figures, dict) or not all(
-                isinstance(v, (bool, int, float)) for v in figures.values()):
+    baselines = f.obj("baselines") if "baselines" in f.data else Fields({}, str(path))
+    for name, figures in baselines.data.items():
+        if not isinstance(figures, dict):
             raise FileFormatError(f"{path}: field 'baselines' gives {name!r} {str(figures)[:60]}; "
                                   "expected an object of numbers")
-    source = f.obj("source").data if "source" in f.data else {}
-    for key, kinds in (("scenario", str), ("model", str), ("dtype", str), ("units", (str, list)),
-                       ("input_shape", list)):
-        if source.get(key) is not None and not isinstance(source[key], kinds):
-            raise FileFormatError(f"{path}: field 'source.{key}' has an invalid value {source[key]!r}")
     fingerprint = f.obj("fingerprint")
     for key in ("model_class", "units", "params_sha256"):
         if key not in fingerprint.data:
@@ -96,21 +129,17 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         solve_s=None,
         fingerprint=fingerprint.data,
         input_shapes=str(f.data.get("input_shapes", "")),
-        baselines=dict(baselines),
+        baselines={name: baselines.obj(name).record(BaselineFigures, _AT_LEAST_0) for name in baselines.data},
         optimizer=f.opt_str("optimizer") if "optimizer" in f.data else "adamw",
         device=str(f.data.get("device", "cpu")),
-        source=source,
+        source=Source(**f.obj("source").record(Source)) if "source" in f.data else Source(),
         levels=_levels(f, str(path)),
         fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
-        compile=_compile(f.obj("compile")) if f.data.get("compile") else {},
+        compile=f.obj("compile").record(CompiledPeak, {"peak_bytes": 1}) if f.data.get("compile") else {},
         target=str(f.data.get("target", "")),
-        parallel=dict(f.obj("parallel").data) if f.data.get("parallel") else {},
+        parallel=read_parallel(f),
         edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(policies),
     )
-
-
-def _compile(f: Fields) -> dict[str, Any]:
-    return {"backend": f.str("backend"), "peak_bytes": f.int("peak_bytes", minimum=1)}
 
 
 def _policies(f: Fields) -> dict[str, str]:
@@ -120,17 +149,16 @@ def _policies(f: Fields) -> dict[str, str]:
     return dict(f.data)
 
 
-def _fallback(f: Fields, units: list[str]) -> dict[str, Any]:
+def _fallback(f: Fields, units: list[str]) -> Fallback:
     policies = _policies(f.obj("policies"))
     if list(policies) != units:
         raise FileFormatError(f"{f.where}: its units differ from the schedule's")
-    return {"budget_bytes": f.int("budget_bytes", minimum=1), "policies": policies,
-            "predicted_peak_bytes": f.int("predicted_peak_bytes", minimum=0),
-            "predicted_recompute_s": f.float("predicted_recompute_s", minimum=0.0),
-            "predicted_overhead": f.float("predicted_overhead", minimum=0.0)}
+    fallback = f.record(Fallback, {"budget_bytes": 1, "predicted_peak_bytes": 0, "predicted_recompute_s": 0.0,
+                                   "predicted_overhead": 0.0})
+    return Fallback(**{**fallback, "policies": policies})
 
 
-def _levels(f: Fields, path: str) -> dict[str, list[list[Any]]]:
+def _levels(f: Fields, path: str) -> Levels:
     levels = f.obj("levels").data if "levels" in f.data else {}
     for key, series in levels.items():
         if not isinstance(series, list) or not all(

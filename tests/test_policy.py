@@ -6,8 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from memfit.policy import (DERIVE, FULL, KEEP, KINDS_HELP, Children, PolicyError, Segment, Selective, is_option,
-                           is_segment, parse, read)
+from memfit.policy import (
+    DERIVE,
+    FULL,
+    KEEP,
+    KINDS_HELP,
+    Children,
+    PolicyError,
+    Segment,
+    Selective,
+    is_option,
+    is_segment,
+    parse,
+    read,
+)
 
 RELEASE = Path(__file__).parent / "fixtures" / "release"
 
@@ -36,7 +48,7 @@ def test_each_spelling_parses_to_one_variant_and_back(text, policy):
                                   "selective:@attn", "selective:gemm@", "segment:h.0", "segment:..h.1",
                                   "segment:h.0..", "derive:x", "full:h.0"])
 def test_what_is_no_policy_is_refused(text):
-    with pytest.raises(PolicyError, match="expected none, full|empty module"):
+    with pytest.raises(PolicyError, match=r"expected none, full|empty module"):
         parse(text)
     assert read(text) is None and not is_option(text) and not is_segment(text)
 

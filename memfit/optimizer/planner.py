@@ -15,7 +15,7 @@ from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.model import predict
 from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
-from memfit.schedule import Schedule
+from memfit.schedule import BaselineFigures, Fallback, Schedule
 
 GRANULARITIES = ("module", "fine")
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
@@ -117,7 +117,7 @@ def plan(
 
 def _choose(
     profile: Profile, budget_bytes: int, strategy: str, solver: str, segments: bool, max_segment: int,
-    time_limit: float | None, fine: bool = False, figures: dict[str, dict[str, Any]] | None = None,
+    time_limit: float | None, fine: bool = False, figures: dict[str, BaselineFigures] | None = None,
 ) -> tuple[Policies, str, str, str, float]:
     """(policies, strategy, solver, status, seconds) of the cheapest schedule of ``strategy``
     that fits. When the ILP's time limit passes with no answer, the cheapest fitting baseline
@@ -168,7 +168,7 @@ def _choose(
 
 
 def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: str, segments: bool,
-               max_segment: int, time_limit: float | None, fine: bool) -> list[dict[str, Any]]:
+               max_segment: int, time_limit: float | None, fine: bool) -> list[Fallback]:
     """Up to ``count`` plans with ever lower predicted peaks, the last at the smallest feasible."""
     if count == 0:
         return []
@@ -176,7 +176,7 @@ def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: s
         least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment, fine=fine)
     else:
         least = strategy_min_budget(profile, strategy)
-    ladder: list[dict[str, Any]] = []
+    ladder: list[Fallback] = []
     for i in range(1, count + 1):
         above = ladder[-1]["predicted_peak_bytes"] if ladder else peak
         cap = min(peak - (peak - least) * i // count, above - 1)
@@ -184,19 +184,19 @@ def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: s
             break
         policies = _choose(profile, cap, strategy, solver, segments, max_segment, time_limit, fine)[0]
         p = predict(profile, policies)
-        ladder.append({"budget_bytes": cap, "policies": policies, "predicted_peak_bytes": p.peak_bytes,
-                       "predicted_recompute_s": p.recompute_s, "predicted_overhead": p.overhead})
+        ladder.append(Fallback(budget_bytes=cap, policies=policies, predicted_peak_bytes=p.peak_bytes,
+                               predicted_recompute_s=p.recompute_s, predicted_overhead=p.overhead))
     return ladder
 
 
-def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, Any]]:
+def baselines(profile: Profile, budget_bytes: int) -> dict[str, BaselineFigures]:
     """Every baseline strategy at this budget: whether it applies to the model at all and fits,
     and the predicted peak, recompute time and overhead of the schedule it uses, or when it
     does not fit, of its tightest schedule (the least peak it can reach)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, BaselineFigures] = {}
     for name, baseline in BASELINES.items():
         if not_applicable(profile, name):
-            out[name] = {"applies": False, "fits": False}
+            out[name] = BaselineFigures(applies=False, fits=False)
             continue
         _, predictions = predicted(baseline, profile)
         k = pick(baseline, predictions, budget_bytes)
@@ -204,8 +204,8 @@ def baselines(profile: Profile, budget_bytes: int) -> dict[str, dict[str, Any]]:
         if k is None:
             k = min(range(len(predictions)), key=lambda i: (predictions[i].peak_bytes, predictions[i].recompute_s))
         p = predictions[k]
-        out[name] = {"applies": True, "fits": fits, "peak_bytes": p.peak_bytes, "recompute_s": p.recompute_s,
-                     "overhead": p.overhead}
+        out[name] = BaselineFigures(applies=True, fits=fits, peak_bytes=p.peak_bytes, recompute_s=p.recompute_s,
+                                    overhead=p.overhead)
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.measure.fake import estimating
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
-from memfit.profile import Profile
+from memfit.profile import ParallelLayout, Profile
 from memfit.torch_private import FakeTensorMode, fake_store
 from memfit.units import find_units
 
@@ -108,7 +108,7 @@ def estimate(
         prof = profile(model, inputs, loss_fn=loss_fn, units=names, optimizer=optimizer, repeat=1,
                        progress=progress, granularity=granularity, children=children)
         if parallel is not None:
-            prof.parallel = {"kind": parallel, "world_size": world_size}
+            prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)
     prof.mode, prof.target = "estimated", spec.name
     if spec.cuda:

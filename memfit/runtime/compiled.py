@@ -25,7 +25,7 @@ from memfit.measure.step import Inputs, LossFn, default_loss, device_of, make_op
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.profile import Profile
 from memfit.runtime.apply import clear_policies, set_policies
-from memfit.schedule import Schedule
+from memfit.schedule import CompiledPeak, Schedule
 
 ROUNDS = 4  # re-plans at most; each costs a compilation
 
@@ -91,7 +91,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
         peak = compiled_peak(model, inputs, schedule.policies, backend, loss_fn=loss_fn, optimizer=optimizer)
         tried.append((schedule.predicted_peak_bytes, peak))
         if peak <= target and (best is None or schedule.predicted_recompute_s < best.predicted_recompute_s):
-            schedule.compile = {"backend": backend, "peak_bytes": peak}
+            schedule.compile = CompiledPeak(backend=backend, peak_bytes=peak)
             best = schedule
         cap = schedule.predicted_peak_bytes + (target - peak)
     if best is not None:
