@@ -1,13 +1,11 @@
 """The fake meters of estimate mode (profiler/estimate.py): live bytes of fake storages, rounded
 as the CUDA caching allocator rounds them on CUDA targets, and a roofline clock over a device's
-published figures. Beside the real meters in memory.py; the profiler's timeline picks these
-while ``estimating`` is on (a module-level flag, still to be passed instead: issue 22)."""
+published figures. ``fake_meters`` hands them to the profiler, as meters.py hands it the real ones."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,10 +14,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.devices import Device
 from memfit.measure.memory import Mark
+from memfit.measure.meters import Meters
 from memfit.measure.step import iter_tensors, storage_key
 from memfit.torch_private import TorchDispatchMode
 
-_ACTIVE: list[Device] = []
 CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
 # Convolution kernels reorder their operands into scratch buffers (oneDNN on the CPU, cuDNN
 # workspaces on CUDA) that fake tensors cannot show: allowed for as this many copies of the op's
@@ -28,18 +26,9 @@ CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
 _WORKSPACE = {"convolution": 1, "convolution_backward": 2}
 
 
-def active() -> Device | None:
-    """The target being estimated for, inside ``estimating``."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-@contextmanager
-def estimating(target: Device) -> Iterator[None]:
-    _ACTIVE.append(target)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
+def fake_meters(target: Device) -> Meters:
+    """Estimate mode's meters for ``target``: live bytes of fake storages, a roofline clock."""
+    return Meters(lambda: FakeMemoryRecorder(target), lambda: RooflineClock(target))
 
 
 class FakeMemoryRecorder(TorchDispatchMode):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.measure.meters import Meters, real_meters
 from memfit.measure.step import (
     Inputs,
     LossFn,
@@ -47,13 +48,15 @@ def profile(
     progress: Progress | None = None,
     granularity: str = "module",
     children: list[str] | None = None,
+    meters: Meters | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
     unit checkpointed, and return the per-unit costs the planner needs. ``granularity="fine"``
     also measures finer options (see profiler/options.py), each in a step of its own with every
     unit that has it in it, for ``plan(..., granularity="fine")``; ``children`` (relative names
     such as ``["attn", "mlp", "attn+mlp"]``) names the child options to measure instead of the
-    automatic choice.
+    automatic choice. ``meters``: what to measure with (default: the model's device's own;
+    estimate mode passes fake ones, measure/fake.py).
 
     ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments, on
     the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
@@ -77,6 +80,7 @@ def profile(
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")
     device = device_of(model)
+    meters = meters or real_meters(device)
     with _left_as_found(model):
         model.train()
         opt = make_optimizer(optimizer, model.parameters())
@@ -100,7 +104,7 @@ def profile(
             with _units_as(model, policies):
                 zero_grad(model, opt)
                 training_step(model, inp, loss, opt)  # warm-up in this configuration
-                memory[option] = stretches(recorded_step(model, names, inp, loss, opt, device, "memory"))
+                memory[option] = stretches(recorded_step(model, names, inp, loss, opt, meters, "memory"))
             check_same_shape(memory["none"], memory[option], f"every unit was {option}")
         _check_order(memory["none"], names)
         per_round = 2 * len(options)  # each configuration: an untimed step, then a timed one
@@ -110,7 +114,7 @@ def profile(
             if (call := next(calls)) % per_round == 0:
                 say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
             with _units_as(model, configs[k]):
-                return stretches(recorded_step(model, names, inp, loss, opt, device, "time"))
+                return stretches(recorded_step(model, names, inp, loss, opt, meters, "time"))
 
         times, full_times, *finer_times = alternate(timed, len(options), repeat)
         zero_grad(model, opt)

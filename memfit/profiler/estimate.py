@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError
-from memfit.measure.fake import estimating
+from memfit.measure.fake import fake_meters
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
 from memfit.profile import ParallelLayout, Profile
 from memfit.torch_private import FakeTensorMode, fake_store
@@ -97,7 +97,7 @@ def estimate(
     from memfit.profiler import profile
 
     spec = device_spec(target)
-    with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), estimating(spec), _fused_attention(spec.cuda):
+    with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), _fused_attention(spec.cuda):
         built = build()
         if not (isinstance(built, tuple) and len(built) == 2):
             raise MemfitError("build() must return (model, inputs)")
@@ -106,7 +106,7 @@ def estimate(
         if parallel and mesh is not None:  # FSDP2: its fake ranks' mesh
             shard(model, names, parallel, mesh)
         prof = profile(model, inputs, loss_fn=loss_fn, units=names, optimizer=optimizer, repeat=1,
-                       progress=progress, granularity=granularity, children=children)
+                       progress=progress, granularity=granularity, children=children, meters=fake_meters(spec))
         if parallel is not None:
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)

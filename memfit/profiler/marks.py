@@ -8,16 +8,13 @@ the gradient of its input is complete (tensor hooks), plus the step's own ``forw
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import MemfitError
-from memfit.measure.memory import Mark
 from memfit.measure.step import iter_tensors
 from memfit.runtime.regions import recomputing
 
@@ -83,25 +80,3 @@ class UnitMarks:
         # One tensor can end one unit's backward and begin the previous one's: ends come first.
         for label in sorted(labels, key=lambda s: s.startswith("bwd:")):
             self.on_mark(label)
-
-
-class TimeRecorder:
-    """Wall-clock time at each mark (CUDA is synchronised first, so a mark's time is real)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._marks: list[Mark] = []
-
-    def __enter__(self) -> TimeRecorder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def on_mark(self, label: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._marks.append(Mark(label, 0, 0, time.perf_counter()))
-
-    def marks(self) -> list[Mark]:
-        return self._marks

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.measure import fake
-from memfit.measure.memory import Mark, memory_recorder
+from memfit.measure.memory import Mark
+from memfit.measure.meters import Meters
 from memfit.measure.step import Inputs, LossFn, training_step, zero_grad
-from memfit.profiler.marks import TimeRecorder, UnitMarks
+from memfit.profiler.marks import UnitMarks
 
 
 @dataclass(slots=True)
@@ -32,16 +31,12 @@ def recorded_step(
     inputs: Inputs,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
-    device: torch.device,
+    meters: Meters,
     what: str,
 ) -> list[Mark]:
     """One training step with marks; ``what`` is ``memory`` or ``time``."""
     zero_grad(model, optimizer)
-    target = fake.active()
-    if target is not None:  # fake tensors: live bytes of fake storages, roofline time
-        recorder: Any = fake.FakeMemoryRecorder(target) if what == "memory" else fake.RooflineClock(target)
-    else:
-        recorder = memory_recorder(device) if what == "memory" else TimeRecorder(device)
+    recorder = meters.memory() if what == "memory" else meters.clock()
     with recorder, UnitMarks(model, unit_names, recorder.on_mark):
         training_step(model, inputs, loss_fn, optimizer, on_mark=recorder.on_mark)
     return recorder.marks()

@@ -1,0 +1,58 @@
+"""The meters a training step is measured with, behind one small interface: a recorder that notes
+live bytes or time at each mark. Real ones (memory.py on the CPU and CUDA, ``TimeRecorder``) or
+estimate mode's fake ones (fake.py); the profiler is handed a ``Meters`` and does not ask which."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from memfit.measure.memory import Mark, memory_recorder
+
+
+class Recorder(Protocol):
+    """Notes a ``Mark`` at each ``on_mark`` while entered."""
+
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: object) -> Any: ...
+    def on_mark(self, label: str) -> None: ...
+    def marks(self) -> list[Mark]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Meters:
+    """A fresh memory recorder and a fresh clock for each measured step."""
+
+    memory: Callable[[], Recorder]
+    clock: Callable[[], Recorder]
+
+
+def real_meters(device: torch.device) -> Meters:
+    """The device's own: exact live bytes (memory.py) and the wall clock."""
+    return Meters(lambda: memory_recorder(device), lambda: TimeRecorder(device))
+
+
+class TimeRecorder:
+    """Wall-clock time at each mark (CUDA is synchronised first, so a mark's time is real)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._marks: list[Mark] = []
+
+    def __enter__(self) -> TimeRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def on_mark(self, label: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._marks.append(Mark(label, 0, 0, time.perf_counter()))
+
+    def marks(self) -> list[Mark]:
+        return self._marks

@@ -1,0 +1,84 @@
+"""runtime/regions.py on its own: a Region checkpoints its modules in place (recomputed once in the
+backward, gradients and BatchNorm statistics as without it), a segment keeps only its first
+member's input, and removing a region gives the module back as it was."""
+
+import copy
+
+import torch
+from torch import nn
+
+from memfit.runtime.regions import Region, guard, recomputing
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(d, d), nn.BatchNorm1d(d)
+        self.calls: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(recomputing())
+        y = self.norm(self.lin(x))
+        y += x  # in place on the BatchNorm output, as ResNets do
+        return torch.relu(y)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(4)))
+
+
+def _step(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(1)
+    loss = model(torch.randn(8, 16)).square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def _saved_bytes(model: nn.Module) -> int:
+    """Bytes autograd packs in the forward (what the step keeps until its backward)."""
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randn(8, 16)).sum()
+    return total[0]
+
+
+def test_a_region_recomputes_once_and_trains_as_without_it():
+    plain, ckpt = _net(), _net()
+    regions = [Region([ckpt[1]]), Region([ckpt[3]])]
+    handles = guard(ckpt, regions)
+    for a, b in zip(_step(plain)[1], _step(ckpt)[1], strict=True):
+        assert torch.equal(a, b)
+    assert _step(plain)[0] == _step(ckpt)[0]
+    for p, c in zip(plain.modules(), ckpt.modules(), strict=True):  # BatchNorm statistics put back
+        if isinstance(p, nn.BatchNorm1d):
+            assert torch.equal(p.running_mean, c.running_mean) and p.num_batches_tracked == c.num_batches_tracked
+    assert ckpt[1].calls[:2] == [False, True] and ckpt[0].calls[:1] == [False] and len(ckpt[0].calls) == 2
+    for h in handles:
+        h.remove()
+
+
+def test_a_segment_keeps_less_than_its_members_alone():
+    alone, segment = _net(), _net()
+    regions_alone = [Region([alone[1]]), Region([alone[2]])]
+    region_seg = Region([segment[1], segment[2]])
+    assert _saved_bytes(segment) < _saved_bytes(alone) < _saved_bytes(_net())
+    for r in [*regions_alone, region_seg]:
+        r.remove()
+
+
+def test_removing_a_region_gives_the_module_back():
+    model = _net()
+    before = model[2].forward
+    region = Region([model[2]])
+    assert "_memfit_region" in model[2].__dict__
+    region.remove()
+    assert "_memfit_region" not in model[2].__dict__ and model[2].forward == before
+    assert not model[2]._forward_hooks and not model[2]._forward_pre_hooks
+    twin = copy.deepcopy(model)
+    assert torch.equal(_step(model)[0], _step(twin)[0])
