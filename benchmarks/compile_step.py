@@ -20,11 +20,11 @@ import torch
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.harness import measure_steps
 from memfit.measure.step import Inputs, default_loss, make_optimizer
 from memfit.measure.timing import alternate, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
+from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 
 

@@ -44,10 +44,10 @@ from peer_tools import SacMilp, budget_backend, hand_made, plan_summary, same_gr
 import memfit
 from memfit.budget import format_bytes
 from memfit.jsonio import write_atomic
-from memfit.measure.harness import StepRun, measure_steps
 from memfit.measure.step import Inputs, default_loss, make_optimizer
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.report import table
+from memfit.runtime.harness import StepRun, measure_steps
 from memfit.scenarios import load_scenario
 from memfit.units import find_units
 

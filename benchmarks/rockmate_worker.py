@@ -92,7 +92,6 @@ def run(args: argparse.Namespace, rockmate: Any) -> dict[str, Any]:
     from torch import nn
 
     from memfit.budget import format_bytes
-    from memfit.measure.harness import measure_steps
     from memfit.measure.step import (
         Inputs,
         default_loss,
@@ -105,6 +104,7 @@ def run(args: argparse.Namespace, rockmate: Any) -> dict[str, Any]:
         training_step,
     )
     from memfit.measure.timing import alternate, median_ratio, timed_step
+    from memfit.runtime.harness import measure_steps
     from memfit.scenarios import load_scenario
     from memfit.zoo import GPT
 

@@ -16,10 +16,10 @@ import argparse
 import copy
 
 import memfit
-from memfit.measure.harness import measure_steps
 from memfit.optimizer import STRATEGY_NAMES
 from memfit.report import table
 from memfit.runtime.apply import set_policies
+from memfit.runtime.harness import measure_steps
 from memfit.runtime.validate import step_times
 from memfit.scenarios import load_scenario
 

@@ -25,11 +25,11 @@ from peer_tools import budget_backend, plan_summary
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.harness import measure_steps
 from memfit.measure.step import Inputs, default_loss, make_optimizer
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
+from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 
 

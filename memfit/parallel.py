@@ -63,9 +63,17 @@ def measure_ranks(scenario: Any, plans: list[dict[str, str]], *, parallel: str, 
 
 
 def _spawn(target: Any, scenario: Any, parallel: str, world_size: int, device: str, extra: dict[str, Any]) -> Any:
+    check_parallel(parallel, world_size)
+    return spawn_ranks(target, world_size, device, scenario, parallel, who=f"{parallel} ranks", **extra)
+
+
+def spawn_ranks(target: Any, world_size: int, device: str, *args: Any, who: str = "ranks", **kwargs: Any) -> Any:
+    """``target(device, *args, **kwargs)`` on ``world_size`` spawned ranks of one process group
+    (gloo on the CPU, NCCL on CUDA, ``device`` being each rank's ``cuda:<rank>`` or ``cpu``):
+    rank 0's answer, or a MemfitError with the failing rank's traceback. ``target`` must be
+    importable (spawned ranks import it), as must its arguments be picklable."""
     import torch.multiprocessing as mp
 
-    check_parallel(parallel, world_size)
     if device.startswith("cuda") and torch.cuda.device_count() < world_size:
         raise MemfitError(f"{world_size} ranks need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
     with socket.socket() as s:
@@ -73,12 +81,12 @@ def _spawn(target: Any, scenario: Any, parallel: str, world_size: int, device: s
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(target, r, world_size, port, device, scenario, parallel, extra, queue))
+    procs = [ctx.Process(target=_rank, args=(target, r, world_size, port, device, args, kwargs, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
     try:
-        status, payload = _answer(queue, procs, f"the {world_size} {parallel} ranks")
+        status, payload = _answer(queue, procs, f"the {world_size} {who}")
     except BaseException:  # Ctrl-C, or a rank that died: the ranks' work is no longer wanted
         for p in procs:
             p.kill()
@@ -89,7 +97,7 @@ def _spawn(target: Any, scenario: Any, parallel: str, world_size: int, device: s
             if p.is_alive():
                 p.kill()
     if status != "ok":
-        raise MemfitError(f"a {parallel} rank failed: {payload}")
+        raise MemfitError(f"a rank of the {who} failed: {payload}")
     return payload
 
 
@@ -111,8 +119,8 @@ def _answer(queue: Any, procs: list[Any], who: str) -> tuple[str, Any]:
     raise MemfitError(f"{who} gave no answer within {TIMEOUT_S} s")
 
 
-def _rank(target: Any, rank: int, world_size: int, port: int, device: str, scenario: Any, parallel: str,
-          extra: dict[str, Any], queue: Any) -> None:
+def _rank(target: Any, rank: int, world_size: int, port: int, device: str, args: tuple[Any, ...],
+          kwargs: dict[str, Any], queue: Any) -> None:
     import torch.distributed as dist
 
     # Ctrl-C reaches the whole process group; the parent, which has the terminal, stops the ranks
@@ -124,7 +132,7 @@ def _rank(target: Any, rank: int, world_size: int, port: int, device: str, scena
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
     try:
-        result = target(scenario, parallel, f"cuda:{rank}" if cuda else "cpu", **extra)
+        result = target(f"cuda:{rank}" if cuda else "cpu", *args, **kwargs)
         if rank == 0:
             queue.put(("ok", result))
     except Exception as exc:  # reported by the parent, which has the terminal
@@ -146,7 +154,7 @@ def _wrapped_names(wrapped: nn.Module, model: nn.Module, names: list[str]) -> li
     return [f"module.{n}" for n in names] if wrapped is not model else names
 
 
-def _profile_rank(scenario: Any, parallel: str, device: str, *, repeat: int, granularity: str) -> dict[str, Any]:
+def _profile_rank(device: str, scenario: Any, parallel: str, *, repeat: int, granularity: str) -> dict[str, Any]:
     from memfit.profiler import profile
     from memfit.schedule import model_fingerprint
 
@@ -165,9 +173,9 @@ def _profile_rank(scenario: Any, parallel: str, device: str, *, repeat: int, gra
     return dataclasses.asdict(prof)
 
 
-def _measure_rank(scenario: Any, parallel: str, device: str, *, plans: list[dict[str, str]]) -> dict[str, Any]:
-    from memfit.measure.harness import measure_steps
+def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[dict[str, str]]) -> dict[str, Any]:
     from memfit.runtime.apply import set_policies
+    from memfit.runtime.harness import measure_steps
     from memfit.units import find_units
 
     out: dict[str, Any] = {"peaks": [], "losses": [], "grads": []}

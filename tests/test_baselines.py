@@ -5,9 +5,9 @@ import copy
 import pytest
 
 import memfit
-from memfit.measure.harness import measure_steps
 from memfit.optimizer.baselines import STRATEGIES
 from memfit.optimizer.planner import strategy_min_budget
+from memfit.runtime.harness import measure_steps
 
 from .conftest import random_profile, tiny_gpt
 

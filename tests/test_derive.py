@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.measure.harness import measure_steps
 from memfit.runtime.apply import clear_policies, set_policies
 from memfit.runtime.derive import Derive
+from memfit.runtime.harness import measure_steps
 
 from .conftest import tiny_gpt
 from .test_apply import _assert_identical, _run

@@ -9,9 +9,9 @@ import torch
 
 import memfit
 from memfit.devices import DEVICES, device_spec
-from memfit.measure.harness import measure_steps
 from memfit.measure.step import Inputs
 from memfit.profiler.estimate import estimate
+from memfit.runtime.harness import measure_steps
 
 from .conftest import tiny_gpt
 from .test_fidelity import cnn_mixed, hf_gpt2, hf_llama

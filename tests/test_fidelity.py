@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.measure.harness import measure_steps
+from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 
 from .conftest import tiny_gpt

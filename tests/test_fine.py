@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import memfit
-from memfit.measure.harness import measure_steps
 from memfit.measure.step import Inputs, default_loss
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.apply import clear_policies, set_policies
+from memfit.runtime.harness import measure_steps
 
 from .conftest import tiny_gpt
 from .test_apply import _assert_identical, _run, _schedule

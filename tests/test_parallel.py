@@ -6,8 +6,8 @@ import pytest
 import torch.distributed as dist
 
 import memfit
-from memfit.measure.harness import measure_steps
 from memfit.parallel import fsdp_headroom, measure_ranks, profile_ranks
+from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 from memfit.units import find_units
 

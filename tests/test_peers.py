@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.measure.harness import measure_steps
 from memfit.measure.step import default_loss, make_optimizer
+from memfit.runtime.harness import measure_steps
 
 from .conftest import tiny_gpt
 

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.measure.harness import measure_steps
 from memfit.measure.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
 from memfit.profiler.saved import unit_facts
+from memfit.runtime.harness import measure_steps
 from memfit.units import find_units
 
 from .conftest import kw_net, tiny_gpt
@@ -123,7 +123,7 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     ratio of adjacent plain and all-checkpointed steps, and units share it by forward time."""
     from memfit.measure.timing import alternate
     from memfit.profiler import _recompute_factor
-    from memfit.profiler.timeline import Stretch
+    from memfit.runtime.marks import Stretch
 
     def run(fwd: list[float], bwd: list[float], rest: float) -> list[Stretch]:
         marks = [Stretch(f"fwd:{i}", 0, 0, t) for i, t in enumerate(fwd)]

@@ -103,7 +103,7 @@ def test_fallbacks_are_ever_tighter_and_round_trip(planned, tmp_path):
 def test_tighten_walks_the_ladder_and_each_plan_fits(planned):
     """Each rung's measured peak is its predicted one (the CPU meter is exact), and an injected
     out-of-memory error in a training loop is survived by stepping down."""
-    from memfit.measure.harness import measure_steps
+    from memfit.runtime.harness import measure_steps
 
     prof, _ = planned
     sched = memfit.plan(prof, memfit.predict(prof, {}).peak_bytes, fallbacks=2)

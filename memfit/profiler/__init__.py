@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.measure.meters import Meters, real_meters
+from memfit.measure.meters import Meters
 from memfit.measure.step import (
     Inputs,
     LossFn,
     default_loss,
-    device_of,
-    make_optimizer,
     optimizer_tensors,
     static_bytes,
     storage_bytes,
@@ -29,8 +26,9 @@ from memfit.policy import COARSE, Children, read
 from memfit.profile import OptionCost, Phase, Profile, UnitProfile
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import UnitFacts, unit_facts
-from memfit.profiler.timeline import Stretch, check_same_shape, recorded_step, stretches
-from memfit.runtime.apply import clear_policies, is_checkpointed, set_policies
+from memfit.runtime.apply import is_checkpointed
+from memfit.runtime.harness import StepHarness
+from memfit.runtime.marks import Stretch, check_same_shape, stretches
 from memfit.schedule import model_fingerprint
 from memfit.units import find_units
 
@@ -79,11 +77,11 @@ def profile(
     names = find_units(model, units)
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")
-    device = device_of(model)
-    meters = meters or real_meters(device)
-    with _left_as_found(model):
+    harness = StepHarness(model, inp, loss_fn=loss, optimizer=optimizer)
+    # lr 0: the steps leave the weights as they are, so only the rest is put back (no weight copy)
+    with harness.restoring(weights=False):
         model.train()
-        opt = make_optimizer(optimizer, model.parameters())
+        opt = harness.new_optimizer()
         say("warm-up step")
         zero_grad(model, opt)
         training_step(model, inp, loss, opt)  # creates the optimizer state: steady state follows
@@ -91,30 +89,17 @@ def profile(
         facts = unit_facts(model, names, inp, loss)
         finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
         options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
-        offered = {o.names for o in map(read, options) if isinstance(o, Children)}
-        for c in children or []:
-            if c not in offered:
-                unit = model.get_submodule(names[0])
-                raise MemfitError(f"no unit has the child {c!r}; {names[0]}'s children are "
-                                  f"{', '.join(n for n, _ in unit.named_children())} (nested ones with dots: mlp.0)")
+        _check_children(model, names, options, children)
         configs = [{n: o if o in COARSE or o in finer[n] else "none" for n in names} for o in options]
-        memory: dict[str, list[Stretch]] = {}
-        for option, policies in zip(options, configs, strict=True):
-            say(f"memory with every unit {option}")
-            with _units_as(model, policies):
-                zero_grad(model, opt)
-                training_step(model, inp, loss, opt)  # warm-up in this configuration
-                memory[option] = stretches(recorded_step(model, names, inp, loss, opt, meters, "memory"))
-            check_same_shape(memory["none"], memory[option], f"every unit was {option}")
-        _check_order(memory["none"], names)
+        memory = _memory(harness, opt, names, dict(zip(options, configs, strict=True)), meters, say)
         per_round = 2 * len(options)  # each configuration: an untimed step, then a timed one
         calls = iter(range(per_round * repeat))
 
         def timed(k: int) -> list[Stretch]:
             if (call := next(calls)) % per_round == 0:
                 say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
-            with _units_as(model, configs[k]):
-                return stretches(recorded_step(model, names, inp, loss, opt, meters, "time"))
+            with harness.options(configs[k]):
+                return stretches(harness.marked_step(opt, names, "time", meters))
 
         times, full_times, *finer_times = alternate(timed, len(options), repeat)
         zero_grad(model, opt)
@@ -122,13 +107,39 @@ def profile(
         state_bytes = storage_bytes(optimizer_tensors(opt))
     params = list(model.parameters())
     prof = _assemble(
-        model, names, inp, optimizer, device, memory, times, facts, baseline, state_bytes, params,
+        model, names, inp, optimizer, harness.device, memory, times, facts, baseline, state_bytes, params,
         _recompute_factor(times, full_times),
     )
     for option, runs in zip(options[len(COARSE):], finer_times, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], times, runs)
     _prune(prof)
     return prof
+
+
+def _check_children(model: nn.Module, names: list[str], options: list[str], children: list[str] | None) -> None:
+    """Every child the caller named is an option of some unit."""
+    offered = {o.names for o in map(read, options) if isinstance(o, Children)}
+    for c in children or []:
+        if c not in offered:
+            unit = model.get_submodule(names[0])
+            raise MemfitError(f"no unit has the child {c!r}; {names[0]}'s children are "
+                              f"{', '.join(n for n, _ in unit.named_children())} (nested ones with dots: mlp.0)")
+
+
+def _memory(harness: StepHarness, opt: torch.optim.Optimizer | None, names: list[str],
+            configs: dict[str, dict[str, str]], meters: Meters | None, say: Progress) -> dict[str, list[Stretch]]:
+    """The memory stretches of a steady-state step with every unit running each option."""
+    model, inp, loss = harness.model, harness.inputs, harness.loss_fn
+    memory: dict[str, list[Stretch]] = {}
+    for option, policies in configs.items():
+        say(f"memory with every unit {option}")
+        with harness.options(policies):
+            zero_grad(model, opt)
+            training_step(model, inp, loss, opt)  # warm-up in this configuration
+            memory[option] = stretches(harness.marked_step(opt, names, "memory", meters))
+        check_same_shape(memory["none"], memory[option], f"every unit was {option}")
+    _check_order(memory["none"], names)
+    return memory
 
 
 def _assemble(
@@ -329,35 +340,3 @@ def _dominates(a: OptionCost, b: OptionCost) -> bool:
     return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes
             and a.stored_bytes <= b.stored_bytes and a.fwd_peak_bytes <= b.fwd_peak_bytes
             and a.bwd_peak_bytes <= b.bwd_peak_bytes and a.recompute_s <= b.recompute_s)
-
-
-@contextmanager
-def _units_as(model: nn.Module, policies: dict[str, str]) -> Iterator[None]:
-    set_policies(model, policies)
-    try:
-        yield
-    finally:
-        clear_policies(model)
-
-
-@contextmanager
-def _left_as_found(model: nn.Module) -> Iterator[None]:
-    """Restore buffers (BatchNorm statistics), gradients, train/eval mode and the RNG."""
-    training = {m: m.training for m in model.modules()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    grads = [(p, p.grad) for p in model.parameters()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for p, g in grads:
-            p.grad = g
-        for m, mode in training.items():
-            m.train(mode)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)

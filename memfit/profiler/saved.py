@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.measure.step import Inputs, LossFn, iter_tensors, local, storage_bytes, storage_key
-from memfit.profiler.marks import UnitMarks
+from memfit.runtime.marks import UnitMarks
 from memfit.torch_private import TorchDispatchMode
 
 

@@ -20,11 +20,11 @@ from torch import nn
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
-from memfit.measure.harness import measure_steps
-from memfit.measure.step import Inputs, LossFn, default_loss, device_of, make_optimizer
+from memfit.measure.step import LossFn
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.profile import Profile
-from memfit.runtime.apply import clear_policies, set_policies
+from memfit.runtime.apply import set_policies
+from memfit.runtime.harness import StepHarness
 from memfit.schedule import CompiledPeak, Schedule
 
 ROUNDS = 4  # re-plans at most; each costs a compilation
@@ -43,13 +43,11 @@ def compiled_peak(model: nn.Module, inputs: Any, policies: dict[str, str], backe
                   loss_fn: LossFn | None = None, optimizer: str | None = "adamw") -> int:
     """The measured peak of a steady-state compiled step of ``model`` under ``policies``;
     ``model`` is left as it was."""
-    state = copy.deepcopy(model.state_dict())
-    set_policies(model, policies)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     try:
-        return measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend).peak_bytes
+        with harness.restoring(), harness.options(policies):
+            return harness.run(compile=backend).peak_bytes
     finally:
-        clear_policies(model)
-        model.load_state_dict(state)
         torch.compiler.reset()  # the next plan's hooks differ: start it from a clean cache
 
 
@@ -112,18 +110,17 @@ def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str],
     """Median compiled step time of the plain model, and the median ratio of the scheduled
     compiled step's to it, interleaved as ``alternate`` does, on two copies of ``model`` (a
     compiled model is not switched between plans: each switch would compile again)."""
-    inp = Inputs.of(inputs)
-    loss = loss_fn or default_loss
-    device = device_of(model)
     copies = [copy.deepcopy(model), copy.deepcopy(model)]
     set_policies(copies[1], policies)
+    steps_of = [StepHarness(m, inputs, loss_fn=loss_fn, optimizer=optimizer) for m in copies]
     runners = [torch.compile(m, backend=backend) for m in copies]
-    opts = [make_optimizer(optimizer, m.parameters()) for m in copies]
+    opts = [h.new_optimizer() for h in steps_of]
     for m in copies:
         m.train()
 
     def timed(k: int) -> float:
-        return timed_step(runners[k], copies[k], inp, loss, opts[k], device)
+        h = steps_of[k]
+        return timed_step(runners[k], h.model, h.inputs, h.loss_fn, opts[k], h.device)
 
     try:
         for k in range(2):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,19 +11,12 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitWarning, ScheduleMismatchError
-from memfit.measure.harness import measure_steps
 from memfit.measure.step import (
     Inputs,
     LossFn,
-    default_loss,
     device_of,
-    make_optimizer,
-    static_bytes,
-    training_step,
-    zero_grad,
 )
-from memfit.measure.timing import alternate, median_ratio, timed_step
-from memfit.runtime.apply import apply, clear_policies, remove, set_policies
+from memfit.runtime.harness import StepHarness
 from memfit.schedule import Schedule
 
 
@@ -64,26 +55,11 @@ def step_times(
     model: nn.Module, inputs: Any, schedules: list[dict[str, str]], *, loss_fn: LossFn | None = None,
     optimizer: str | None = "adamw", steps: int = 5,
 ) -> tuple[float, list[float]]:
-    """Median step time of the plain model, and the median ratio of each schedule's step time to
-    the plain step's in the same round (see ``alternate``): timing several schedules in one
-    series lets them share the plain steps and the machine's drift."""
-    inp = Inputs.of(inputs)
-    loss = loss_fn or default_loss
-    device = device_of(model)
-    opt = make_optimizer(optimizer, model.parameters())
-    model.train()
-    configs = [{}, *schedules]
-
-    def timed(k: int) -> float:
-        set_policies(model, configs[k])
-        try:
-            return timed_step(model, model, inp, loss, opt, device)
-        finally:
-            clear_policies(model)
-
-    plain, *others = alternate(timed, len(configs), steps)
-    return statistics.median(plain), [median_ratio(plain, t) for t in others]
-
+    """``StepHarness.step_times``: the plain model's median step time, and each schedule's
+    median ratio to it in the same round. ``model`` is left as it was."""
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    with harness.restoring():
+        return harness.step_times(schedules, steps)
 
 
 def validate(
@@ -117,26 +93,20 @@ def validate(
             f"the schedule was planned for inputs {schedule.input_shapes}, these are {shapes}: activation memory "
             "grows with batch size and sequence length; validate with the planned inputs, or plan again"
         )
-    state = copy.deepcopy(model.state_dict())
-    plain = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend)
-    model.load_state_dict(state)
-    apply(model, schedule)
-    try:
-        with warnings.catch_warnings():  # compiling an eager plan is what validate --compile is asked to check
-            warnings.filterwarnings("ignore", r"memfit: this \w+ runs under torch.compile", MemfitWarning)
-            sched = measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer, compile=backend)
-    finally:
-        remove(model)
-        model.load_state_dict(state)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    with harness.restoring():
+        plain = harness.run(compile=backend)
+    with harness.restoring(), harness.scheduled(schedule), warnings.catch_warnings():
+        # compiling an eager plan is what validate --compile is asked to check
+        warnings.filterwarnings("ignore", r"memfit: this \w+ runs under torch.compile", MemfitWarning)
+        sched = harness.run(compile=backend)
     plain_s, ratio = float("nan"), float("nan")
     if steps > 0 and backend is not None:
         plain_s, ratio = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
                                              optimizer=optimizer, steps=steps)
     elif steps > 0:
-        plain_s, (ratio,) = step_times(
-            model, inputs, [schedule.policies], loss_fn=loss_fn, optimizer=optimizer, steps=steps
-        )
-        model.load_state_dict(state)
+        with harness.restoring():
+            plain_s, (ratio,) = harness.step_times([schedule.policies], steps)
     # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute, and
     # inductor's fused reductions may sum in another order: there, equal means within 1e-5.
     exact = device_of(model).type == "cpu" and backend in (None, "eager", "aot_eager")
@@ -191,19 +161,15 @@ def measure_plans(
     """The measured peak bytes and slowdown of each plan, by ``validate``'s machinery: each peak
     from a steady-state step of its own, the slowdowns from one interleaved series of timed
     rounds that all plans share with the plain model. ``model`` is left as it was."""
-    state = copy.deepcopy(model.state_dict())
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     peaks = []
     for policies in plans:
-        set_policies(model, policies)
-        try:
-            peaks.append(measure_steps(model, inputs, loss_fn=loss_fn, optimizer=optimizer).peak_bytes)
-        finally:
-            clear_policies(model)
-            model.load_state_dict(state)
+        with harness.restoring(), harness.options(policies):
+            peaks.append(harness.run().peak_bytes)
         if progress is not None:
             progress()
-    _, ratios = step_times(model, inputs, plans, loss_fn=loss_fn, optimizer=optimizer, steps=steps)
-    model.load_state_dict(state)
+    with harness.restoring():
+        _, ratios = harness.step_times(plans, steps)
     return peaks, [r - 1.0 for r in ratios]
 
 
@@ -214,26 +180,6 @@ def measure_levels(
     """The measured (mark, live bytes at it, peak until the next mark) of one steady-state step
     of the scheduled model, at the marks the profiler sets: the measured side of a timeline,
     phase for phase beside ``schedule.levels["plan"]``. ``model`` is left as it was."""
-    from memfit.profiler.timeline import recorded_step, stretches
-
-    inp = Inputs.of(inputs)
-    loss = loss_fn or default_loss
-    device = device_of(model)
-    state = copy.deepcopy(model.state_dict())
-    opt = make_optimizer(optimizer, model.parameters())
-    model.train()
-    apply(model, schedule)
-    try:
-        zero_grad(model, opt)
-        training_step(model, inp, loss, opt)  # warm-up: the optimizer state exists from here on
-        zero_grad(model, opt)
-        level = static_bytes(model, opt, inp)
-        run = stretches(recorded_step(model, list(schedule.policies), inp, loss, opt, device, "memory"))
-    finally:
-        remove(model)
-        model.load_state_dict(state)
-    out = []
-    for s in run:
-        out.append([s.label, level, level + s.peak])
-        level += s.end
-    return out
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    with harness.restoring(), harness.scheduled(schedule):
+        return harness.levels(list(schedule.policies))

@@ -1,4 +1,4 @@
-"""Marks at unit boundaries, and recorders that read memory or time at each mark.
+"""Marks at unit boundaries, the step run with them, and the stretches between marks.
 
 A mark is a label heard at a moment of the step: ``fwd:i`` / ``fwd_end:i`` around unit i's
 forward (module hooks), ``bwd:i`` when the gradient of its output arrives and ``bwd_end:i`` when
@@ -8,14 +8,19 @@ the gradient of its input is complete (tensor hooks), plus the step's own ``forw
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import MemfitError
-from memfit.measure.step import iter_tensors
+from memfit.measure.memory import Mark
+from memfit.measure.meters import Meters
+from memfit.measure.step import Inputs, LossFn, iter_tensors, training_step, zero_grad
 from memfit.runtime.regions import recomputing
 
 
@@ -80,3 +85,49 @@ class UnitMarks:
         # One tensor can end one unit's backward and begin the previous one's: ends come first.
         for label in sorted(labels, key=lambda s: s.startswith("bwd:")):
             self.on_mark(label)
+
+
+@dataclass(slots=True)
+class Stretch:
+    """The step between two consecutive marks, named by the first."""
+
+    label: str
+    peak: int  # above the level at the first mark
+    end: int  # level change to the second mark
+    seconds: float
+
+
+def recorded_step(
+    model: nn.Module,
+    unit_names: list[str],
+    inputs: Inputs,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    meters: Meters,
+    what: str,
+) -> list[Mark]:
+    """One training step with marks; ``what`` is ``memory`` or ``time``."""
+    zero_grad(model, optimizer)
+    recorder = meters.memory() if what == "memory" else meters.clock()
+    with recorder, UnitMarks(model, unit_names, recorder.on_mark):
+        training_step(model, inputs, loss_fn, optimizer, on_mark=recorder.on_mark)
+    return recorder.marks()
+
+
+def stretches(marks: list[Mark]) -> list[Stretch]:
+    if not marks or marks[0].label != "forward" or marks[-1].label != "done":
+        raise MemfitError("the profiled step was not recorded whole (marks are missing)")
+    out = []
+    for a, b in itertools.pairwise(marks):
+        out.append(Stretch(a.label, b.peak - a.level, b.level - a.level, b.time_s - a.time_s))
+    return out
+
+
+def check_same_shape(reference: list[Stretch], other: list[Stretch], what: str) -> None:
+    ref = [s.label for s in reference]
+    got = [s.label for s in other]
+    if ref != got:
+        raise MemfitError(
+            f"the step ran its units in another order when {what}: {ref} vs {got}; memfit needs "
+            "units that run once each, in one order, forward and backward"
+        )

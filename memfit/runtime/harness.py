@@ -1,0 +1,178 @@
+"""The step harness: one model's training step as memfit measures it, set up once.
+
+``StepHarness`` owns the step's set-up (inputs, loss, an optimizer of learning rate 0, so that
+every step sees the same weights), switching units between options or applying a schedule,
+steps from a fixed seed with their measured peak, interleaved timed rounds, the step run with
+unit marks, and a full restore (weights, buffers, gradients, every module's mode, the RNG).
+The profiler, ``validate``, compiled planning, per-rank profiling, the benchmarks and the tests
+all run their steps through it. It sits in the runtime layer, beside ``apply``, because it
+switches units between options.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.measure.memory import Mark, memory_recorder
+from memfit.measure.meters import Meters, real_meters
+from memfit.measure.step import (
+    Inputs,
+    LossFn,
+    default_loss,
+    device_of,
+    make_optimizer,
+    static_bytes,
+    training_step,
+    zero_grad,
+)
+from memfit.measure.timing import alternate, median_ratio, timed_step
+from memfit.runtime.apply import apply, clear_policies, remove, set_policies
+from memfit.runtime.marks import recorded_step, stretches
+from memfit.schedule import Schedule
+
+
+@dataclass(slots=True)
+class StepRun:
+    """What one configuration did: losses per step, final gradients and buffers, peak."""
+
+    losses: list[float]
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    peak_bytes: int
+
+
+class StepHarness:
+    """``model``'s training step on ``inputs`` with ``loss_fn`` (default: the output's mean, or
+    its ``.loss``) and ``optimizer`` (a name in profile.OPTIMIZERS; its state counts)."""
+
+    def __init__(self, model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
+                 optimizer: str | None = "adamw") -> None:
+        self.model = model
+        self.inputs = Inputs.of(inputs)
+        self.loss_fn = loss_fn or default_loss
+        self.optimizer = optimizer
+        self.device = device_of(model)
+
+    def new_optimizer(self) -> torch.optim.Optimizer | None:
+        return make_optimizer(self.optimizer, self.model.parameters())
+
+    @contextmanager
+    def restoring(self, *, weights: bool = True) -> Iterator[StepHarness]:
+        """Leave the model as found: buffers (BatchNorm statistics), gradients, every module's
+        train/eval mode, the CPU and CUDA RNG, and with ``weights`` the parameters' values
+        (kept on the host, so that the copy takes no device memory from the measured step)."""
+        model = self.model
+        training = {m: m.training for m in model.modules()}
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()] if weights else []
+        grads = [(p, p.grad) for p in model.parameters()]
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            yield self
+        finally:
+            with torch.no_grad():
+                for t, saved in [*buffers, *params]:
+                    t.copy_(saved)
+            for p, g in grads:
+                p.grad = g
+            for m, mode in training.items():
+                m.train(mode)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+
+    @contextmanager
+    def options(self, policies: dict[str, str]) -> Iterator[None]:
+        """Units running the given policies (memfit/policy.py) for the duration."""
+        set_policies(self.model, policies)
+        try:
+            yield
+        finally:
+            clear_policies(self.model)
+
+    @contextmanager
+    def scheduled(self, schedule: Schedule) -> Iterator[None]:
+        """``schedule`` applied as a user applies it (fingerprint checked, watch on), then removed."""
+        apply(self.model, schedule)
+        try:
+            yield
+        finally:
+            remove(self.model)
+
+    def run(self, steps: int = 2, seed: int = 0, compile: str | Callable[..., Any] | None = None) -> StepRun:
+        """``steps`` training steps from a fixed seed (the first warms up, and compiles under
+        ``compile``, a ``torch.compile`` backend by name or a callable); the peak is the last
+        step's. A fresh optimizer each call: its state is created by the warm-up."""
+        model, inp, loss = self.model, self.inputs, self.loss_fn
+        runner = model if compile is None else torch.compile(model, backend=compile)
+        opt = self.new_optimizer()
+        model.train()
+        torch.manual_seed(seed)
+        losses = []
+        for _ in range(steps - 1):
+            zero_grad(model, opt)
+            losses.append(training_step(runner, inp, loss, opt))
+        zero_grad(model, opt)
+        baseline = static_bytes(model, opt, inp)
+        recorder = memory_recorder(self.device)
+        with recorder:
+            recorder.on_mark("start")
+            losses.append(training_step(runner, inp, loss, opt))
+            recorder.on_mark("end")
+        marks = recorder.marks()
+        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level)
+
+    def step_times(self, plans: list[dict[str, str]], rounds: int) -> tuple[float, list[float]]:
+        """Median step time of the plain model, and the median ratio of each plan's step time to
+        the plain step's in the same round (``alternate``): one series for all plans, so that
+        they share the plain steps and the machine's drift."""
+        opt = self.new_optimizer()
+        self.model.train()
+        configs = [{}, *plans]
+
+        def timed(k: int) -> float:
+            with self.options(configs[k]):
+                return timed_step(self.model, self.model, self.inputs, self.loss_fn, opt, self.device)
+
+        plain, *others = alternate(timed, len(configs), rounds)
+        return statistics.median(plain), [median_ratio(plain, t) for t in others]
+
+    def marked_step(self, opt: torch.optim.Optimizer | None, unit_names: list[str], what: str,
+                    meters: Meters | None = None) -> list[Mark]:
+        """One step with marks at the units' boundaries (runtime/marks.py), read by ``meters``
+        (default: the device's own): ``what`` is ``memory`` or ``time``."""
+        meters = meters or real_meters(self.device)
+        return recorded_step(self.model, unit_names, self.inputs, self.loss_fn, opt, meters, what)
+
+    def levels(self, unit_names: list[str]) -> list[list[Any]]:
+        """(mark, live bytes at it, peak until the next mark) of one steady-state step as the
+        model is now configured, at the marks the profiler sets."""
+        opt = self.new_optimizer()
+        self.model.train()
+        zero_grad(self.model, opt)
+        training_step(self.model, self.inputs, self.loss_fn, opt)  # warm-up: the optimizer state exists
+        zero_grad(self.model, opt)
+        level = static_bytes(self.model, opt, self.inputs)
+        out = []
+        for s in stretches(self.marked_step(opt, unit_names, "memory")):
+            out.append([s.label, level, level + s.peak])
+            level += s.end
+        return out
+
+
+def measure_steps(
+    model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+    steps: int = 2, seed: int = 0, compile: str | Callable[..., Any] | None = None,
+) -> StepRun:
+    """``StepHarness(model, inputs, ...).run(steps, seed, compile)``: the model as it is now."""
+    return StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer).run(steps, seed, compile)
