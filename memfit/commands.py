@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 from memfit import modelflags
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
+from memfit.optimizer.options import PlanOptionError, PlanOptions, check_strategies
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -39,12 +39,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.report import device_notes, schedule_report
 
     budget = parse_bytes(args.budget)  # fail on a bad budget before minutes of profiling
-    if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
-        raise MemfitError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
-    if args.max_segment < 2:
-        raise MemfitError(f"--max-segment must be at least 2 (units in one checkpointed run), got {args.max_segment}")
-    if not 0 <= args.fallbacks <= 20:
-        raise MemfitError(f"--fallbacks is a count of tighter plans from 0 to 20, got {args.fallbacks}")
+    settings = _plan_options(args)
     if (args.no_segments or args.compile) and args.strategy == "sqrt":
         raise MemfitError(f"{'--compile' if args.compile else '--no-segments'} rules out --strategy sqrt, which "
                           "checkpoints segments of units")
@@ -59,12 +54,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.timeline:
         check_plot_path(args.timeline)
     prof = Profile.load(args.profile) if args.profile else modelflags.profile_of(args)
-    options = {"strategy": args.strategy, "solver": args.solver, "time_limit": args.time_limit,
-               "max_segment": args.max_segment, "granularity": args.granularity}
     if args.compile:
+        options = {k: v for k, v in asdict(settings).items() if k not in ("segments", "fallbacks")}
         schedule = _plan_compiled(args, prof, budget, options)
     else:
-        schedule = plan(prof, budget, segments=not args.no_segments, fallbacks=args.fallbacks, **options)
+        schedule = plan(prof, budget, **asdict(settings))
     check_interrupt()
     idle = not schedule.checkpointed
     write = args.output is not None or not idle
@@ -106,6 +100,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\nwrote {output}; in train.py:\n"
           f'    model = memfit.apply(model, memfit.load_schedule("{output}"))')
     return 0
+
+
+def _plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The planning flags as one record, checked before any profiling; a mistake names the flag."""
+    try:
+        return PlanOptions(strategy=args.strategy, solver=args.solver, segments=not args.no_segments,
+                           max_segment=args.max_segment, granularity=args.granularity, time_limit=args.time_limit,
+                           fallbacks=args.fallbacks)
+    except PlanOptionError as e:
+        raise e.spelled(lambda name: "--" + name.replace("_", "-")) from None
 
 
 def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: dict[str, Any]) -> Any:
@@ -255,17 +259,17 @@ def _count(n: int) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from memfit.budget import budget_range, parse_bytes
-    from memfit.optimizer import STRATEGY_NAMES
     from memfit.plots import check_plot_path, curve
 
     budgets = budget_range(args.budgets) if args.budgets else None
     if budgets is not None and args.points is not None:
         raise MemfitError("give either --budgets or --points, not both")
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if unknown := [s for s in strategies if s not in STRATEGY_NAMES]:
-        raise MemfitError(f"--strategies: unknown {', '.join(unknown)}; use some of {', '.join(STRATEGY_NAMES)}")
-    if args.max_segment < 2:
-        raise MemfitError(f"--max-segment must be at least 2, got {args.max_segment}")
+    strategies = check_strategies([s.strip() for s in args.strategies.split(",") if s.strip()], "--strategies")
+    try:
+        PlanOptions(solver=args.solver, segments=not args.no_segments, max_segment=args.max_segment,
+                    granularity=args.granularity)
+    except PlanOptionError as e:
+        raise e.spelled(lambda name: "--" + name.replace("_", "-")) from None
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1")
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None

@@ -130,32 +130,36 @@ def read_json(path: str | os.PathLike[str], expected_format: str | None) -> dict
 class Fields:
     """Typed access to a JSON object; every error names the file and the field."""
 
-    def __init__(self, data: Any, where: str) -> None:
+    def __init__(self, data: Any, where: str, prefix: str = "") -> None:
         if not isinstance(data, dict):
             raise FileFormatError(f"{where}: expected an object")
         self.data = data
         self.where = where
+        self.prefix = prefix  # said before each field's name: "source." names source.units
+
+    def _name(self, key: str) -> str:
+        return repr(self.prefix + key)
 
     def _get(self, key: str, kinds: tuple[type, ...], what: str) -> Any:
         if key not in self.data:
-            raise FileFormatError(f"{self.where}: missing field {key!r}")
+            raise FileFormatError(f"{self.where}: missing field {self._name(key)}")
         value = self.data[key]
         if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            raise FileFormatError(f"{self.where}: field {key!r} must be {what}, got {value!r}")
+            raise FileFormatError(f"{self.where}: field {self._name(key)} must be {what}, got {value!r}")
         return value
 
     def int(self, key: str, minimum: int | None = None) -> int:
         value = int(self._get(key, (int,), "an integer"))
         if abs(value) >= 2**62:
-            raise FileFormatError(f"{self.where}: field {key!r} is out of range ({str(value)[:20]}...)")
+            raise FileFormatError(f"{self.where}: field {self._name(key)} is out of range ({str(value)[:20]}...)")
         if minimum is not None and value < minimum:
-            raise FileFormatError(f"{self.where}: field {key!r} must be at least {minimum}, got {value}")
+            raise FileFormatError(f"{self.where}: field {self._name(key)} must be at least {minimum}, got {value}")
         return value
 
     def float(self, key: str, minimum: float | None = None) -> float:
         value = float(self._get(key, (int, float), "a number"))
         if not math.isfinite(value) or (minimum is not None and value < minimum):
-            raise FileFormatError(f"{self.where}: field {key!r} must be a finite number"
+            raise FileFormatError(f"{self.where}: field {self._name(key)} must be a finite number"
                                   + (f" of at least {minimum}" if minimum is not None else "") + f", got {value}")
         return value
 

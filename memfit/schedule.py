@@ -132,7 +132,8 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         baselines={name: baselines.obj(name).record(BaselineFigures, _AT_LEAST_0) for name in baselines.data},
         optimizer=f.opt_str("optimizer") if "optimizer" in f.data else "adamw",
         device=str(f.data.get("device", "cpu")),
-        source=Source(**f.obj("source").record(Source)) if "source" in f.data else Source(),
+        source=Source(**Fields(f.obj("source").data, str(path), "source.").record(Source))
+        if "source" in f.data else Source(),
         levels=_levels(f, str(path)),
         fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
         compile=f.obj("compile").record(CompiledPeak, {"peak_bytes": 1}) if f.data.get("compile") else {},

@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
-from memfit.optimizer import STRATEGY_NAMES
 from memfit.optimizer.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick, predicted
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.ilp import solve
 from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.model import predict
+from memfit.optimizer.options import PlanOptions
 from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
 from memfit.schedule import BaselineFigures, Fallback, Schedule
 
-GRANULARITIES = ("module", "fine")
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
 
 
 def check_granularity(profile: Profile, granularity: str) -> bool:
-    """True for ``fine``, False for ``module``; a fine plan needs a profile that measured finer options."""
-    if granularity not in GRANULARITIES:
-        raise MemfitError(f"unknown granularity {granularity!r}; use one of {', '.join(GRANULARITIES)}")
+    """True for ``fine``, False for ``module`` (PlanOptions checked the name); a fine plan needs a
+    profile that measured finer options."""
     if granularity == "fine" and not profile.fine:
         raise MemfitError("granularity 'fine' needs a profile that measured finer options: profile with "
                           "granularity='fine' (memfit profile --granularity fine)")
@@ -69,29 +66,21 @@ def plan(
     policy). Raises ``InfeasibleBudgetError`` with the smallest
     budget that works when nothing fits.
     """
+    opts = PlanOptions(strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
+                       granularity=granularity, time_limit=time_limit, fallbacks=fallbacks)
     fine = check_granularity(profile, granularity)
-    if strategy not in STRATEGY_NAMES:
-        raise MemfitError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_NAMES)}")
-    if max_segment < 2:
-        raise MemfitError("max_segment must be at least 2")
-    if not 0 <= fallbacks <= 20:
-        raise MemfitError(f"fallbacks is a count of tighter plans from 0 to 20, got {fallbacks}")
-    if time_limit is not None and not (math.isfinite(time_limit) and time_limit > 0):
-        raise MemfitError(f"the time limit must be a positive number of seconds, got {time_limit}")
     budget_bytes = parse_bytes(budget)
     if strategy != "ilp" and (why := not_applicable(profile, strategy)):
         raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
     figures = baselines(profile, budget_bytes)  # stored in the schedule, and the ILP's safety net
-    policies, strategy, used, status, seconds = _choose(
-        profile, budget_bytes, strategy, solver, segments, max_segment, time_limit, fine, figures)
+    policies, strategy, used, status, seconds = _choose(profile, budget_bytes, opts, fine, figures)
     pred = predict(profile, policies)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise InternalError(
             f"the schedule predicts {pred.peak_bytes} bytes, over the budget of {budget_bytes}; please report this "
             "with the profile"
         )
-    ladder = _fallbacks(profile, pred.peak_bytes, fallbacks, strategy, solver, segments, max_segment, time_limit,
-                        fine)
+    ladder = _fallbacks(profile, pred.peak_bytes, opts, fine)
     return Schedule(
         policies=policies,
         budget_bytes=budget_bytes,
@@ -115,24 +104,23 @@ def plan(
     )
 
 
-def _choose(
-    profile: Profile, budget_bytes: int, strategy: str, solver: str, segments: bool, max_segment: int,
-    time_limit: float | None, fine: bool = False, figures: dict[str, BaselineFigures] | None = None,
-) -> tuple[Policies, str, str, str, float]:
+def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
+            figures: dict[str, BaselineFigures] | None = None) -> tuple[Policies, str, str, str, float]:
     """(policies, strategy, solver, status, seconds) of the cheapest schedule of ``strategy``
     that fits. When the ILP's time limit passes with no answer, the cheapest fitting baseline
     stands in, and its strategy and status say so."""
+    strategy, solver, max_segment = opts.strategy, opts.solver, opts.max_segment
     if strategy != "ilp":
         found = STRATEGIES[strategy](profile, budget_bytes)
         if found is None:
             raise _infeasible(budget_bytes, strategy_min_budget(profile, strategy), f" with strategy {strategy}")
         return found, strategy, strategy, "heuristic", 0.0
-    model = IntModel.of(profile, segments=segments, max_segment=max_segment, fine=fine)
+    model = IntModel.of(profile, segments=opts.segments, max_segment=max_segment, fine=fine)
     if solver == "dp" and not dp_exact(model):
         raise MemfitError("the dp solver is exact only when the units run as a chain and each keeps the same "
                           "memory after the step whatever its role; these units do not: use cpsat or cbc")
     try:
-        sol = solve(model, budget_bytes, solver=solver, time_limit=time_limit)
+        sol = solve(model, budget_bytes, solver=solver, time_limit=opts.time_limit)
     except SolverTimeout:
         figures = figures if figures is not None else baselines(profile, budget_bytes)
         best = _cheapest_fitting(figures)
@@ -159,7 +147,7 @@ def _choose(
         what = "found no schedule" if sol is None else "found a dearer one"
         return policies, strategy, solver, f"{solver} {what} (integer rounding); baseline {best} is cheaper", 0.0
     if found is None:
-        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment, fine=fine)
+        least = min_budget_bytes(profile, solver=solver, segments=opts.segments, max_segment=max_segment, fine=fine)
         raise _infeasible(budget_bytes, least, "") if least > budget_bytes else MemfitError(
             f"the {solver} solver found no schedule within {format_bytes(budget_bytes)}, though the smallest budget "
             f"is {format_bytes(least)}: try --solver cpsat")
@@ -167,22 +155,23 @@ def _choose(
     return found, strategy, solver, sol.status, sol.seconds
 
 
-def _fallbacks(profile: Profile, peak: int, count: int, strategy: str, solver: str, segments: bool,
-               max_segment: int, time_limit: float | None, fine: bool) -> list[Fallback]:
-    """Up to ``count`` plans with ever lower predicted peaks, the last at the smallest feasible."""
+def _fallbacks(profile: Profile, peak: int, opts: PlanOptions, fine: bool) -> list[Fallback]:
+    """Up to ``opts.fallbacks`` plans with ever lower predicted peaks, the last at the smallest feasible."""
+    count = opts.fallbacks
     if count == 0:
         return []
-    if strategy == "ilp":
-        least = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment, fine=fine)
+    if opts.strategy == "ilp":
+        least = min_budget_bytes(profile, solver=opts.solver, segments=opts.segments, max_segment=opts.max_segment,
+                                 fine=fine)
     else:
-        least = strategy_min_budget(profile, strategy)
+        least = strategy_min_budget(profile, opts.strategy)
     ladder: list[Fallback] = []
     for i in range(1, count + 1):
         above = ladder[-1]["predicted_peak_bytes"] if ladder else peak
         cap = min(peak - (peak - least) * i // count, above - 1)
         if cap < least:
             break
-        policies = _choose(profile, cap, strategy, solver, segments, max_segment, time_limit, fine)[0]
+        policies = _choose(profile, cap, opts, fine)[0]
         p = predict(profile, policies)
         ladder.append(Fallback(budget_bytes=cap, policies=policies, predicted_peak_bytes=p.peak_bytes,
                                predicted_recompute_s=p.recompute_s, predicted_overhead=p.overhead))
@@ -247,4 +236,4 @@ def _infeasible(budget: int, least: int, how: str) -> InfeasibleBudgetError:
     )
 
 
-__all__ = ["STRATEGY_NAMES", "Policies", "baselines", "best_baseline", "min_budget_bytes", "plan"]
+__all__ = ["Policies", "baselines", "best_baseline", "min_budget_bytes", "plan"]

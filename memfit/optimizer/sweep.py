@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.budget import parse_bytes
 from memfit.errors import InternalError, MemfitError
-from memfit.optimizer import SOLVERS, STRATEGY_NAMES
 from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick, predicted
 from memfit.optimizer.dp import dp_exact
 from memfit.optimizer.frontier import chain_frontier, read
 from memfit.optimizer.ilp import solve
 from memfit.optimizer.intmodel import IntModel
 from memfit.optimizer.model import Prediction, predict
+from memfit.optimizer.options import PlanOptions, check_strategies
 from memfit.optimizer.planner import check_granularity, min_budget_bytes
 from memfit.optimizer.roles import policies_of
 from memfit.profile import Profile
@@ -81,14 +81,8 @@ def sweep(
     """
     import pandas as pd
 
-    unknown = [s for s in strategies if s not in STRATEGY_NAMES]
-    if unknown or not strategies:
-        raise MemfitError(f"unknown strategy {', '.join(unknown) or '(none given)'}; use some of "
-                          f"{', '.join(STRATEGY_NAMES)}")
-    if solver not in SOLVERS:
-        raise MemfitError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
-    if max_segment < 2:
-        raise MemfitError("max_segment must be at least 2")
+    strategies = check_strategies(strategies)
+    PlanOptions(solver=solver, segments=segments, max_segment=max_segment, granularity=granularity)
     fine = check_granularity(profile, granularity)
     if budgets is None:
         sizes = default_budgets(profile, points, segments=segments, max_segment=max_segment, fine=fine)
