@@ -4,7 +4,7 @@
     python benchmarks/solve_scale.py --units 10 100 --time-limit 60
     python benchmarks/solve_scale.py --units 80 --fine 3   # issue 11: finer options and segments of up to 8
 
-Synthetic chains (memfit.optimizer.synthetic) with MiB-sized figures; "options" is the number of
+Synthetic chains (memfit.planning.synthetic) with MiB-sized figures; "options" is the number of
 roles a unit can take: 2 = none/full, 3 = also segments of 2 units, 4 = segments of up to 3;
 with ``--fine K``, "2+K fine, seg<=8" adds K finer options per unit and segments of up to 8
 (what ``plan --granularity fine`` solves).
@@ -20,9 +20,9 @@ import argparse
 import time
 
 import memfit
-from memfit.optimizer.ilp import solve
-from memfit.optimizer.intmodel import IntModel
-from memfit.optimizer.synthetic import random_profile
+from memfit.planning.ilp import solve
+from memfit.planning.intmodel import IntModel
+from memfit.planning.synthetic import random_profile
 from memfit.report import table
 
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 
 import memfit
-from memfit.optimizer.sweep import sweep
-from memfit.optimizer.synthetic import random_profile
+from memfit.planning.sweep import sweep
+from memfit.planning.synthetic import random_profile
 from memfit.report import table
 
 

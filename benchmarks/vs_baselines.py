@@ -16,7 +16,7 @@ import argparse
 import copy
 
 import memfit
-from memfit.optimizer import STRATEGY_NAMES
+from memfit.planning import STRATEGY_NAMES
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps

@@ -15,9 +15,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from memfit.measure.harness import measure_steps
 
 import memfit
-from memfit.measure.harness import measure_steps
 from memfit.measure.ranks import shard
 from memfit.scenarios import scenario_from_source
 from memfit.units import find_units

@@ -29,20 +29,13 @@ from memfit.errors import (
 
 __version__ = "0.1.0"
 
-# ``memfit.profile`` names the function memfit.profiler.profile, but a module memfit/profile.py
-# exists too, and importing a submodule binds its name in the package. Import that module now
-# (it needs no torch) and drop the binding, so that the name stays the function's.
-import memfit.profile  # noqa: F401
-
-del profile  # noqa: F821
-
 _LAZY = {
-    "Prediction": "memfit.optimizer.model",
-    "predict": "memfit.optimizer.model",
-    "min_budget_bytes": "memfit.optimizer.planner",
-    "plan": "memfit.optimizer.planner",
-    "plan_compiled": "memfit.runtime.compiled",
-    "Profile": "memfit.profile",
+    "Prediction": "memfit.planning.memory",
+    "predict": "memfit.planning.memory",
+    "min_budget_bytes": "memfit.planning.planner",
+    "plan": "memfit.planning.planner",
+    "plan_compiled": "memfit.compiled",
+    "Profile": "memfit.formats.profile",
     "profile": "memfit.profiler",
     "estimate": "memfit.profiler.estimate",
     "default_loss": "memfit.measure.step",
@@ -52,24 +45,24 @@ _LAZY = {
     "keep_freed_cpu_memory": "memfit.measure.malloc",
     "Validation": "memfit.runtime.validate",
     "validate": "memfit.runtime.validate",
-    "sweep": "memfit.optimizer.sweep",
-    "Schedule": "memfit.schedule",
-    "load_schedule": "memfit.schedule",
+    "sweep": "memfit.planning.sweep",
+    "Schedule": "memfit.formats.schedule",
+    "load_schedule": "memfit.formats.schedule",
 }
 
 if TYPE_CHECKING:
+    from memfit.compiled import plan_compiled
+    from memfit.formats.profile import Profile
+    from memfit.formats.schedule import Schedule, load_schedule
     from memfit.measure.malloc import keep_freed_cpu_memory
     from memfit.measure.step import default_loss
-    from memfit.optimizer.model import Prediction, predict
-    from memfit.optimizer.planner import min_budget_bytes, plan
-    from memfit.optimizer.sweep import sweep
-    from memfit.profile import Profile
+    from memfit.planning.memory import Prediction, predict
+    from memfit.planning.planner import min_budget_bytes, plan
+    from memfit.planning.sweep import sweep
     from memfit.profiler import profile
     from memfit.profiler.estimate import estimate
     from memfit.runtime.apply import apply, remove, tighten
-    from memfit.runtime.compiled import plan_compiled
     from memfit.runtime.validate import Validation, validate
-    from memfit.schedule import Schedule, load_schedule
 
 
 def __getattr__(name: str) -> Any:

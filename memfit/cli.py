@@ -17,7 +17,7 @@ from memfit.console import (
     user_code_error,
 )
 from memfit.errors import InternalError, MemfitError
-from memfit.profile import OPTIMIZERS, PARALLEL
+from memfit.formats.profile import OPTIMIZERS, PARALLEL
 
 EPILOG = """\
 examples:
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from memfit import __version__
-    from memfit.optimizer import SOLVERS, STRATEGY_NAMES
+    from memfit.planning import SOLVERS, STRATEGY_NAMES
 
     p.add_argument("--version", action="version", version=f"memfit {__version__}")
     p.add_argument("--debug", action="store_true", help="show the whole traceback of an error")
@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
     plan.set_defaults(func=commands.cmd_plan)
 
-    from memfit.optimizer.sweep import DEFAULT_STRATEGIES
+    from memfit.planning.sweep import DEFAULT_STRATEGIES
 
     sw = command("sweep", "plan every strategy at many budgets: the memory-vs-slowdown curve, as a table, CSV "
                  "and plot")

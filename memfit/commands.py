@@ -13,7 +13,7 @@ from typing import Any
 from memfit import modelflags
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
-from memfit.optimizer.options import PlanOptionError, PlanOptions, check_strategies
+from memfit.planning.options import PlanOptionError, PlanOptions, check_strategies
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -33,9 +33,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.budget import format_bytes, parse_bytes
-    from memfit.optimizer.planner import min_budget_bytes, plan
+    from memfit.formats.profile import Profile
+    from memfit.planning.planner import min_budget_bytes, plan
     from memfit.plots import check_plot_path, timeline
-    from memfit.profile import Profile
     from memfit.report import device_notes, schedule_report
 
     budget = parse_bytes(args.budget)  # fail on a bad budget before minutes of profiling
@@ -44,7 +44,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise MemfitError(f"{'--compile' if args.compile else '--no-segments'} rules out --strategy sqrt, which "
                           "checkpoints segments of units")
     if args.compile:
-        from memfit.runtime.compiled import check_backend
+        from memfit.compiled import check_backend
 
         check_backend(args.compile)
         if args.fallbacks:
@@ -114,7 +114,7 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
 
 def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: dict[str, Any]) -> Any:
     """The plan whose step, compiled with ``args.compile``, is measured to fit (plan_compiled)."""
-    from memfit.runtime.compiled import plan_compiled
+    from memfit.compiled import plan_compiled
     from memfit.scenarios import scenario_from_source
 
     if not prof.source:
@@ -163,14 +163,14 @@ def _title(made: Any, what: str) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from memfit.formats.schedule import load_schedule
     from memfit.plots import check_plot_path, timeline
-    from memfit.schedule import load_schedule
 
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1 (timed rounds of the plain and the scheduled step)")
     schedule = load_schedule(args.schedule)
     if args.compile:
-        from memfit.runtime.compiled import check_backend
+        from memfit.compiled import check_backend
 
         check_backend(args.compile)
     if args.timeline:
@@ -208,10 +208,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from memfit.errors import FileFormatError
+    from memfit.formats.profile import PROFILE_FORMAT, Profile
+    from memfit.formats.schedule import SCHEDULE_FORMAT, load_schedule
     from memfit.jsonio import read_json
-    from memfit.profile import PROFILE_FORMAT, Profile
     from memfit.report import profile_report, schedule_report
-    from memfit.schedule import SCHEDULE_FORMAT, load_schedule
 
     fmt = read_json(args.file, None)["format"]
     if fmt == SCHEDULE_FORMAT:
@@ -277,9 +277,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_outputs(args, outputs)
     if args.plot:
         check_plot_path(args.plot)
+    from memfit.formats.profile import Profile
     from memfit.jsonio import write_atomic
-    from memfit.optimizer.sweep import sweep
-    from memfit.profile import Profile
+    from memfit.planning.sweep import sweep
     from memfit.report import sweep_report
 
     prof = Profile.load(args.profile) if args.profile else modelflags.profile_of(args)

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.formats.profile import ParallelLayout, Profile, profile_from_dict
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
-from memfit.profile import ParallelLayout, Profile, profile_from_dict
 
 TIMEOUT_S = 600
 
@@ -155,8 +155,8 @@ def _wrapped_names(wrapped: nn.Module, model: nn.Module, names: list[str]) -> li
 
 
 def _profile_rank(device: str, scenario: Any, parallel: str, *, repeat: int, granularity: str) -> dict[str, Any]:
+    from memfit.formats.schedule import model_fingerprint
     from memfit.profiler import profile
-    from memfit.schedule import model_fingerprint
 
     model, wrapped, inputs, names = _built(scenario, parallel, device)
     optimizer = scenario.step_optimizer

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from memfit.budget import format_bytes
-from memfit.optimizer.model import predict
-from memfit.optimizer.planner import best_baseline
-from memfit.optimizer.roles import roles_of, unit_costs
+from memfit.formats.profile import Profile
+from memfit.formats.schedule import Schedule
+from memfit.planning.memory import predict
+from memfit.planning.planner import best_baseline
+from memfit.planning.roles import roles_of, unit_costs
 from memfit.policy import COARSE, is_segment, read
-from memfit.profile import Profile
-from memfit.schedule import Schedule
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.errors import MemfitError
-from memfit.profile import OPTIMIZERS
+from memfit.formats.profile import OPTIMIZERS
 
 if TYPE_CHECKING:  # torch is imported where a model is built: checking a schedule's source needs none
     import torch

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.optimizer.synthetic import random_profile  # noqa: F401  (tests import it from here)
-from memfit.profile import Profile
+from memfit.formats.profile import Profile
+from memfit.planning.synthetic import random_profile  # noqa: F401  (tests import it from here)
 from memfit.zoo import gpt
 
 TINY = """  # a scenario file for command-line tests

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import memfit
+from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.runtime.apply import clear_policies, is_checkpointed, set_policies
-from memfit.schedule import Schedule, model_fingerprint
 from memfit.units import find_units
 from memfit.zoo import cnn
 

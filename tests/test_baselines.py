@@ -5,8 +5,8 @@ import copy
 import pytest
 
 import memfit
-from memfit.optimizer.baselines import STRATEGIES
-from memfit.optimizer.planner import strategy_min_budget
+from memfit.planning.baselines import STRATEGIES
+from memfit.planning.planner import strategy_min_budget
 from memfit.runtime.harness import measure_steps
 
 from .conftest import random_profile, tiny_gpt
@@ -82,7 +82,7 @@ def test_a_baseline_that_does_not_fit_shows_its_tightest_schedule():
     """Beside the plan, a baseline that cannot fit the budget still shows the least peak it
     reaches (its tightest schedule's figures, marked), not '-'; the report says what the marks
     and columns mean."""
-    from memfit.optimizer.baselines import BASELINES
+    from memfit.planning.baselines import BASELINES
     from memfit.report import schedule_report
 
     prof = random_profile(9, 4)
@@ -104,7 +104,7 @@ def test_a_baseline_that_does_not_fit_shows_its_tightest_schedule():
 
 
 def test_the_unit_table_explains_kept_over_saved_and_segment_times():
-    from memfit.profile import Profile
+    from memfit.formats.profile import Profile
     from memfit.report import schedule_report
 
     from .test_sweep import FIXTURES

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import memfit
-from memfit.optimizer.baselines import STRATEGIES
+from memfit.planning.baselines import STRATEGIES
 from memfit.scenarios import tomllib  # tomllib or, on Python 3.10, tomli
 
 from .conftest import TINY, random_profile
@@ -562,7 +562,7 @@ def test_a_broken_invariant_is_a_bug_report_not_a_user_error(monkeypatch, tmp_pa
     """A plan whose prediction exceeds its own budget cannot be the user's doing: InternalError,
     not a MemfitError; the CLI shows the traceback, asks for a report and exits 70."""
     from memfit.cli import main
-    from memfit.optimizer import planner
+    from memfit.planning import planner
 
     real = planner.predict
 

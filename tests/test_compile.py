@@ -12,11 +12,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import memfit
+from memfit.compiled import compiled_peak, plan_compiled
+from memfit.formats.schedule import load_schedule
 from memfit.runtime import watch
 from memfit.runtime.apply import set_policies
-from memfit.runtime.compiled import compiled_peak, plan_compiled
 from memfit.runtime.harness import measure_steps
-from memfit.schedule import load_schedule
 from memfit.units import find_units
 
 from .conftest import TINY, kw_net, tiny_gpt

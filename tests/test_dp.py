@@ -1,4 +1,4 @@
-"""optimizer/dp.py, the exact chain DP, on its own: the optimum of the integer model at a budget
+"""planning/dp.py, the exact chain DP, on its own: the optimum of the integer model at a budget
 and the least peak, each equal to brute force over every assignment; refused off a chain."""
 
 import random
@@ -7,8 +7,8 @@ import pytest
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.optimizer.dp import dp_exact, solve_dp
-from memfit.optimizer.intmodel import IntModel
+from memfit.planning.dp import dp_exact, solve_dp
+from memfit.planning.intmodel import IntModel
 
 from .conftest import random_profile
 from .test_optimizer import assignments

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import memfit
-from memfit.profile import Profile
+from memfit.formats.profile import Profile
 
 from .conftest import random_profile
 

@@ -1,4 +1,4 @@
-"""optimizer/frontier.py on its own: the whole memory/recompute frontier of a chain from one DP,
+"""planning/frontier.py on its own: the whole memory/recompute frontier of a chain from one DP,
 each point optimal at its peak (brute force), and each budget read off it as plan would answer."""
 
 import itertools
@@ -7,8 +7,8 @@ import random
 import pytest
 
 import memfit
-from memfit.optimizer.frontier import chain_frontier, read
-from memfit.optimizer.intmodel import IntModel
+from memfit.planning.frontier import chain_frontier, read
+from memfit.planning.intmodel import IntModel
 
 from .conftest import random_profile
 from .test_dp import MAX_SEGMENT, _all

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.schedule import Schedule, model_fingerprint
+from memfit.formats.schedule import Schedule, model_fingerprint
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import memfit
+from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.runtime.apply import is_checkpointed
-from memfit.schedule import Schedule, model_fingerprint
 
 from .conftest import tiny_gpt
 from .models import LayerDropNet

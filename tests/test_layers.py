@@ -12,17 +12,17 @@ ROOT = Path(__file__).resolve().parents[1] / "memfit"
 LAYERS = [
     # records, formats and names: no torch model needed
     ["memfit.errors", "memfit.budget", "memfit.jsonio", "memfit.console", "memfit.devices", "memfit.policy",
-     "memfit.profile", "memfit.schedule", "memfit.measure.malloc", "memfit.optimizer"],
+     "memfit.formats", "memfit.measure.malloc", "memfit.planning"],
     # the measuring floor (the training step, meters, timing), cutting a model into units, the
     # private PyTorch symbols memfit uses (torch_private.py), and the optimizer, which needs
     # neither torch nor a model
-    ["memfit.measure", "memfit.units", "memfit.optimizer.", "memfit.torch_private"],
+    ["memfit.measure", "memfit.units", "memfit.planning.", "memfit.torch_private"],
     # applying options to a model: what the profiler measures with and what apply() installs
     ["memfit.runtime"],
     # measuring a model's options
     ["memfit.profiler"],
     # what runs whole steps of a scheduled model: validate, compiled planning, ranks
-    ["memfit.runtime.validate", "memfit.runtime.compiled", "memfit.parallel"],
+    ["memfit.runtime.validate", "memfit.compiled", "memfit.parallel"],
     # scenarios and model flags, tables and pictures
     ["memfit.scenarios", "memfit.zoo", "memfit.hf", "memfit.modelflags", "memfit.report", "memfit.plots"],
     # the command line and the package's front door

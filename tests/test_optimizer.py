@@ -6,10 +6,10 @@ import random
 import pytest
 
 import memfit
-from memfit.optimizer.ilp import solve
-from memfit.optimizer.intmodel import IntModel
-from memfit.optimizer.planner import min_budget_bytes
-from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role
+from memfit.planning.ilp import solve
+from memfit.planning.intmodel import IntModel
+from memfit.planning.planner import min_budget_bytes
+from memfit.planning.roles import FULL, NONE, SEGMENT, Role
 
 from .conftest import random_profile
 
@@ -144,7 +144,7 @@ def test_timeline_that_is_not_a_chain():
     prof = random_profile(8, 11, chain=False)
     bwd = [k for k, p in enumerate(prof.phases) if p.kind == "backward"]
     prof.phases[bwd[0]], prof.phases[bwd[1]] = prof.phases[bwd[1]], prof.phases[bwd[0]]
-    from memfit.optimizer.intmodel import chain_layout
+    from memfit.planning.intmodel import chain_layout
 
     assert chain_layout(IntModel.of(prof)) is None
     hi = memfit.predict(prof, {}).peak_bytes
@@ -222,8 +222,8 @@ def test_every_solver_agrees_and_beats_every_baseline_at_every_budget(source):
     model: the integer model rounds bytes up, so at the edges a baseline may be what fits)."""
     from pathlib import Path
 
-    from memfit.optimizer.dp import dp_exact
-    from memfit.optimizer.planner import TIE_FRACTION, baselines
+    from memfit.planning.dp import dp_exact
+    from memfit.planning.planner import TIE_FRACTION, baselines
 
     if source.startswith("random"):
         prof = random_profile(6, int(source[-1]), chain=True)

@@ -5,7 +5,7 @@ import pytest
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.optimizer.options import PlanOptionError, PlanOptions, check_strategies
+from memfit.planning.options import PlanOptionError, PlanOptions, check_strategies
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [

@@ -10,8 +10,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import memfit
+from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.runtime.regions import Region
-from memfit.schedule import Schedule, model_fingerprint
 
 from .models import hf_resnet, resnet18ish, resnet50ish
 

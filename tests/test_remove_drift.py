@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import memfit
+import memfit.formats.schedule
 
 from .conftest import tiny_gpt
 
@@ -184,7 +185,7 @@ def test_a_model_with_the_same_parameters_but_other_heads_is_refused():
     models = [transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=h, vocab_size=128,
                                                                    n_positions=32)) for h in (2, 16)]
     names = ["transformer.h.0", "transformer.h.1"]
-    fingerprints = [memfit.schedule.model_fingerprint(m, names) for m in models]
+    fingerprints = [memfit.formats.schedule.model_fingerprint(m, names) for m in models]
     assert fingerprints[0]["params_sha256"] == fingerprints[1]["params_sha256"]
     sched = memfit.Schedule(dict.fromkeys(names, "full"), 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
                             fingerprints[0])

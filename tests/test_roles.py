@@ -1,10 +1,10 @@
-"""optimizer/roles.py on its own: policies and roles are each other's inverse, a wrong policy is
+"""planning/roles.py on its own: policies and roles are each other's inverse, a wrong policy is
 refused with what would be right, and a segment's composed costs hold the step's books."""
 
 import pytest
 
 from memfit.errors import MemfitError
-from memfit.optimizer.roles import FULL, NONE, SEGMENT, Role, member_input, policies_of, roles_of, unit_costs
+from memfit.planning.roles import FULL, NONE, SEGMENT, Role, member_input, policies_of, roles_of, unit_costs
 
 from .conftest import random_profile
 from .test_optimizer import assignments

@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 
 import memfit
-from memfit.optimizer.frontier import chain_frontier, read
-from memfit.optimizer.ilp import solve
-from memfit.optimizer.intmodel import IntModel
-from memfit.optimizer.sweep import COLUMNS, sweep
+from memfit.planning.frontier import chain_frontier, read
+from memfit.planning.ilp import solve
+from memfit.planning.intmodel import IntModel
+from memfit.planning.sweep import COLUMNS, sweep
 from memfit.plots import curve, timeline
 
 from .conftest import random_profile
@@ -163,7 +163,7 @@ def test_segment_timeline_forward_exact_backward_within_a_vector():
     stashes no RNG state, and its input is freed only after it returns. In the backward the
     members before the last peak one vector of d_model floats below the kept unit's measured
     peak (measured: 256 B at d_model 64, 384 B at 96), which the prediction keeps: safe side."""
-    from memfit.optimizer.model import predict
+    from memfit.planning.memory import predict
     from memfit.runtime.validate import measure_levels
 
     from .conftest import tiny_gpt

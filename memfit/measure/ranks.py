@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profile import PARALLEL
+from memfit.formats.profile import PARALLEL
 
 
 def is_fsdp(kind: str) -> bool:

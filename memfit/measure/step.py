@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.profile import OPTIMIZERS
+from memfit.formats.profile import OPTIMIZERS
 from memfit.torch_private import is_fake
 
 LossFn = Callable[[Any], torch.Tensor]

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+from memfit.formats.profile import OptionCost, Phase, Profile, UnitProfile
+from memfit.formats.schedule import model_fingerprint
 from memfit.measure.meters import Meters
 from memfit.measure.step import (
     Inputs,
@@ -23,13 +25,11 @@ from memfit.measure.step import (
 )
 from memfit.measure.timing import alternate, median_ratio
 from memfit.policy import COARSE, Children, read
-from memfit.profile import OptionCost, Phase, Profile, UnitProfile
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import UnitFacts, unit_facts
 from memfit.runtime.apply import is_checkpointed
 from memfit.runtime.harness import StepHarness
 from memfit.runtime.marks import Stretch, check_same_shape, stretches
-from memfit.schedule import model_fingerprint
 from memfit.units import find_units
 
 Progress = Callable[[str], None]

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError
+from memfit.formats.profile import ParallelLayout, Profile
 from memfit.measure.fake import fake_meters
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
-from memfit.profile import ParallelLayout, Profile
 from memfit.torch_private import FakeTensorMode, fake_store
 from memfit.units import find_units
 

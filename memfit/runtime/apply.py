@@ -10,12 +10,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
+from memfit.formats.schedule import Schedule, fingerprint_difference, model_fingerprint
 from memfit.policy import DERIVE, KEEP, KINDS_HELP, Children, Full, Segment, Selective, read
 from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
 from memfit.runtime.regions import OP_SETS, Region, guard
 from memfit.runtime.watch import Watch
-from memfit.schedule import Schedule, fingerprint_difference, model_fingerprint
 
 
 def apply(model: nn.Module, schedule: Schedule) -> nn.Module:

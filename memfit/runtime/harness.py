@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.formats.schedule import Schedule
 from memfit.measure.memory import Mark, memory_recorder
 from memfit.measure.meters import Meters, real_meters
 from memfit.measure.step import (
@@ -35,7 +36,6 @@ from memfit.measure.step import (
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.runtime.marks import recorded_step, stretches
-from memfit.schedule import Schedule
 
 
 @dataclass(slots=True)

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitWarning, ScheduleMismatchError
+from memfit.formats.schedule import Schedule
 from memfit.measure.step import (
     Inputs,
     LossFn,
     device_of,
 )
 from memfit.runtime.harness import StepHarness
-from memfit.schedule import Schedule
 
 
 @dataclass(slots=True)
@@ -77,7 +77,7 @@ def validate(
     ``compile`` (a ``torch.compile`` backend; by default the one the schedule was planned for,
     see ``plan_compiled``) runs both models compiled and compares with the compiled peak
     measured at planning."""
-    from memfit.runtime.compiled import compiled_step_times, with_backend
+    from memfit.compiled import compiled_step_times, with_backend
 
     backend, predicted_peak = with_backend(schedule, compile)
     if optimizer == "schedule":

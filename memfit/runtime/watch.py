@@ -27,10 +27,10 @@ from torch import nn
 
 from memfit.budget import format_bytes
 from memfit.errors import MemfitWarning, PlanDriftWarning
+from memfit.formats.schedule import Schedule
 from memfit.measure.step import Inputs, iter_tensors
 from memfit.policy import is_segment
 from memfit.runtime.regions import Weak
-from memfit.schedule import Schedule
 from memfit.torch_private import allow_in_compiled_graph
 
 _ENTRY = re.compile(r"^(?:(?P<path>[^=\[]+)=)?(?P<dtype>[a-z0-9_]+)\[(?P<dims>[0-9,]*)\]$")

@@ -6,15 +6,15 @@ from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
-from memfit.optimizer.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick, predicted
-from memfit.optimizer.dp import dp_exact
-from memfit.optimizer.ilp import solve
-from memfit.optimizer.intmodel import IntModel
-from memfit.optimizer.model import predict
-from memfit.optimizer.options import PlanOptions
-from memfit.optimizer.roles import policies_of
-from memfit.profile import Profile
-from memfit.schedule import BaselineFigures, Fallback, Schedule
+from memfit.formats.profile import Profile
+from memfit.formats.schedule import BaselineFigures, Fallback, Schedule
+from memfit.planning.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick, predicted
+from memfit.planning.dp import dp_exact
+from memfit.planning.ilp import solve
+from memfit.planning.intmodel import IntModel
+from memfit.planning.memory import predict
+from memfit.planning.options import PlanOptions
+from memfit.planning.roles import policies_of
 
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
 

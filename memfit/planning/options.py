@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
-from memfit.optimizer import SOLVERS, STRATEGY_NAMES
+from memfit.planning import SOLVERS, STRATEGY_NAMES
 
 GRANULARITIES = ("module", "fine")
 MAX_FALLBACKS = 20

@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError, SolverTimeout
-from memfit.optimizer import SOLVERS
-from memfit.optimizer.dp import solve_dp
-from memfit.optimizer.intmodel import RANGE, IntModel, Layout, chain_layout
-from memfit.optimizer.roles import FULL, NONE, Role
+from memfit.planning import SOLVERS
+from memfit.planning.dp import solve_dp
+from memfit.planning.intmodel import RANGE, IntModel, Layout, chain_layout
+from memfit.planning.roles import FULL, NONE, Role
 
 
 @dataclass(slots=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
+from memfit.formats.profile import OptionCost, Phase, Profile, UnitProfile
 from memfit.policy import Children
-from memfit.profile import OptionCost, Phase, Profile, UnitProfile
 
 
 def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0) -> Profile:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from memfit.optimizer.dp import _Walk, trace_back
-from memfit.optimizer.intmodel import IntModel, chain_layout
-from memfit.optimizer.roles import NONE, Role
+from memfit.planning.dp import _Walk, trace_back
+from memfit.planning.intmodel import IntModel, chain_layout
+from memfit.planning.roles import NONE, Role
 
 _NEVER = 2**63  # a level above every cap
 # (kept bytes P, some unit checkpointed so far, recompute ns, worst level so far, back pointer)

@@ -20,12 +20,12 @@ from torch import nn
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import InfeasibleBudgetError, MemfitError
+from memfit.formats.profile import Profile
+from memfit.formats.schedule import CompiledPeak, Schedule
 from memfit.measure.step import LossFn
 from memfit.measure.timing import alternate, median_ratio, timed_step
-from memfit.profile import Profile
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import StepHarness
-from memfit.schedule import CompiledPeak, Schedule
 
 ROUNDS = 4  # re-plans at most; each costs a compilation
 
@@ -64,7 +64,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     ``validate`` compares with. Raises ``InfeasibleBudgetError`` when no plan's compiled step
     fits. Clears torch.compile's caches after each measurement.
     """
-    from memfit.optimizer.planner import plan
+    from memfit.planning.planner import plan
 
     check_backend(backend)
     if plan_kwargs.get("fallbacks"):

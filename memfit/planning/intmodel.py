@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from memfit.optimizer.roles import FULL, NONE, Role, segment_roles, unit_costs
-from memfit.profile import Profile
+from memfit.formats.profile import Profile
+from memfit.planning.roles import FULL, NONE, Role, segment_roles, unit_costs
 
 RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
 

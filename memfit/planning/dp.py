@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.optimizer.intmodel import IntModel, Layout, chain_layout
-from memfit.optimizer.roles import NONE, Role
+from memfit.planning.intmodel import IntModel, Layout, chain_layout
+from memfit.planning.roles import NONE, Role
 
 
 def solve_dp(model: IntModel, cap: int | None, minimize: str) -> tuple[list[Role], str, int] | None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from memfit.optimizer.roles import NONE, member_input, roles_of, unit_costs
-from memfit.profile import Profile
+from memfit.formats.profile import Profile
+from memfit.planning.roles import NONE, member_input, roles_of, unit_costs
 
 
 @dataclass(slots=True)

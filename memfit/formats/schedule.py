@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from memfit.errors import FileFormatError
+from memfit.formats.profile import ParallelLayout, read_parallel
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import KINDS_HELP, read
-from memfit.profile import ParallelLayout, read_parallel
 
 if TYPE_CHECKING:
     from torch import nn  # only the fingerprint's argument: the optimizer and the CLI's checks run without torch

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
+from memfit.formats.profile import Profile
 from memfit.policy import COARSE, SEGMENT_HELP, Segment, read
-from memfit.profile import Profile
 
 SEGMENT = "segment"
 

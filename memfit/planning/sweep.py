@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.budget import parse_bytes
 from memfit.errors import InternalError, MemfitError
-from memfit.optimizer.baselines import BASELINES, Policies, not_applicable, pick, predicted
-from memfit.optimizer.dp import dp_exact
-from memfit.optimizer.frontier import chain_frontier, read
-from memfit.optimizer.ilp import solve
-from memfit.optimizer.intmodel import IntModel
-from memfit.optimizer.model import Prediction, predict
-from memfit.optimizer.options import PlanOptions, check_strategies
-from memfit.optimizer.planner import check_granularity, min_budget_bytes
-from memfit.optimizer.roles import policies_of
-from memfit.profile import Profile
+from memfit.formats.profile import Profile
+from memfit.planning.baselines import BASELINES, Policies, not_applicable, pick, predicted
+from memfit.planning.dp import dp_exact
+from memfit.planning.frontier import chain_frontier, read
+from memfit.planning.ilp import solve
+from memfit.planning.intmodel import IntModel
+from memfit.planning.memory import Prediction, predict
+from memfit.planning.options import PlanOptions, check_strategies
+from memfit.planning.planner import check_granularity, min_budget_bytes
+from memfit.planning.roles import policies_of
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -14,10 +14,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.optimizer import BASELINE_NAMES
-from memfit.optimizer.model import Prediction, predict
-from memfit.optimizer.roles import FULL, SEGMENT, Role
-from memfit.profile import Profile
+from memfit.formats.profile import Profile
+from memfit.planning import BASELINE_NAMES
+from memfit.planning.memory import Prediction, predict
+from memfit.planning.roles import FULL, SEGMENT, Role
 
 Policies = dict[str, str]
 
@@ -136,4 +136,4 @@ def _strategy(baseline: Baseline) -> Callable[[Profile, int], Policies | None]:
 STRATEGIES: dict[str, Callable[[Profile, int], Policies | None]] = {
     name: _strategy(b) for name, b in BASELINES.items()
 }
-assert tuple(BASELINES) == BASELINE_NAMES, "the CLI offers memfit.optimizer.BASELINE_NAMES"
+assert tuple(BASELINES) == BASELINE_NAMES, "the CLI offers memfit.planning.BASELINE_NAMES"
