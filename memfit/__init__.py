@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.budget import format_bytes, parse_bytes
 from memfit.errors import (
     BudgetFormatError,
+    EagerPlanCompiledWarning,
     FileFormatError,
     InfeasibleBudgetError,
     InternalError,
@@ -80,6 +81,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BudgetFormatError",
+    "EagerPlanCompiledWarning",
     "FileFormatError",
     "InfeasibleBudgetError",
     "InternalError",

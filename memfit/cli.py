@@ -167,8 +167,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-segment", type=int, default=8,
                       help="longest run of units checkpointed as one region, on chains (default: %(default)s)")
     plan.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
-    _granularity(plan, "also choose finer options inside units: a child module (attention, MLP), an op-level "
-                 "policy or derive (cheap saved outputs re-derived in the backward), each measured "
+    _granularity(plan, "also choose finer options inside units: a child module (attention, MLP), an op set "
+                 "(selective checkpointing) or derive (cheap saved outputs re-derived in the backward), each measured "
                  "(needs a fine profile; profiles the model so when none is given)")
     plan.add_argument("--time-limit", type=float, metavar="SECONDS",
                       help="seconds the solver may take; then its best answer so far, or the best baseline if it "

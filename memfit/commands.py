@@ -32,11 +32,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from memfit.budget import format_bytes, parse_bytes
+    from memfit.budget import parse_bytes
     from memfit.formats.profile import Profile
-    from memfit.planning.planner import min_budget_bytes, plan
+    from memfit.planning.planner import plan
     from memfit.plots import check_plot_path, timeline
-    from memfit.report import device_notes, schedule_report
+    from memfit.report import schedule_report
 
     budget = parse_bytes(args.budget)  # fail on a bad budget before minutes of profiling
     settings = _plan_options(args)
@@ -72,29 +72,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
         return 0
     if idle and args.strategy in ("ilp", "none"):
-        per_rank = (f" on each of {schedule.parallel['world_size']} {schedule.parallel['kind']} ranks"
-                    if schedule.parallel else "")
-        print(f"fits without checkpointing: the step peaks at {format_bytes(schedule.predicted_peak_bytes)}{per_rank} "
-              f"of the {format_bytes(budget)} budget ({format_bytes(budget - schedule.predicted_peak_bytes)} "
-              "to spare), so memfit has nothing to recompute.")
-        for note in device_notes(schedule, prof):
-            print(note)
-        least = min_budget_bytes(prof, segments=not args.no_segments, max_segment=args.max_segment,
-                                 fine=args.granularity == "fine")
-        print(f"checkpointing matters between {format_bytes(least)} (the smallest budget it reaches) and "
-              f"{format_bytes(schedule.predicted_peak_bytes)}; memfit.apply is not needed at this budget: to use "
-              "the spare memory, raise the batch size or sequence length and plan again.")
-        print(f"\nwrote {output} (it checkpoints nothing)" if write else
-              "\nno schedule written (give -o FILE to write the do-nothing schedule anyway)")
-        if not args.profile:  # the profile took the time; keep it for the next budget
-            kept = Path(output).with_name("profile.json")
-            if kept.exists():
-                print(f"to plan again without profiling, save the profile: memfit profile … -o FILE, then "
-                      f"memfit plan --profile FILE ({kept} exists, so it was not written)")
-            else:
-                write_output(prof.save, str(kept))
-                print(f"wrote {kept}: plan at another budget without profiling again: memfit plan --profile "
-                      f"{kept} --budget SIZE")
+        _say_nothing_to_do(args, prof, schedule, budget, output, write)
         return 0
     print(schedule_report(schedule, prof))
     print(f"\nwrote {output}; in train.py:\n"
@@ -102,12 +80,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_nothing_to_do(args: argparse.Namespace, prof: Any, schedule: Any, budget: int, output: str,
+                       write: bool) -> None:
+    """The budget fits the plain step: say so, where checkpointing would matter, and keep the profile."""
+    from memfit.budget import format_bytes
+    from memfit.planning.planner import min_budget_bytes
+    from memfit.report import device_notes
+
+    per_rank = (f" on each of {schedule.parallel['world_size']} {schedule.parallel['kind']} ranks"
+                if schedule.parallel else "")
+    print(f"fits without checkpointing: the step peaks at {format_bytes(schedule.predicted_peak_bytes)}{per_rank} "
+          f"of the {format_bytes(budget)} budget ({format_bytes(budget - schedule.predicted_peak_bytes)} "
+          "to spare), so memfit has nothing to recompute.")
+    for note in device_notes(schedule, prof):
+        print(note)
+    least = min_budget_bytes(prof, segments=not args.no_segments, max_segment=args.max_segment,
+                             fine=args.granularity == "fine")
+    print(f"checkpointing matters between {format_bytes(least)} (the smallest budget it reaches) and "
+          f"{format_bytes(schedule.predicted_peak_bytes)}; memfit.apply is not needed at this budget: to use "
+          "the spare memory, raise the batch size or sequence length and plan again.")
+    print(f"\nwrote {output} (it checkpoints nothing)" if write else
+          "\nno schedule written (give -o FILE to write the do-nothing schedule anyway)")
+    if not args.profile:  # the profile took the time; keep it for the next budget
+        kept = Path(output).with_name("profile.json")
+        if kept.exists():
+            print(f"to plan again without profiling, save the profile: memfit profile … -o FILE, then "
+                  f"memfit plan --profile FILE ({kept} exists, so it was not written)")
+        else:
+            write_output(prof.save, str(kept))
+            print(f"wrote {kept}: plan at another budget without profiling again: memfit plan --profile "
+                  f"{kept} --budget SIZE")
+
+
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
-    """The planning flags as one record, checked before any profiling; a mistake names the flag."""
+    """The planning flags as one record, checked before any profiling."""
+    return _flag_options(strategy=args.strategy, solver=args.solver, segments=not args.no_segments,
+                         max_segment=args.max_segment, granularity=args.granularity, time_limit=args.time_limit,
+                         fallbacks=args.fallbacks)
+
+
+def _flag_options(**settings: Any) -> PlanOptions:
+    """A PlanOptions from flags; a mistake names the flag (--max-segment, not max_segment)."""
     try:
-        return PlanOptions(strategy=args.strategy, solver=args.solver, segments=not args.no_segments,
-                           max_segment=args.max_segment, granularity=args.granularity, time_limit=args.time_limit,
-                           fallbacks=args.fallbacks)
+        return PlanOptions(**settings)
     except PlanOptionError as e:
         raise e.spelled(lambda name: "--" + name.replace("_", "-")) from None
 
@@ -265,11 +280,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if budgets is not None and args.points is not None:
         raise MemfitError("give either --budgets or --points, not both")
     strategies = check_strategies([s.strip() for s in args.strategies.split(",") if s.strip()], "--strategies")
-    try:
-        PlanOptions(solver=args.solver, segments=not args.no_segments, max_segment=args.max_segment,
-                    granularity=args.granularity)
-    except PlanOptionError as e:
-        raise e.spelled(lambda name: "--" + name.replace("_", "-")) from None
+    _flag_options(solver=args.solver, segments=not args.no_segments, max_segment=args.max_segment,
+                  granularity=args.granularity)
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1")
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
@@ -290,20 +302,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                   segments=not args.no_segments, max_segment=args.max_segment, granularity=args.granularity)
     check_interrupt()
     if args.measure:
-        from tqdm import tqdm
-
-        from memfit.runtime.validate import measure_plans
-        from memfit.scenarios import scenario_from_source
-
-        plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]
-        sc = scenario_from_source(prof.source, trusted=not args.profile or args.trust_source)
-        model, inputs = modelflags.build_model(sc, prof.device)
-        with tqdm(total=len(plans), desc="measuring plans", unit="plan", file=sys.stderr, leave=False,
-                  disable=None) as bar:
-            peaks, overheads = measure_plans(model, inputs, [json.loads(p) for p in plans], optimizer=prof.optimizer,
-                                             steps=args.steps, progress=lambda: (check_interrupt(), bar.update(1)))
-        frame["measured_peak_bytes"] = frame["policies"].map(dict(zip(plans, peaks, strict=True))).astype("Int64")
-        frame["measured_overhead"] = frame["policies"].map(dict(zip(plans, overheads, strict=True))).astype(float)
+        _measure_rows(args, prof, frame)
     if device_memory is None and prof.device.startswith("cuda"):
         device_memory = _gpu_memory(prof.device)
     if args.csv:
@@ -319,6 +318,24 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             if path:
                 print(f"wrote {path} ({flag})")
     return 1 if bool(frame["frontier_violation"].any()) else 0
+
+
+def _measure_rows(args: argparse.Namespace, prof: Any, frame: Any) -> None:
+    """``sweep --measure``: each distinct plan's measured peak and slowdown, as two more columns."""
+    from tqdm import tqdm
+
+    from memfit.runtime.validate import measure_plans
+    from memfit.scenarios import scenario_from_source
+
+    plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]
+    sc = scenario_from_source(prof.source, trusted=not args.profile or args.trust_source)
+    model, inputs = modelflags.build_model(sc, prof.device)
+    with tqdm(total=len(plans), desc="measuring plans", unit="plan", file=sys.stderr, leave=False,
+              disable=None) as bar:
+        peaks, overheads = measure_plans(model, inputs, [json.loads(p) for p in plans], optimizer=prof.optimizer,
+                                         steps=args.steps, progress=lambda: (check_interrupt(), bar.update(1)))
+    frame["measured_peak_bytes"] = frame["policies"].map(dict(zip(plans, peaks, strict=True))).astype("Int64")
+    frame["measured_overhead"] = frame["policies"].map(dict(zip(plans, overheads, strict=True))).astype(float)
 
 
 def _gpu_memory(device: str) -> int | None:

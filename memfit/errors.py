@@ -45,6 +45,11 @@ class MemfitWarning(UserWarning):
     """Something memfit noticed that makes the step differ from its plan."""
 
 
+class EagerPlanCompiledWarning(MemfitWarning):
+    """A model scheduled with a plan for the eager step runs under ``torch.compile``, whose
+    partitioner saves other tensors: plan the compiled step (``memfit plan --compile``)."""
+
+
 class PlanDriftWarning(MemfitWarning):
     """A scheduled model runs on inputs of other shapes or dtypes than its plan was made for:
     its activations, and so its peak, are not the planned ones."""

@@ -50,8 +50,8 @@ def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
 
-def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
-    """The units with their policies, then the plan beside the baselines."""
+def _unit_table(schedule: Schedule, profile: Profile | None) -> list[str]:
+    """Each unit's policy and what it recomputes; with the profile, what it keeps and costs."""
     if profile is not None:
         roles = roles_of(profile, schedule.policies)
         rows: list[list[str]] = []
@@ -73,9 +73,12 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     else:
         out = [table(["unit", "policy", "recomputes"], [[n, p, recomputes(p)] for n, p in schedule.policies.items()],
                      [False, False, False])]
-    out.append("")
+    return out
+
+
+def _strategy_rows(schedule: Schedule, best: str | None) -> list[list[str]]:
+    """The plan, then each baseline: its predicted peak, whether it fits, its slowdown."""
     budget = schedule.budget_bytes
-    best = best_baseline(schedule)
     summary = [[f"memfit plan ({schedule.strategy})", format_bytes(schedule.predicted_peak_bytes),
                 "yes" if schedule.predicted_peak_bytes <= budget else "compiled",  # plan_compiled: measured to fit
                 _pct(schedule.predicted_overhead)]]
@@ -90,7 +93,17 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         tightest = "" if figures["fits"] else " *"
         summary.append([name, format_bytes(int(figures["peak_bytes"])) + tightest, "yes" if figures["fits"] else "no",
                         _pct(figures["overhead"])])
-    out.append(table(["strategy", "predicted peak", "fits", "slowdown"], summary, [False, True, False, True]))
+    return summary
+
+
+def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
+    """The units with their policies, then the plan beside the baselines."""
+    out = _unit_table(schedule, profile)
+    out.append("")
+    budget = schedule.budget_bytes
+    best = best_baseline(schedule)
+    out.append(table(["strategy", "predicted peak", "fits", "slowdown"], _strategy_rows(schedule, best),
+                     [False, True, False, True]))
     if best is not None and schedule.strategy == "ilp":
         theirs = schedule.baselines[best]["recompute_s"]
         ratio = schedule.predicted_recompute_s / theirs if theirs > 0 else 1.0

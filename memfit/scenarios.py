@@ -237,6 +237,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise MemfitError(f"{path}: is a directory, not a scenario file")
+    if not path.is_file():
+        raise MemfitError(f"{path}: no such scenario file")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise MemfitError(f"{path}: not valid TOML ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MemfitError(f"{path}: cannot read ({exc})") from None
+
+
 def load_scenario(name_or_path: str) -> Scenario:
     """A built-in scenario by name, or a TOML file by path; every field is checked."""
     path = Path(name_or_path)
@@ -248,16 +261,7 @@ def load_scenario(name_or_path: str) -> Scenario:
                 f"no scenario named {name_or_path!r}; built-in scenarios: {', '.join(builtin_names())} "
                 "(or give a path to a .toml file)"
             )
-    if path.is_dir():
-        raise MemfitError(f"{path}: is a directory, not a scenario file")
-    if not path.is_file():
-        raise MemfitError(f"{path}: no such scenario file")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise MemfitError(f"{path}: not valid TOML ({exc})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MemfitError(f"{path}: cannot read ({exc})") from None
+    data = _read_toml(path)
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target"}
     unknown = set(data) - known
     if unknown:

@@ -151,39 +151,11 @@ class Profile:
 
 def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
     f = Fields(data, where)
-    units = []
-    for u in f.items("units"):
-        opts = u.obj("options")
-        options = {}
-        for name in [*COARSE, *(k for k in opts.data if k not in COARSE)]:
-            if not is_option(name):
-                raise_field(opts.where, "options", f"unknown option {name!r}")
-            o = opts.obj(name)
-            options[name] = OptionCost(
-                o.int("fwd_peak_bytes"), o.int("stored_bytes"), o.int("bwd_peak_bytes"),
-                o.int("bwd_end_bytes"), o.float("recompute_s", minimum=0.0),
-            )
-        units.append(
-            UnitProfile(
-                u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),
-                u.int("input_bytes", minimum=0), u.int("saved_bytes", minimum=0), u.int("param_bytes", minimum=0),
-                options, u.int("output_bytes", minimum=0),
-            )
-        )
-    phases = []
-    for p in f.items("phases"):
-        unit = p.data.get("unit")
-        if unit is not None and (not isinstance(unit, int) or not 0 <= unit < len(units)):
-            raise_field(p.where, "unit", unit)
-        kind = p.str("kind")
-        if kind not in ("remainder", "forward", "backward"):
-            raise_field(p.where, "kind", kind)
-        phases.append(
-            Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes"), p.int("ckpt_end_bytes"))
-        )
+    units = [_unit(u) for u in f.items("units")]
+    phases = [_phase(p, len(units)) for p in f.items("phases")]
     _check_timeline(f, units, phases)
     optimizer = f.opt_str("optimizer")
-    if optimizer not in (None, "adamw", "adam", "sgd", "sgd-momentum"):
+    if optimizer not in (None, *(o for o in OPTIMIZERS if o != "none")):  # None: no optimizer
         raise_field(where, "optimizer", optimizer)
     for key, kind in (("chain", bool), ("recompute_factor", (int, float)), ("source", dict)):
         if key in data and not isinstance(data[key], kind):
@@ -216,6 +188,34 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         target=str(data.get("target", "")),
         parallel=read_parallel(f),
     )
+
+
+def _unit(u: Fields) -> UnitProfile:
+    opts = u.obj("options")
+    options = {}
+    for name in [*COARSE, *(k for k in opts.data if k not in COARSE)]:
+        if not is_option(name):
+            raise_field(opts.where, "options", f"unknown option {name!r}")
+        o = opts.obj(name)
+        options[name] = OptionCost(
+            o.int("fwd_peak_bytes"), o.int("stored_bytes"), o.int("bwd_peak_bytes"),
+            o.int("bwd_end_bytes"), o.float("recompute_s", minimum=0.0),
+        )
+    return UnitProfile(
+        u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),
+        u.int("input_bytes", minimum=0), u.int("saved_bytes", minimum=0), u.int("param_bytes", minimum=0),
+        options, u.int("output_bytes", minimum=0),
+    )
+
+
+def _phase(p: Fields, n_units: int) -> Phase:
+    unit = p.data.get("unit")
+    if unit is not None and (not isinstance(unit, int) or not 0 <= unit < n_units):
+        raise_field(p.where, "unit", unit)
+    kind = p.str("kind")
+    if kind not in ("remainder", "forward", "backward"):
+        raise_field(p.where, "kind", kind)
+    return Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes"), p.int("ckpt_end_bytes"))
 
 
 def read_parallel(f: Fields) -> ParallelLayout | dict[str, Any]:

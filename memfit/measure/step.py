@@ -138,7 +138,8 @@ def training_step(
     mark("forward")
     loss = loss_fn(model(*inputs.args, **inputs.kwargs))
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise MemfitError(f"the loss must be a one-element tensor, got {_describe(loss)}; pass loss_fn=")
+        raise MemfitError(f"the loss must be a one-element tensor, got {', '.join(_describe(loss, ''))}; "
+                          "pass loss_fn=")
     if not loss.requires_grad:
         raise MemfitError(
             "the loss does not depend on any trainable parameter, so there is no backward pass to plan for: "

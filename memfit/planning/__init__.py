@@ -1,4 +1,4 @@
-"""The optimizer: the memory/time model and the integer programs over it.
+"""Planning: the memory/time model and the integer programs over it (no torch needed).
 
 The names below are what the CLI offers; they live here, apart from the solvers, so that
 ``memfit --help`` and its usage errors answer without importing torch or a solver."""

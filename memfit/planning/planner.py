@@ -62,9 +62,9 @@ def plan(
     optimum, by ``solver`` cpsat, cbc or dp) or a baseline: none, full, every-k, sqrt, first-k,
     greedy. ``segments`` lets the ILP checkpoint runs of up to ``max_segment`` units as one
     region when the units form a chain. ``granularity="fine"`` also lets it choose the finer
-    options a profile made with ``granularity="fine"`` measured (a child module, an op-level
-    policy). Raises ``InfeasibleBudgetError`` with the smallest
-    budget that works when nothing fits.
+    options a profile made with ``granularity="fine"`` measured (a child module, an op set,
+    derive). The settings are checked once, as a ``PlanOptions``. Raises
+    ``InfeasibleBudgetError`` with the smallest budget that works when nothing fits.
     """
     opts = PlanOptions(strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
                        granularity=granularity, time_limit=time_limit, fallbacks=fallbacks)

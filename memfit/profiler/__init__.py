@@ -60,20 +60,10 @@ def profile(
     the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
     they were.
     """
-    if repeat < 1:
-        raise MemfitError("repeat must be at least 1")
-    if granularity not in ("module", "fine"):
-        raise MemfitError(f"unknown granularity {granularity!r}; use module or fine")
-    if children is not None and granularity != "fine":
-        raise MemfitError("children= names finer options: give granularity='fine' with it")
+    _check_arguments(model, repeat, granularity, children)
     say = progress or (lambda _msg: None)
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
-    if not any(p.requires_grad for p in model.parameters()):
-        raise MemfitError(
-            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): there is no "
-            "training step to plan; unfreeze the parameters you train"
-        )
     names = find_units(model, units)
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")
@@ -92,16 +82,8 @@ def profile(
         _check_children(model, names, options, children)
         configs = [{n: o if o in COARSE or o in finer[n] else "none" for n in names} for o in options]
         memory = _memory(harness, opt, names, dict(zip(options, configs, strict=True)), meters, say)
-        per_round = 2 * len(options)  # each configuration: an untimed step, then a timed one
-        calls = iter(range(per_round * repeat))
-
-        def timed(k: int) -> list[Stretch]:
-            if (call := next(calls)) % per_round == 0:
-                say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
-            with harness.options(configs[k]):
-                return stretches(harness.marked_step(opt, names, "time", meters))
-
-        times, full_times, *finer_times = alternate(timed, len(options), repeat)
+        times, full_times, *finer_times = _times(harness, opt, names, dict(zip(options, configs, strict=True)),
+                                                 repeat, meters, say)
         zero_grad(model, opt)
         baseline = static_bytes(model, opt, inp)
         state_bytes = storage_bytes(optimizer_tensors(opt))
@@ -114,6 +96,37 @@ def profile(
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], times, runs)
     _prune(prof)
     return prof
+
+
+def _check_arguments(model: nn.Module, repeat: int, granularity: str, children: list[str] | None) -> None:
+    if repeat < 1:
+        raise MemfitError("repeat must be at least 1")
+    if granularity not in ("module", "fine"):
+        raise MemfitError(f"unknown granularity {granularity!r}; use module or fine")
+    if children is not None and granularity != "fine":
+        raise MemfitError("children= names finer options: give granularity='fine' with it")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise MemfitError(
+            f"{type(model).__name__} has no trainable parameters (none with requires_grad=True): there is no "
+            "training step to plan; unfreeze the parameters you train"
+        )
+
+
+def _times(harness: StepHarness, opt: torch.optim.Optimizer | None, names: list[str],
+           configs: dict[str, dict[str, str]], repeat: int, meters: Meters | None,
+           say: Progress) -> list[list[list[Stretch]]]:
+    """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``)."""
+    options, policies = list(configs), list(configs.values())
+    per_round = 2 * len(options)  # each configuration: an untimed step, then a timed one
+    calls = iter(range(per_round * repeat))
+
+    def timed(k: int) -> list[Stretch]:
+        if (call := next(calls)) % per_round == 0:
+            say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
+        with harness.options(policies[k]):
+            return stretches(harness.marked_step(opt, names, "time", meters))
+
+    return alternate(timed, len(options), repeat)
 
 
 def _check_children(model: nn.Module, names: list[str], options: list[str], children: list[str] | None) -> None:
@@ -156,45 +169,8 @@ def _assemble(
     params: list[nn.Parameter],
     factor: float,
 ) -> Profile:
-    def median_time(k: int) -> float:
-        return statistics.median(run[k].seconds for run in times)
-
-    index = {s.label: k for k, s in enumerate(memory["none"])}
-    units: list[UnitProfile] = []
-    for i, name in enumerate(names):
-        fk, bk = index.get(f"fwd:{i}"), index.get(f"bwd:{i}")
-        if fk is None or bk is None:
-            raise MemfitError(
-                f"unit {name!r} did not take part in the backward pass (no gradient reached its "
-                "output); choose units whose outputs the loss depends on"
-            )
-        fwd_s, bwd_s = median_time(fk), median_time(bk)
-        options = {}
-        for option in COARSE:
-            f, b = memory[option][fk], memory[option][bk]
-            # A checkpointed unit runs its forward once more, inside its backward, at the cost
-            # measured for all units together (see _recompute_factor).
-            recompute = 0.0 if option == "none" else fwd_s * factor
-            options[option] = OptionCost(f.peak, f.end, b.peak, b.end, recompute)
-        module = model.get_submodule(name)
-        pbytes = storage_bytes(list(module.parameters()))
-        units.append(
-            UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], pbytes, options, facts.outputs[i])
-        )
-    _share_outputs(units, facts)
-    phases = []
-    for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
-        kind, _, idx = s_none.label.partition(":")
-        if kind in ("fwd", "bwd"):
-            i = int(idx)
-            label = f"{'forward' if kind == 'fwd' else 'backward'} {names[i]}"
-            phases.append(Phase(label, i, "forward" if kind == "fwd" else "backward"))
-        else:
-            # The remainder's peak does not depend on the units' options: keep the larger. Its end
-            # can be higher with checkpointing (tensors kept for recompute); never take it lower.
-            peak, end, ckpt_end = max(s_none.peak, s_full.peak), s_none.end, max(s_none.end, s_full.end)
-            label = _remainder_label(s_none.label, names)
-            phases.append(Phase(label, None, "remainder", peak, end, ckpt_end))
+    units = _units(model, names, memory, times, facts, factor)
+    phases = _phases(memory, names)
     step_s = statistics.median(_seconds(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
     measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in COARSE}
@@ -219,6 +195,54 @@ def _assemble(
         chain=facts.chain,
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
     )
+
+
+def _units(model: nn.Module, names: list[str], memory: dict[str, list[Stretch]], times: list[list[Stretch]],
+           facts: UnitFacts, factor: float) -> list[UnitProfile]:
+    """Each unit's times and its coarse options' memory phases."""
+    def median_time(k: int) -> float:
+        return statistics.median(run[k].seconds for run in times)
+
+    index = {s.label: k for k, s in enumerate(memory["none"])}
+    units: list[UnitProfile] = []
+    for i, name in enumerate(names):
+        fk, bk = index.get(f"fwd:{i}"), index.get(f"bwd:{i}")
+        if fk is None or bk is None:
+            raise MemfitError(
+                f"unit {name!r} did not take part in the backward pass (no gradient reached its "
+                "output); choose units whose outputs the loss depends on"
+            )
+        fwd_s, bwd_s = median_time(fk), median_time(bk)
+        options = {}
+        for option in COARSE:
+            f, b = memory[option][fk], memory[option][bk]
+            # A checkpointed unit runs its forward once more, inside its backward, at the cost
+            # measured for all units together (see _recompute_factor).
+            recompute = 0.0 if option == "none" else fwd_s * factor
+            options[option] = OptionCost(f.peak, f.end, b.peak, b.end, recompute)
+        pbytes = storage_bytes(list(model.get_submodule(name).parameters()))
+        units.append(
+            UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], pbytes, options, facts.outputs[i])
+        )
+    _share_outputs(units, facts)
+    return units
+
+
+def _phases(memory: dict[str, list[Stretch]], names: list[str]) -> list[Phase]:
+    """The step's phases: each unit's forward and backward, and the remainder between them."""
+    phases = []
+    for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
+        kind, _, idx = s_none.label.partition(":")
+        if kind in ("fwd", "bwd"):
+            i = int(idx)
+            label = f"{'forward' if kind == 'fwd' else 'backward'} {names[i]}"
+            phases.append(Phase(label, i, "forward" if kind == "fwd" else "backward"))
+        else:
+            # The remainder's peak does not depend on the units' options: keep the larger. Its end
+            # can be higher with checkpointing (tensors kept for recompute); never take it lower.
+            peak, end, ckpt_end = max(s_none.peak, s_full.peak), s_none.end, max(s_none.end, s_full.end)
+            phases.append(Phase(_remainder_label(s_none.label, names), None, "remainder", peak, end, ckpt_end))
+    return phases
 
 
 def _check_order(run: list[Stretch], names: list[str]) -> None:

@@ -171,6 +171,14 @@ def _chains(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> lis
     finally:
         for h in handles:
             h.remove()
+    found = _chains_in(events, mods)
+    events.clear()
+    del loss
+    return found
+
+
+def _chains_in(events: list[tuple[str, str, Any]], mods: dict[str, nn.Module]) -> list[tuple[str, list[str]]]:
+    """The chains in one watched forward's events (see ``_chains``)."""
     calls = [e[1] for e in events if e[0] == "in"]
     found = []
     for i, (kind, p, out) in enumerate(events):
@@ -188,6 +196,4 @@ def _chains(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> lis
         savers = [e[1] for e in events if e[0] == "save" and e[2] == st]
         if savers and all(recv[-1] in s.split("/") for s in savers):
             found.append((p, recv))
-    events.clear()
-    del loss
     return found

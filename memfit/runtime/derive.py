@@ -18,8 +18,8 @@ autograd (which op made which storage, which ops wrote into one in place), and
 ops and products are never re-derived; inputs are checked for in-place changes at unpack.
 
 The unit's forward runs under both for its whole call (forward hooks, ``always_call``), so a
-checkpoint region inside the unit (``derive:ln_2>mlp.0``) packs its own tensors as usual (its
-hooks are inner). The option steps aside under ``torch.compile`` (the partitioner makes these
+checkpoint region that runs inside the unit (a nested module checkpointed on its own) packs its
+own tensors as usual (its hooks are inner). The option steps aside under ``torch.compile`` (the partitioner makes these
 choices itself), during memfit's recomputation and inside another saved-tensor context.
 
 Private API: ``torch._C._autograd._top_saved_tensors_default_hooks`` (is another saved-tensor

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import MemfitWarning, ScheduleMismatchError
+from memfit.errors import EagerPlanCompiledWarning, ScheduleMismatchError
 from memfit.formats.schedule import Schedule
 from memfit.measure.step import (
     Inputs,
@@ -80,25 +80,13 @@ def validate(
     from memfit.compiled import compiled_step_times, with_backend
 
     backend, predicted_peak = with_backend(schedule, compile)
-    if optimizer == "schedule":
-        optimizer = schedule.optimizer
-    elif optimizer != schedule.optimizer:
-        raise ScheduleMismatchError(
-            f"the schedule was planned with optimizer {schedule.optimizer!r}, whose state its peak counts; "
-            f"validate with that one (got {optimizer!r}), or plan again with yours"
-        )
-    shapes = Inputs.of(inputs).describe()
-    if schedule.input_shapes and shapes != schedule.input_shapes:
-        raise ScheduleMismatchError(
-            f"the schedule was planned for inputs {schedule.input_shapes}, these are {shapes}: activation memory "
-            "grows with batch size and sequence length; validate with the planned inputs, or plan again"
-        )
+    optimizer = _planned_optimizer(schedule, optimizer)
+    _check_inputs(schedule, inputs)
     harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     with harness.restoring():
         plain = harness.run(compile=backend)
     with harness.restoring(), harness.scheduled(schedule), warnings.catch_warnings():
-        # compiling an eager plan is what validate --compile is asked to check
-        warnings.filterwarnings("ignore", r"memfit: this \w+ runs under torch.compile", MemfitWarning)
+        warnings.simplefilter("ignore", EagerPlanCompiledWarning)  # what validate --compile is asked to check
         sched = harness.run(compile=backend)
     plain_s, ratio = float("nan"), float("nan")
     if steps > 0 and backend is not None:
@@ -111,15 +99,7 @@ def validate(
     # inductor's fused reductions may sum in another order: there, equal means within 1e-5.
     exact = device_of(model).type == "cpu" and backend in (None, "eager", "aot_eager")
     same = _same if exact else _close
-    diff = 0.0
-    grads_equal = True
-    for name, g in plain.grads.items():
-        h = sched.grads[name]
-        if (g is None) != (h is None):
-            grads_equal = False
-        elif g is not None and h is not None:
-            diff = max(diff, (g - h).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0)
-            grads_equal &= same(g, h)
+    diff, grads_equal = _compare_grads(plain.grads, sched.grads, same)
     return Validation(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=predicted_peak,
@@ -136,6 +116,41 @@ def validate(
         compile=backend,
         edited=schedule.edited,
     )
+
+
+def _planned_optimizer(schedule: Schedule, optimizer: str | None) -> str | None:
+    """The optimizer to validate with: the plan's; another one is a mismatch."""
+    if optimizer == "schedule":
+        return schedule.optimizer
+    if optimizer != schedule.optimizer:
+        raise ScheduleMismatchError(
+            f"the schedule was planned with optimizer {schedule.optimizer!r}, whose state its peak counts; "
+            f"validate with that one (got {optimizer!r}), or plan again with yours"
+        )
+    return optimizer
+
+
+def _check_inputs(schedule: Schedule, inputs: Any) -> None:
+    shapes = Inputs.of(inputs).describe()
+    if schedule.input_shapes and shapes != schedule.input_shapes:
+        raise ScheduleMismatchError(
+            f"the schedule was planned for inputs {schedule.input_shapes}, these are {shapes}: activation memory "
+            "grows with batch size and sequence length; validate with the planned inputs, or plan again"
+        )
+
+
+def _compare_grads(plain: dict[str, torch.Tensor | None], sched: dict[str, torch.Tensor | None],
+                   same: Callable[[torch.Tensor, torch.Tensor], bool]) -> tuple[float, bool]:
+    """The largest gradient difference, and whether every gradient is the same (or both absent)."""
+    diff, equal = 0.0, True
+    for name, g in plain.items():
+        h = sched[name]
+        if (g is None) != (h is None):
+            equal = False
+        elif g is not None and h is not None:
+            diff = max(diff, (g - h).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0)
+            equal &= same(g, h)
+    return diff, equal
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from memfit.budget import format_bytes
-from memfit.errors import MemfitWarning, PlanDriftWarning
+from memfit.errors import EagerPlanCompiledWarning, MemfitWarning, PlanDriftWarning
 from memfit.formats.schedule import Schedule
 from memfit.measure.step import Inputs, iter_tensors
 from memfit.policy import is_segment
@@ -104,7 +104,7 @@ def compiled_unplanned(message: str) -> None:
     (``torch_private.allow_in_compiled_graph``)."""
     if message not in _SAID:
         _SAID.add(message)
-        warnings.warn(MemfitWarning(message), stacklevel=2)
+        warnings.warn(EagerPlanCompiledWarning(message), stacklevel=2)
 
 
 def _text(dtype: str, shape: tuple[int, ...]) -> str:
