@@ -16,7 +16,7 @@ from memfit.devices import Device
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
 from memfit.measure.step import iter_tensors, storage_key
-from memfit.torch_private import TorchDispatchMode
+from memfit.torch_private import TorchDispatchMode, op_schema
 
 CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
 # Convolution kernels reorder their operands into scratch buffers (oneDNN on the CPU, cuDNN
@@ -83,6 +83,8 @@ class RooflineClock(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if _metadata_only(func, args, kwargs, out):  # a view, a size, a device: no kernel runs, nothing moves
+            return out
         tensors = [t for t in iter_tensors((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in tensors)
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
@@ -94,6 +96,17 @@ class RooflineClock(TorchDispatchMode):
 
     def marks(self) -> list[Mark]:
         return self._marks
+
+
+def _metadata_only(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+    """The op reads and writes no data: every tensor it returns shares an input's storage (a view:
+    ``view``, ``t``, ``transpose``, ``detach``, ``expand``, ``_unsafe_view``), or it returns none
+    (``prim.device``, ``sym_size``). In-place ops return their input too, but write it: their
+    schemas are mutable, and they count."""
+    if op_schema(func).is_mutable:
+        return False
+    inputs = {storage_key(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
+    return all(storage_key(t.untyped_storage()) in inputs for t in iter_tensors(out))
 
 
 def _flops(func: Any, args: Any, kwargs: Any, out: Any) -> float:
