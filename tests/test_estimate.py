@@ -199,3 +199,38 @@ def test_a_model_too_large_to_measure_points_to_estimate_mode(monkeypatch, tmp_p
     err = capsys.readouterr().err
     assert "tiny does not fit cpu unplanned" in err and "--target (one of a100-40gb" in err
     assert "Traceback" not in err
+
+
+def test_foreach_optimizer_step_is_counted_as_measured():
+    """AdamW's foreach kernels (what PyTorch picks on CUDA, and estimate mode on CUDA targets)
+    hold a copy of the second moments during the step (``_foreach_sqrt``): on real tensors here,
+    the step's peak rises by the parameters' bytes over the one-tensor path's, the estimate on
+    fake tensors says the same, and a plan whose peak is in the step is predicted exactly."""
+    from memfit.runtime.harness import StepHarness
+
+    model, inputs = tiny_gpt()
+    foreach = memfit.profile(model, inputs, repeat=1, foreach=True)
+    single = memfit.profile(model, inputs, repeat=1, foreach=False)
+    estimated = estimate(tiny_gpt, target="cpu", foreach=True)
+    step = [p.peak_bytes for p in foreach.phases if p.label == "optimizer step"]
+    single_step = [p.peak_bytes for p in single.phases if p.label == "optimizer step"]
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    # one tensor at a time: a couple of temporaries of the largest parameter; foreach: all at once
+    assert single_step[0] <= 2 * largest + 4096 < foreach.param_bytes <= step[0] <= foreach.param_bytes + 1024
+    full = dict.fromkeys(foreach.unit_names, "full")
+    assert memfit.predict(foreach, full).peak_phase == "optimizer step"
+    twin = copy.deepcopy(model)
+    memfit.runtime.apply.set_policies(twin, full)
+    real = StepHarness(twin, inputs, foreach=True).run().peak_bytes
+    assert memfit.predict(foreach, full).peak_bytes == real
+    assert abs(memfit.predict(estimated, full).peak_bytes - real) <= 0.001 * real
+
+
+def test_cuda_targets_take_the_foreach_kernels():
+    """Estimated for a CUDA target, the step holds AdamW's foreach temporaries; for the CPU it
+    does not (PyTorch's own choice on each)."""
+    cuda = estimate(tiny_gpt, target="h100")
+    cpu = estimate(tiny_gpt, target="cpu")
+    step = {p.label: p.peak_bytes for p in cuda.phases}["optimizer step"]
+    cpu_step = {p.label: p.peak_bytes for p in cpu.phases}["optimizer step"]
+    assert step >= cuda.param_bytes > cpu_step

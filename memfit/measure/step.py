@@ -107,19 +107,23 @@ def default_loss(output: Any) -> torch.Tensor:
                       "object with a .loss, as Hugging Face models do), or in Python pass loss_fn=")
 
 
-def make_optimizer(name: str | None, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer | None:
+def make_optimizer(name: str | None, params: Iterable[nn.Parameter], *,
+                   foreach: bool | None = None) -> torch.optim.Optimizer | None:
     """The optimizer whose state and step memfit counts. Learning rate 0 so that profiling never
-    changes the weights; the state and temporaries are the same as with any learning rate."""
+    changes the weights; the state and temporaries are the same as with any learning rate.
+    ``foreach``: its multi-tensor kernels (None: PyTorch's choice for the parameters' device,
+    foreach on CUDA, one tensor at a time on the CPU); they hold a temporary per state tensor
+    (``_foreach_sqrt`` of AdamW's second moments), which the step's peak includes."""
     key = "none" if name is None else name.lower()
     params = [p for p in params if p.requires_grad]
     if key == "adamw":
-        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, foreach=foreach)
     if key == "adam":
-        return torch.optim.Adam(params, lr=0.0)
+        return torch.optim.Adam(params, lr=0.0, foreach=foreach)
     if key == "sgd":
-        return torch.optim.SGD(params, lr=0.0)
+        return torch.optim.SGD(params, lr=0.0, foreach=foreach)
     if key == "sgd-momentum":
-        return torch.optim.SGD(params, lr=0.0, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.0, momentum=0.9, foreach=foreach)
     if key == "none":
         return None
     raise MemfitError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")

@@ -47,6 +47,7 @@ def profile(
     granularity: str = "module",
     children: list[str] | None = None,
     meters: Meters | None = None,
+    foreach: bool | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
     unit checkpointed, and return the per-unit costs the planner needs. ``granularity="fine"``
@@ -54,7 +55,8 @@ def profile(
     unit that has it in it, for ``plan(..., granularity="fine")``; ``children`` (relative names
     such as ``["attn", "mlp", "attn+mlp"]``) names the child options to measure instead of the
     automatic choice. ``meters``: what to measure with (default: the model's device's own;
-    estimate mode passes fake ones, measure/fake.py).
+    estimate mode passes fake ones, measure/fake.py). ``foreach``: the optimizer's multi-tensor
+    kernels (None: PyTorch's own choice on the model's device; estimate mode passes the target's).
 
     ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments, on
     the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
@@ -67,7 +69,7 @@ def profile(
     names = find_units(model, units)
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")
-    harness = StepHarness(model, inp, loss_fn=loss, optimizer=optimizer)
+    harness = StepHarness(model, inp, loss_fn=loss, optimizer=optimizer, foreach=foreach)
     # lr 0: the steps leave the weights as they are, so only the rest is put back (no weight copy)
     with harness.restoring(weights=False):
         model.train()

@@ -82,6 +82,7 @@ def estimate(
     progress: Callable[[str], None] | None = None,
     parallel: str | None = None,
     world_size: int = 1,
+    foreach: bool | None = None,
 ) -> Profile:
     """A Profile for ``target`` (a name in devices.py: h100, a100-80gb, l4, …, or cpu) without
     the device and without allocating the model: ``build()`` returns ``(model, inputs)`` and is
@@ -92,7 +93,11 @@ def estimate(
     ``parallel="fsdp"``: one rank of ``world_size`` under FSDP2 (``fully_shard`` on each unit and
     the root), in this process, over PyTorch's fake process group, whose collectives move no
     data: the shards, the gathered units and the reduce-scatter inputs are fake tensors like
-    the rest. ``"ddp"``: the whole model per rank, plus DDP's gradient buckets."""
+    the rest. ``"ddp"``: the whole model per rank, plus DDP's gradient buckets.
+
+    ``foreach``: the optimizer's multi-tensor kernels, by default the target's choice: PyTorch
+    picks them on CUDA (with a temporary per state tensor in the step) and fake CPU tensors would
+    take the one-tensor path without being told."""
     from memfit.devices import device_spec
     from memfit.profiler import profile
 
@@ -106,7 +111,8 @@ def estimate(
         if parallel and mesh is not None:  # FSDP2: its fake ranks' mesh
             shard(model, names, parallel, mesh)
         prof = profile(model, inputs, loss_fn=loss_fn, units=names, optimizer=optimizer, repeat=1,
-                       progress=progress, granularity=granularity, children=children, meters=fake_meters(spec))
+                       progress=progress, granularity=granularity, children=children, meters=fake_meters(spec),
+                       foreach=spec.cuda or None if foreach is None else foreach)
         if parallel is not None:
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)

@@ -53,15 +53,16 @@ class StepHarness:
     its ``.loss``) and ``optimizer`` (a name in profile.OPTIMIZERS; its state counts)."""
 
     def __init__(self, model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
-                 optimizer: str | None = "adamw") -> None:
+                 optimizer: str | None = "adamw", foreach: bool | None = None) -> None:
         self.model = model
         self.inputs = Inputs.of(inputs)
         self.loss_fn = loss_fn or default_loss
         self.optimizer = optimizer
+        self.foreach = foreach  # the optimizer's kernels (make_optimizer); None: PyTorch's choice
         self.device = device_of(model)
 
     def new_optimizer(self) -> torch.optim.Optimizer | None:
-        return make_optimizer(self.optimizer, self.model.parameters())
+        return make_optimizer(self.optimizer, self.model.parameters(), foreach=self.foreach)
 
     @contextmanager
     def restoring(self, *, weights: bool = True) -> Iterator[StepHarness]:
