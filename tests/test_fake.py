@@ -36,3 +36,22 @@ def test_data_ops_cost_their_roofline_in_place_too():
         assert _seconds(lambda: x + 1.0) == H100.seconds(0.0, 2 * nbytes, torch.float32)
         flops = 2.0 * 1024**3
         assert _seconds(lambda: x @ x) == H100.seconds(flops, 3 * nbytes, torch.float32)
+
+
+def test_dropout_masks_take_one_byte_per_element_on_cuda_targets():
+    """CUDA's fused native_dropout keeps its mask as bool (one byte per element); the CPU's
+    kernel, which fake tensors run, makes it in the input's dtype. A CUDA target counts the
+    former: live after dropout of a float32 [1024, 1024], the output (4 MiB) and the mask (1 MiB
+    on CUDA, 4 MiB on the CPU)."""
+    from memfit.measure.fake import FakeMemoryRecorder
+
+    for target, mask_bytes in (("h100", 2**20), ("cpu", 4 * 2**20)):
+        with FakeTensorMode():
+            x = torch.empty(1024, 1024, requires_grad=True)
+            recorder = FakeMemoryRecorder(device_spec(target))
+            with recorder:
+                recorder.on_mark("start")
+                y = torch.nn.functional.dropout(x, 0.1, training=True)
+                recorder.on_mark("end")
+            assert recorder.marks()[-1].level - recorder.marks()[0].level == 4 * 2**20 + mask_bytes, target
+            del y

@@ -37,8 +37,9 @@ class FakeMemoryRecorder(TorchDispatchMode):
 
     def __init__(self, target: Device) -> None:
         super().__init__()
+        self._cuda = target.cuda
         self._granule = CUDA_GRANULE if target.cuda else 1
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes counted for it]
         self._level = self._peak = 0
         self._marks: list[Mark] = []
 
@@ -48,19 +49,33 @@ class FakeMemoryRecorder(TorchDispatchMode):
         for t in iter_tensors(out):
             st = t.untyped_storage()
             if storage_key(st) not in inputs and st not in self._seen:  # new storage: not a view, not in place
-                size = -(-st.nbytes() // self._granule) * self._granule
-                self._seen[st] = size
-                self._level += size
+                counted = [self._rounded(st.nbytes())]
+                self._seen[st] = counted
+                self._level += counted[0]
                 self._peak = max(self._peak, self._level)
-                weakref.finalize(st, self._free, size)
+                weakref.finalize(st, self._free, counted)
+        if self._cuda and func is torch.ops.aten.bernoulli_.float:
+            self._as_byte_mask(args[0])
         workspace = _WORKSPACE.get(func._overloadpacket.__name__, 0)
         if workspace:  # buffers the kernel allocates and frees inside itself, which no tensor shows
             largest = max((t.numel() * t.element_size() for t in iter_tensors((args, kwargs))), default=0)
             self._peak = max(self._peak, self._level + workspace * largest)
         return out
 
-    def _free(self, size: int) -> None:
-        self._level -= size
+    def _rounded(self, nbytes: int) -> int:
+        return -(-nbytes // self._granule) * self._granule
+
+    def _as_byte_mask(self, mask: torch.Tensor) -> None:
+        """Dropout's mask, which the CPU's kernel makes in the input's dtype (``empty_like``,
+        ``bernoulli_``) and CUDA's fused ``native_dropout`` keeps as one byte per element."""
+        counted = self._seen.get(mask.untyped_storage())
+        if counted is not None and mask.element_size() > 1:
+            smaller = self._rounded(mask.numel())
+            self._level -= counted[0] - smaller
+            counted[0] = smaller
+
+    def _free(self, counted: list[int]) -> None:
+        self._level -= counted[0]
 
     def on_mark(self, label: str) -> None:
         self._marks.append(Mark(label, self._level, self._peak))
