@@ -154,7 +154,8 @@ def read(text: object) -> Policy | None:
 
 def is_option(text: object) -> bool:
     """``text`` names something a profile can measure (every policy but a segment)."""
-    return read(text) is not None and not isinstance(read(text), Segment)
+    policy = read(text)
+    return policy is not None and not isinstance(policy, Segment)
 
 
 def is_segment(text: object) -> bool:

@@ -24,6 +24,7 @@ from memfit.measure.step import (
     zero_grad,
 )
 from memfit.measure.timing import alternate, median_ratio
+from memfit.planning.options import GRANULARITIES
 from memfit.policy import COARSE, Children, read
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import UnitFacts, unit_facts
@@ -103,8 +104,8 @@ def profile(
 def _check_arguments(model: nn.Module, repeat: int, granularity: str, children: list[str] | None) -> None:
     if repeat < 1:
         raise MemfitError("repeat must be at least 1")
-    if granularity not in ("module", "fine"):
-        raise MemfitError(f"unknown granularity {granularity!r}; use module or fine")
+    if granularity not in GRANULARITIES:
+        raise MemfitError(f"unknown granularity {granularity!r}; use {' or '.join(GRANULARITIES)}")
     if children is not None and granularity != "fine":
         raise MemfitError("children= names finer options: give granularity='fine' with it")
     if not any(p.requires_grad for p in model.parameters()):

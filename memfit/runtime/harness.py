@@ -48,6 +48,32 @@ class StepRun:
     peak_bytes: int
 
 
+class Snapshot:
+    """A model's state as found: buffers (BatchNorm statistics), gradients, every module's
+    train/eval mode, the CPU and CUDA RNG, and with ``weights`` the parameters' values (kept on
+    the host, so that the copy takes no device memory from the measured step)."""
+
+    def __init__(self, model: nn.Module, *, weights: bool = True) -> None:
+        self._training = {m: m.training for m in model.modules()}
+        self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self._params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()] if weights else []
+        self._grads = [(p, p.grad) for p in model.parameters()]
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, saved in [*self._buffers, *self._params]:
+                t.copy_(saved)
+        for p, g in self._grads:
+            p.grad = g
+        for m, mode in self._training.items():
+            m.train(mode)
+        torch.set_rng_state(self._cpu_rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
 class StepHarness:
     """``model``'s training step on ``inputs`` with ``loss_fn`` (default: the output's mean, or
     its ``.loss``) and ``optimizer`` (a name in profile.OPTIMIZERS; its state counts)."""
@@ -65,30 +91,14 @@ class StepHarness:
         return make_optimizer(self.optimizer, self.model.parameters(), foreach=self.foreach)
 
     @contextmanager
-    def restoring(self, *, weights: bool = True) -> Iterator[StepHarness]:
-        """Leave the model as found: buffers (BatchNorm statistics), gradients, every module's
-        train/eval mode, the CPU and CUDA RNG, and with ``weights`` the parameters' values
-        (kept on the host, so that the copy takes no device memory from the measured step)."""
-        model = self.model
-        training = {m: m.training for m in model.modules()}
-        buffers = [(b, b.detach().clone()) for b in model.buffers()]
-        params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()] if weights else []
-        grads = [(p, p.grad) for p in model.parameters()]
-        cpu_rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    def restoring(self, *, weights: bool = True) -> Iterator[Snapshot]:
+        """Leave the model as found (``Snapshot``); the snapshot it yields can also put the model
+        back between runs, so that one copy serves several."""
+        snapshot = Snapshot(self.model, weights=weights)
         try:
-            yield self
+            yield snapshot
         finally:
-            with torch.no_grad():
-                for t, saved in [*buffers, *params]:
-                    t.copy_(saved)
-            for p, g in grads:
-                p.grad = g
-            for m, mode in training.items():
-                m.train(mode)
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
+            snapshot.restore()
 
     @contextmanager
     def options(self, policies: dict[str, str]) -> Iterator[None]:

@@ -83,17 +83,18 @@ def validate(
     optimizer = _planned_optimizer(schedule, optimizer)
     _check_inputs(schedule, inputs)
     harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
-    with harness.restoring():
-        plain = harness.run(compile=backend)
-    with harness.restoring(), harness.scheduled(schedule), warnings.catch_warnings():
-        warnings.simplefilter("ignore", EagerPlanCompiledWarning)  # what validate --compile is asked to check
-        sched = harness.run(compile=backend)
     plain_s, ratio = float("nan"), float("nan")
-    if steps > 0 and backend is not None:
-        plain_s, ratio = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
-                                             optimizer=optimizer, steps=steps)
-    elif steps > 0:
-        with harness.restoring():
+    with harness.restoring() as found:  # each run from the state the model came in
+        plain = harness.run(compile=backend)
+        found.restore()
+        with harness.scheduled(schedule), warnings.catch_warnings():
+            warnings.simplefilter("ignore", EagerPlanCompiledWarning)  # what validate --compile is asked to check
+            sched = harness.run(compile=backend)
+        found.restore()
+        if steps > 0 and backend is not None:
+            plain_s, ratio = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
+                                                 optimizer=optimizer, steps=steps)
+        elif steps > 0:
             plain_s, (ratio,) = harness.step_times([schedule.policies], steps)
     # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute, and
     # inductor's fused reductions may sum in another order: there, equal means within 1e-5.
@@ -178,12 +179,13 @@ def measure_plans(
     rounds that all plans share with the plain model. ``model`` is left as it was."""
     harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
     peaks = []
-    for policies in plans:
-        with harness.restoring(), harness.options(policies):
-            peaks.append(harness.run().peak_bytes)
-        if progress is not None:
-            progress()
-    with harness.restoring():
+    with harness.restoring() as found:  # each plan from the state the model came in
+        for policies in plans:
+            with harness.options(policies):
+                peaks.append(harness.run().peak_bytes)
+            found.restore()
+            if progress is not None:
+                progress()
         _, ratios = harness.step_times(plans, steps)
     return peaks, [r - 1.0 for r in ratios]
 
