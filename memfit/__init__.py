@@ -27,6 +27,7 @@ from memfit.errors import (
     SolverTimeout,
     UnitSelectionError,
 )
+from memfit.trainstep import TrainStep
 
 __version__ = "0.1.0"
 
@@ -93,6 +94,7 @@ __all__ = [
     "Schedule",
     "ScheduleMismatchError",
     "SolverTimeout",
+    "TrainStep",
     "UnitSelectionError",
     "Validation",
     "apply",

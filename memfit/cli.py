@@ -17,7 +17,8 @@ from memfit.console import (
     user_code_error,
 )
 from memfit.errors import InternalError, MemfitError
-from memfit.formats.profile import OPTIMIZERS, PARALLEL
+from memfit.formats.profile import PARALLEL
+from memfit.trainstep import OPTIMIZERS, PRECISIONS, ZERO_GRADS
 
 EPILOG = """\
 examples:
@@ -255,8 +256,20 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     g.add_argument("--model", help="your own model: module:factory returning a model or (model, inputs)")
     g.add_argument("--input-shape", help="random input shape when the factory returns only a model, e.g. 8x3x224x224")
     g.add_argument("--units", nargs="+", help="unit module names or globs (default: the repeated blocks)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS,
-                   help="optimizer whose state and step count (default: the scenario's, else adamw)")
+    s = p.add_argument_group("training step (default: the scenario's, else adamw, one micro-batch, its dtype)"
+                             + (": by default the one planned for" if validate else ""))
+    s.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="optimizer whose state and step count; -foreach / -fused force its kernels (plain: PyTorch's "
+                   "choice for the device)")
+    s.add_argument("--accumulate", type=int, metavar="N",
+                   help="micro-batches per optimizer step (gradient accumulation; the loss divided by N)")
+    s.add_argument("--precision", choices=PRECISIONS,
+                   help="a pure dtype (the model's), or amp-bf16 / amp-fp16: fp32 weights and optimizer state, "
+                   "autocast over forward and loss (a GradScaler for fp16)")
+    s.add_argument("--clip-grad-norm", type=float, metavar="MAX",
+                   help="clip_grad_norm_ to MAX before each optimizer step")
+    s.add_argument("--zero-grad", choices=ZERO_GRADS,
+                   help="none: zero_grad(set_to_none=True) (default); zeros: gradients stay allocated")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     if not validate:
         from memfit.devices import DEVICES

@@ -24,7 +24,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prof = modelflags.profile_of(args)
     write_output(prof.save, args.output)
     if args.json:
-        print(json.dumps({"format": "memfit.profile/1", **asdict(prof)}, indent=2))
+        print(json.dumps({"format": "memfit.profile/1", **prof.to_dict()}, indent=2))
     else:
         print(profile_report(prof))
         print(f"\nwrote {args.output}")
@@ -69,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                            budget=budget, checkpointed=schedule.checkpointed), args.timeline)
         print(f"wrote {args.timeline}", file=sys.stderr)  # stdout may be --json
     if args.json:
-        print(json.dumps({"format": "memfit.schedule/1", **asdict(schedule)}, indent=2))
+        print(json.dumps({"format": "memfit.schedule/1", **schedule.to_dict()}, indent=2))
         return 0
     if idle and args.strategy in ("ilp", "none"):
         _say_nothing_to_do(args, prof, schedule, budget, output, write)
@@ -142,7 +142,7 @@ def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: di
         check_interrupt()
         print(message, file=sys.stderr)
 
-    return plan_compiled(model, inputs, prof, budget, args.compile, optimizer=prof.optimizer, progress=progress,
+    return plan_compiled(model, inputs, prof, budget, args.compile, step=prof.train_step, progress=progress,
                          **options)
 
 
@@ -201,12 +201,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     model, inputs = modelflags.build_model(sc, device)
     check_interrupt()
-    optimizer = sc.step_optimizer
+    step = sc.train_step
     print("measuring the plain and the scheduled step", file=sys.stderr)
-    result = validate(model, inputs, schedule, optimizer=optimizer, steps=args.steps, compile=args.compile)
+    result = validate(model, inputs, schedule, step=step, steps=args.steps, compile=args.compile)
     check_interrupt()
     if args.timeline:
-        measured = measure_levels(model, inputs, schedule, optimizer=optimizer)
+        measured = measure_levels(model, inputs, schedule, step=step)
         levels = {**schedule.levels, "measured": measured}
         if len(measured) != len(schedule.levels["plan"]):
             raise MemfitError("the measured step has other marks than the planned one; cannot draw them side by side")
@@ -332,7 +332,7 @@ def _measure_rows(args: argparse.Namespace, prof: Any, frame: Any) -> None:
     model, inputs = modelflags.build_model(sc, prof.device)
     with tqdm(total=len(plans), desc="measuring plans", unit="plan", file=sys.stderr, leave=False,
               disable=None) as bar:
-        peaks, overheads = measure_plans(model, inputs, [json.loads(p) for p in plans], optimizer=prof.optimizer,
+        peaks, overheads = measure_plans(model, inputs, [json.loads(p) for p in plans], step=prof.train_step,
                                          steps=args.steps, progress=lambda: (check_interrupt(), bar.update(1)))
     frame["measured_peak_bytes"] = frame["policies"].map(dict(zip(plans, peaks, strict=True))).astype("Int64")
     frame["measured_overhead"] = frame["policies"].map(dict(zip(plans, overheads, strict=True))).astype(float)

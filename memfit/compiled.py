@@ -26,6 +26,7 @@ from memfit.measure.step import LossFn
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import StepHarness
+from memfit.trainstep import TrainStep, step_of
 
 ROUNDS = 4  # re-plans at most; each costs a compilation
 
@@ -40,10 +41,11 @@ def check_backend(backend: str) -> str:
 
 
 def compiled_peak(model: nn.Module, inputs: Any, policies: dict[str, str], backend: str, *,
-                  loss_fn: LossFn | None = None, optimizer: str | None = "adamw") -> int:
+                  loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+                  step: TrainStep | None = None) -> int:
     """The measured peak of a steady-state compiled step of ``model`` under ``policies``;
     ``model`` is left as it was."""
-    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, step=step_of(step, optimizer))
     try:
         with harness.restoring(), harness.options(policies):
             return harness.run(compile=backend).peak_bytes
@@ -52,7 +54,7 @@ def compiled_peak(model: nn.Module, inputs: Any, policies: dict[str, str], backe
 
 
 def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str | int, backend: str, *,
-                  loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+                  loss_fn: LossFn | None = None, step: TrainStep | None = None,
                   progress: Callable[[str], None] | None = None, **plan_kwargs: Any) -> Schedule:
     """The plan for ``model`` compiled with ``backend`` whose measured compiled peak fits ``budget``
     at the least predicted recompute time among the plans tried.
@@ -62,11 +64,13 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     it did not fit, up when it left room), until a plan recurs or ``ROUNDS`` are spent. The
     schedule records the backend and the measured peak in ``schedule.compile``, which
     ``validate`` compares with. Raises ``InfeasibleBudgetError`` when no plan's compiled step
-    fits. Clears torch.compile's caches after each measurement.
+    fits. Clears torch.compile's caches after each measurement. ``step``: the training step, by
+    default the profile's (needed again for a callable optimizer).
     """
     from memfit.planning.planner import plan
 
     check_backend(backend)
+    step = step or profile.train_step
     if plan_kwargs.get("fallbacks"):
         raise MemfitError("fallbacks are planned for the eager step only; plan a compiled step without them")
     target = parse_bytes(budget)
@@ -86,7 +90,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
         if progress is not None:
             progress(f"compiling ({backend}) and measuring the plan that predicts "
                      f"{format_bytes(schedule.predicted_peak_bytes)} eager")
-        peak = compiled_peak(model, inputs, schedule.policies, backend, loss_fn=loss_fn, optimizer=optimizer)
+        peak = compiled_peak(model, inputs, schedule.policies, backend, loss_fn=loss_fn, step=step)
         tried.append((schedule.predicted_peak_bytes, peak))
         if peak <= target and (best is None or schedule.predicted_recompute_s < best.predicted_recompute_s):
             schedule.compile = CompiledPeak(backend=backend, peak_bytes=peak)
@@ -105,22 +109,22 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
 
 
 def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str], backend: str, *,
-                        loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+                        loss_fn: LossFn | None = None, step: TrainStep | None = None,
                         steps: int = 5) -> tuple[float, float]:
     """Median compiled step time of the plain model, and the median ratio of the scheduled
     compiled step's to it, interleaved as ``alternate`` does, on two copies of ``model`` (a
     compiled model is not switched between plans: each switch would compile again)."""
     copies = [copy.deepcopy(model), copy.deepcopy(model)]
     set_policies(copies[1], policies)
-    steps_of = [StepHarness(m, inputs, loss_fn=loss_fn, optimizer=optimizer) for m in copies]
+    steps_of = [StepHarness(m, inputs, loss_fn=loss_fn, step=step) for m in copies]
     runners = [torch.compile(m, backend=backend) for m in copies]
-    opts = [h.new_optimizer() for h in steps_of]
+    states = [h.new_state() for h in steps_of]
     for m in copies:
         m.train()
 
     def timed(k: int) -> float:
         h = steps_of[k]
-        return timed_step(runners[k], h.model, h.inputs, h.loss_fn, opts[k], h.device)
+        return timed_step(runners[k], h.inputs, h.loss_fn, states[k], h.device)
 
     try:
         for k in range(2):

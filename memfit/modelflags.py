@@ -11,7 +11,8 @@ from typing import Any
 from memfit.console import check_interrupt
 from memfit.errors import MemfitError
 
-MODEL_FLAGS = ("scenario", "model", "input_shape", "units", "optimizer", "device", "repeat", "children", "target",
+STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad")
+MODEL_FLAGS = ("scenario", "model", "input_shape", "units", *STEP_FLAGS, "device", "repeat", "children", "target",
                "parallel", "world_size")
 
 
@@ -34,8 +35,10 @@ def scenario_of(args: argparse.Namespace) -> Any:
             sc.input_shape = parse_shape(args.input_shape)
     if args.units:
         sc.units = args.units
-    if args.optimizer:
-        sc.optimizer = args.optimizer
+    for flag in STEP_FLAGS:
+        if getattr(args, flag, None) is not None:
+            setattr(sc, flag, getattr(args, flag))
+    sc.train_step  # noqa: B018 -- checks the combination now, before any model is built
     return sc
 
 
@@ -108,7 +111,7 @@ def profile_of(args: argparse.Namespace) -> Any:
     if target is not None and getattr(args, "compile", None):
         raise MemfitError(f"--compile measures the compiled step, which needs the device; {sc.name} would be estimated "
                           f"for {target} from shapes: plan without --compile here, or with it on that GPU")
-    optimizer = sc.step_optimizer
+    step = sc.train_step
     if args.world_size is not None and args.parallel is None:
         raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
     ranks = 2 if args.world_size is None else args.world_size
@@ -125,14 +128,14 @@ def profile_of(args: argparse.Namespace) -> Any:
 
         print(f"estimating {sc.name} ({sc.model}) for {target} from shapes (fake tensors, nothing allocated)",
               file=sys.stderr)
-        result = estimate(lambda: sc.build("cpu"), target=target, units=sc.units, optimizer=optimizer,
+        result = estimate(lambda: sc.build("cpu"), target=target, units=sc.units, step=step,
                           granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt(),
                           parallel=args.parallel, world_size=ranks if args.parallel else 1)
         result.source = sc.source()
         return result
     device = parse_device(args.device)
     try:
-        return _measured(args, sc, device, optimizer, repeat)
+        return _measured(args, sc, device, step, repeat)
     except torch.OutOfMemoryError:
         raise MemfitError(
             f"{sc.name} does not fit {device} unplanned, and memfit measures the plain step: estimate it instead "
@@ -140,7 +143,7 @@ def profile_of(args: argparse.Namespace) -> Any:
         ) from None
 
 
-def _measured(args: argparse.Namespace, sc: Any, device: str, optimizer: str | None, repeat: int) -> Any:
+def _measured(args: argparse.Namespace, sc: Any, device: str, step: Any, repeat: int) -> Any:
     from tqdm import tqdm
 
     from memfit.profiler import profile
@@ -160,7 +163,7 @@ def _measured(args: argparse.Namespace, sc: Any, device: str, optimizer: str | N
                 bar.refresh()
             bar.set_postfix_str(message)
 
-        result = profile(model, inputs, units=sc.units, optimizer=optimizer, repeat=repeat, progress=progress,
+        result = profile(model, inputs, units=sc.units, step=step, repeat=repeat, progress=progress,
                          granularity=args.granularity, children=args.children)
         bar.update(1)
     result.source = sc.source()
@@ -173,10 +176,13 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
     from memfit.scenarios import cli_flag, load_scenario, scenario_from_source
 
     source = schedule.source
-    planned_opt = schedule.optimizer or "none"
-    if args.optimizer and args.optimizer != planned_opt:
-        raise MemfitError(f"the schedule was planned with --optimizer {planned_opt}, not {args.optimizer}: its "
-                          "peak counts that optimizer's state; drop --optimizer, or plan again with yours")
+    planned = _planned_flags(schedule)
+    for flag, value in planned.items():
+        mine = getattr(args, flag, None)
+        if mine is not None and mine != value:
+            spelled = "--" + flag.replace("_", "-")
+            raise MemfitError(f"the schedule was planned with {spelled} {value}, not {mine}: its peak is that step's; "
+                              f"drop {spelled}, or plan again with yours")
     if args.device and parse_device(args.device) != schedule.device:
         raise MemfitError(f"the schedule was profiled on {schedule.device}, not {args.device}: memory differs "
                           f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
@@ -214,5 +220,13 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
             shown = " ".join(planned_units) if isinstance(planned_units, list) else planned_units
             raise MemfitError(f"{made_for} with units {shown}, not --units {' '.join(args.units)}")
         sc = scenario_from_source(source, trusted=named or args.trust_source)
-    sc.optimizer = planned_opt
+    for flag, value in planned.items():
+        setattr(sc, flag, value)
     return sc, parse_device(args.device or schedule.device)
+
+
+def _planned_flags(schedule: Any) -> dict[str, Any]:
+    """The step flags' values the schedule was planned with (TrainStep.of_record)."""
+    step = schedule.train_step
+    return {"optimizer": schedule.optimizer or "none", "accumulate": step.accumulate, "precision": step.precision,
+            "clip_grad_norm": step.clip_grad_norm, "zero_grad": step.zero_grad}

@@ -159,8 +159,7 @@ def _profile_rank(device: str, scenario: Any, parallel: str, *, repeat: int, gra
     from memfit.profiler import profile
 
     model, wrapped, inputs, names = _built(scenario, parallel, device)
-    optimizer = scenario.step_optimizer
-    prof = profile(wrapped, inputs, units=_wrapped_names(wrapped, model, names), optimizer=optimizer,
+    prof = profile(wrapped, inputs, units=_wrapped_names(wrapped, model, names), step=scenario.train_step,
                    repeat=repeat, granularity=granularity)
     for unit, name in zip(prof.units, names, strict=True):
         unit.name = name
@@ -179,14 +178,14 @@ def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[dict
     from memfit.units import find_units
 
     out: dict[str, Any] = {"peaks": [], "losses": [], "grads": []}
-    optimizer = scenario.step_optimizer
+    step = scenario.train_step
     for policies in plans:
         model, inputs = scenario.build(device)
         names = find_units(model, scenario.units)
         wrapped = shard(model, names, parallel)
         set_policies(model, {n: policies.get(n, "none") for n in names})  # after sharding, as profiled
         # three steps: DDP rebuilds its buckets and FSDP2 initialises lazily in the first ones
-        run = measure_steps(wrapped, inputs, optimizer=optimizer, steps=3)
+        run = measure_steps(wrapped, inputs, step=step, steps=3)
         out["peaks"].append(run.peak_bytes + held_by_wrapper(model, parallel))
         out["losses"].append(run.losses)
         out["grads"].append({n.removeprefix("module."): _full(g) for n, g in run.grads.items()})

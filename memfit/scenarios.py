@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import OPTIMIZERS
+from memfit.trainstep import OPTIMIZERS, TrainStep
 
 if TYPE_CHECKING:  # torch is imported where a model is built: checking a schedule's source needs none
     import torch
@@ -48,6 +48,11 @@ class Scenario:
     origin: str | None = None  # a built-in scenario's name or a TOML file's absolute path; None for --model
     target: str | None = None  # the device to estimate for when no GPU is at hand (devices.py)
     requires: str | None = None  # a package the factory imports (transformers), not a dependency of memfit's
+    # the training step (trainstep.TrainStep): micro-batches, precision (None: dtype's own), clipping
+    accumulate: int = 1
+    precision: str | None = None
+    clip_grad_norm: float | None = None
+    zero_grad: str = "none"
 
     @property
     def missing(self) -> str | None:
@@ -60,6 +65,11 @@ class Scenario:
     def step_optimizer(self) -> str | None:
         """The optimizer as ``profile``, ``make_optimizer`` and schedules take it: None for "none"."""
         return None if self.optimizer == "none" else self.optimizer
+
+    @property
+    def train_step(self) -> TrainStep:
+        """The training step this scenario is trained with."""
+        return TrainStep(self.step_optimizer, self.accumulate, self.precision, self.clip_grad_norm, self.zero_grad)
 
     def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
         """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
@@ -262,7 +272,8 @@ def load_scenario(name_or_path: str) -> Scenario:
                 "(or give a path to a .toml file)"
             )
     data = _read_toml(path)
-    known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target"}
+    known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target",
+             "accumulate", "precision", "clip_grad_norm", "zero_grad"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -297,6 +308,11 @@ def load_scenario(name_or_path: str) -> Scenario:
 
         if data["target"] not in DEVICES:
             raise bad("target", f"one of {', '.join(DEVICES)}")
+    try:
+        step = TrainStep(None, data.get("accumulate", 1), data.get("precision"), data.get("clip_grad_norm"),
+                         data.get("zero_grad", "none"))
+    except MemfitError as exc:
+        raise MemfitError(f"{path}: {exc}") from None
     return Scenario(
         name=path.stem,
         model=data["model"],
@@ -309,4 +325,8 @@ def load_scenario(name_or_path: str) -> Scenario:
         origin=name_or_path if builtin else str(path.resolve()),
         target=data.get("target"),
         requires=data.get("requires"),
+        accumulate=step.accumulate,
+        precision=step.precision,
+        clip_grad_norm=step.clip_grad_norm,
+        zero_grad=step.zero_grad,
     )

@@ -31,7 +31,8 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as ch
 BatchNorm = nn.modules.batchnorm._BatchNorm
 
 __all__ = ["BatchNorm", "FakeTensorMode", "TorchDispatchMode", "allow_in_compiled_graph", "checkpoint_generator",
-           "fake_store", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map"]
+           "fake_store", "grad_scaler_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten",
+           "tree_map"]
 
 
 def op_schema(func: Any) -> Any:
@@ -59,3 +60,10 @@ def allow_in_compiled_graph(fn: Any) -> None:
     set, not a documented API; it keeps ``fullgraph=True`` working). Since torch 2.2. Imports
     torch._dynamo (seconds), so call it only where compilation may follow."""
     torch._dynamo.config.reorderable_logging_functions.add(fn)
+
+
+def grad_scaler_tensors(scaler: Any) -> list[torch.Tensor]:
+    """The tensors a ``torch.amp.GradScaler`` keeps across steps (its scale and growth tracker,
+    made on the first ``scale()``): ``_scale`` and ``_growth_tracker``. Since torch 1.6."""
+    return [t for t in (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
+            if isinstance(t, torch.Tensor)]

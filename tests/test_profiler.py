@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.measure.step import Inputs, default_loss, make_optimizer, training_step, zero_grad
+from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.harness import measure_steps
 from memfit.units import find_units
@@ -21,16 +21,16 @@ def test_cpu_meter_agrees_with_memtracker():
 
     model, batch = tiny_gpt()
     ours = measure_steps(model, batch).peak_bytes
-    opt = make_optimizer("adamw", model.parameters())
+    state = StepState(memfit.TrainStep(), model)
     inp = Inputs.of(batch)
     torch.manual_seed(0)
-    zero_grad(model, opt)
-    training_step(model, inp, default_loss, opt)
-    zero_grad(model, opt)
+    state.zero_grad()
+    training_step(model, inp, default_loss, state)
+    state.zero_grad()
     tracker = MemTracker()
-    tracker.track_external(model, opt, *inp.tensors())
+    tracker.track_external(model, state.optimizer, *inp.tensors())
     with tracker:
-        training_step(model, inp, default_loss, opt)
+        training_step(model, inp, default_loss, state)
     assert ours == tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 

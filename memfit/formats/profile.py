@@ -13,8 +13,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from memfit.errors import FileFormatError, MemfitError
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import COARSE, is_option
+from memfit.trainstep import CUSTOM, OPTIMIZERS, StepRecord, TrainStep
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -23,7 +25,6 @@ PROFILE_FORMAT = "memfit.profile/1"
 # per-rank profiles: FSDP2 (fully_shard per unit and the root; fsdp-bf16 with a MixedPrecisionPolicy
 # of bf16 parameters and fp32 gradient reduction) or DDP
 PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "none")  # the optimizers whose state a profile counts
 class ParallelLayout(TypedDict):
     """A plan per rank: how the ranks hold the model."""
 
@@ -40,6 +41,19 @@ class OptionCost:
     bwd_peak_bytes: int  # highest level during the unit's backward, above the level it began at
     bwd_end_bytes: int  # level change over the backward (frees what was kept, adds gradients)
     recompute_s: float  # extra time this option costs per step
+    # the backward of a later run in the step (a later micro-batch, or a user step's second
+    # forward), whose gradients exist already and accumulate in place; None: no later run
+    later_bwd_peak_bytes: int | None = None
+    later_bwd_end_bytes: int | None = None
+    # amp: parameter casts that autocast's cache alone holds at the forward's end, freed when
+    # the step leaves autocast (a ``releases`` phase), beyond what the unit kept frees there
+    release_bytes: int = 0
+
+    def backward(self, later: bool) -> tuple[int, int]:
+        """(peak, end) of the backward: the first run's, or a later run's."""
+        if later and self.later_bwd_peak_bytes is not None and self.later_bwd_end_bytes is not None:
+            return self.later_bwd_peak_bytes, self.later_bwd_end_bytes
+        return self.bwd_peak_bytes, self.bwd_end_bytes
 
 
 @dataclass(slots=True)
@@ -79,6 +93,8 @@ class Phase:
     peak_bytes: int = 0
     end_bytes: int = 0
     ckpt_end_bytes: int = 0
+    later: bool = False  # a unit's backward after its first in the step: OptionCost.backward(later=True)
+    releases: bool = False  # leaving autocast: the level also falls by each unit's option's release_bytes
 
 
 @dataclass(slots=True)
@@ -106,11 +122,23 @@ class Profile:
     mode: str = "measured"  # or "estimated": from shapes on fake tensors, for ``target``
     target: str = ""  # the device estimated for (devices.py); "" when measured
     parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # one rank's; {} for one process
+    step: StepRecord | dict[str, Any] = field(default_factory=dict)  # the training step (trainstep.py); {}: plain
+
+    @property
+    def train_step(self) -> TrainStep:
+        """The step this profile was measured in (trainstep.TrainStep.of_record)."""
+        return TrainStep.of_record(self.optimizer, self.step)
 
     @property
     def fine(self) -> bool:
         """Some unit has an option finer than none / full (profiled with granularity="fine")."""
         return any(len(u.options) > len(COARSE) for u in self.units)
+
+    @property
+    def segmentable(self) -> bool:
+        """Segments can be planned: the units form a chain, and the step leaves no autocast (a
+        segment's recompute under autocast holds weight casts its composed costs do not count)."""
+        return self.chain and not any(p.releases for p in self.phases)
 
     @property
     def unit_names(self) -> list[str]:
@@ -141,8 +169,24 @@ class Profile:
             )
         return pd.DataFrame(rows).set_index("unit")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON takes them; a step without later runs as before they existed."""
+        data = asdict(self)
+        for u in data["units"]:
+            for o in u["options"].values():
+                for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0)):
+                    if o[key] == unset:
+                        del o[key]
+        for p in data["phases"]:
+            for key in ("later", "releases"):
+                if not p[key]:
+                    del p[key]
+        if not data["step"]:
+            del data["step"]
+        return data
+
     def save(self, path: str | os.PathLike[str]) -> None:
-        write_json_atomic(path, {"format": PROFILE_FORMAT, **asdict(self)})
+        write_json_atomic(path, {"format": PROFILE_FORMAT, **self.to_dict()})
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Profile:
@@ -155,8 +199,8 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
     phases = [_phase(p, len(units)) for p in f.items("phases")]
     _check_timeline(f, units, phases)
     optimizer = f.opt_str("optimizer")
-    if optimizer not in (None, *(o for o in OPTIMIZERS if o != "none")):  # None: no optimizer
-        raise_field(where, "optimizer", optimizer)
+    if optimizer not in (None, *(o for o in OPTIMIZERS if o != "none")) and not (optimizer or "").startswith(CUSTOM):
+        raise_field(where, "optimizer", optimizer)  # None: no optimizer
     for key, kind in (("chain", bool), ("recompute_factor", (int, float)), ("source", dict)):
         if key in data and not isinstance(data[key], kind):
             raise_field(where, key, data[key])
@@ -187,7 +231,22 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         mode=_choice(f, "mode", ("measured", "estimated"), "measured"),
         target=str(data.get("target", "")),
         parallel=read_parallel(f),
+        step=read_step(f),
     )
+
+
+def read_step(f: Fields) -> StepRecord | dict[str, Any]:
+    """A profile's or schedule's ``step`` field: {} for the plain step of files made before it."""
+    if not f.data.get("step"):
+        return {}
+    s = f.obj("step")
+    record = s.record(StepRecord, {"accumulate": 1})
+    try:
+        TrainStep(None, record.get("accumulate", 1), record.get("precision") or None, record.get("clip_grad_norm"),
+                  record.get("zero_grad", "none"))
+    except MemfitError as exc:
+        raise FileFormatError(f"{s.where}: {exc}") from None
+    return record
 
 
 def _unit(u: Fields) -> UnitProfile:
@@ -200,6 +259,8 @@ def _unit(u: Fields) -> UnitProfile:
         options[name] = OptionCost(
             o.int("fwd_peak_bytes"), o.int("stored_bytes"), o.int("bwd_peak_bytes"),
             o.int("bwd_end_bytes"), o.float("recompute_s", minimum=0.0),
+            *(o.int(k) if o.data.get(k) is not None else None for k in ("later_bwd_peak_bytes", "later_bwd_end_bytes")),
+            o.int("release_bytes", minimum=0) if "release_bytes" in o.data else 0,
         )
     return UnitProfile(
         u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),
@@ -215,7 +276,13 @@ def _phase(p: Fields, n_units: int) -> Phase:
     kind = p.str("kind")
     if kind not in ("remainder", "forward", "backward"):
         raise_field(p.where, "kind", kind)
-    return Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes"), p.int("ckpt_end_bytes"))
+    later, releases = p.data.get("later", False), p.data.get("releases", False)
+    if not isinstance(later, bool) or (later and kind != "backward"):
+        raise_field(p.where, "later", later)
+    if not isinstance(releases, bool) or (releases and unit is not None):
+        raise_field(p.where, "releases", releases)
+    return Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes"), p.int("ckpt_end_bytes"), later,
+                 releases)
 
 
 def read_parallel(f: Fields) -> ParallelLayout | dict[str, Any]:
@@ -244,18 +311,21 @@ def _positive(f: Fields, key: str) -> float:
 
 
 def _check_timeline(f: Fields, units: list[UnitProfile], phases: list[Phase]) -> None:
-    """Unique unit names; each unit has one forward and one backward phase."""
+    """Unique unit names; each unit runs forward and backward as often, its first backward not
+    a later one; later backwards need every option's later figures."""
     names = [u.name for u in units]
     if not units or len(set(names)) != len(names):
         raise_field(f.where, "units", "none" if not units else f"names repeat: {names}")
     for i, u in enumerate(units):
-        kinds = sorted(p.kind for p in phases if p.unit == i)
-        if kinds != ["backward", "forward"]:
-            raise_field(f.where, "phases", f"unit {u.name!r} has {kinds or 'no'} phases, not one forward and one "
-                                           "backward")
+        fwd = sum(p.kind == "forward" for p in phases if p.unit == i)
+        bwd = [p.later for p in phases if p.unit == i and p.kind == "backward"]
+        if fwd < 1 or fwd != len(bwd) or bwd[0] or not all(bwd[1:]):
+            raise_field(f.where, "phases", f"unit {u.name!r} has {fwd} forward and {len(bwd)} backward phases (the "
+                                           "first backward first, the rest later ones)")
+        if len(bwd) > 1 and any(o.later_bwd_peak_bytes is None or o.later_bwd_end_bytes is None
+                                for o in u.options.values()):
+            raise_field(f.where, "units", f"unit {u.name!r} runs more than once but lacks later_bwd_* figures")
 
 
 def raise_field(where: str, key: str, value: Any) -> None:
-    from memfit.errors import FileFormatError
-
     raise FileFormatError(f"{where}: field {key!r} has an invalid value {value!r}")

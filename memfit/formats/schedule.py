@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from memfit.errors import FileFormatError
-from memfit.formats.profile import ParallelLayout, read_parallel
+from memfit.formats.profile import ParallelLayout, read_parallel, read_step
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import KINDS_HELP, read
+from memfit.trainstep import StepRecord, TrainStep
 
 if TYPE_CHECKING:
     from torch import nn  # only the fingerprint's argument: the optimizer and the CLI's checks run without torch
@@ -83,17 +84,31 @@ class Schedule:
     compile: CompiledPeak | dict[str, Any] = field(default_factory=dict)  # {} for the eager step
     target: str = ""  # the device the profile was estimated for (devices.py); "" when measured
     parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # a plan per rank; {} for one process
+    step: StepRecord | dict[str, Any] = field(default_factory=dict)  # the training step planned for; {}: the plain one
     # loaded from a file whose policies were changed after planning: its predictions are another plan's
     edited: bool = False
+
+    @property
+    def train_step(self) -> TrainStep:
+        """The step the plan was made for (trainstep.TrainStep.of_record)."""
+        return TrainStep.of_record(self.optimizer, self.step)
 
     @property
     def checkpointed(self) -> list[str]:
         return [name for name, policy in self.policies.items() if policy != "none"]
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON takes them (``--json``); a plain step's empty record left out, so
+        that a profile older than the step record plans to the file it planned to then."""
+        data = asdict(self)
+        if not data["step"]:
+            del data["step"]
+        return data
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically. The solve time is left out, so that the same profile and budget
         always give a byte-identical file."""
-        data = asdict(self)
+        data = self.to_dict()
         del data["solve_s"], data["edited"]
         data["policies_sha256"] = policies_digest(self.policies)  # an edit by hand shows on load
         write_json_atomic(path, {"format": SCHEDULE_FORMAT, **data})
@@ -139,6 +154,7 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         compile=f.obj("compile").record(CompiledPeak, {"peak_bytes": 1}) if f.data.get("compile") else {},
         target=str(f.data.get("target", "")),
         parallel=read_parallel(f),
+        step=read_step(f),
         edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(policies),
     )
 

@@ -1,11 +1,14 @@
 """The training step memfit plans for, and the byte counts of what lives across it.
 
-The step is the steady state of a training loop: ``zero_grad(set_to_none=True)``, forward,
-loss, backward, ``optimizer.step()``. Profiling, validation and the example all run this one.
+The step is the steady state of a training loop as a TrainStep (memfit/trainstep.py) describes
+it: ``zero_grad``, each micro-batch's forward, loss and backward (under autocast for amp), clipping,
+``optimizer.step()``. Profiling, validation and the example all run this one; a user's own step
+function runs in its place where one is given (``run_user_step``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -15,10 +18,11 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import OPTIMIZERS
-from memfit.torch_private import is_fake
+from memfit.torch_private import grad_scaler_tensors, is_fake
+from memfit.trainstep import AMP, OPTIMIZERS, OptimizerFactory, TrainStep
 
 LossFn = Callable[[Any], torch.Tensor]
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(slots=True)
@@ -107,40 +111,213 @@ def default_loss(output: Any) -> torch.Tensor:
                       "object with a .loss, as Hugging Face models do), or in Python pass loss_fn=")
 
 
-def make_optimizer(name: str | None, params: Iterable[nn.Parameter], *,
-                   foreach: bool | None = None) -> torch.optim.Optimizer | None:
-    """The optimizer whose state and step memfit counts. Learning rate 0 so that profiling never
-    changes the weights; the state and temporaries are the same as with any learning rate.
-    ``foreach``: its multi-tensor kernels (None: PyTorch's choice for the parameters' device,
-    foreach on CUDA, one tensor at a time on the CPU); they hold a temporary per state tensor
-    (``_foreach_sqrt`` of AdamW's second moments), which the step's peak includes."""
-    key = "none" if name is None else name.lower()
+def make_optimizer(optimizer: str | OptimizerFactory | None, params: Iterable[nn.Parameter], *,
+                   foreach_default: bool | None = None) -> torch.optim.Optimizer | None:
+    """The optimizer whose state and step memfit counts. A named one has learning rate 0, so that
+    profiling never changes the weights (the state and temporaries are those of any learning
+    rate); a callable is the user's own. ``foreach_default``: the kernels of a plain name (None:
+    PyTorch's choice for the parameters' device; estimate mode passes True for CUDA targets,
+    where PyTorch picks foreach, whose temporaries the step's peak includes)."""
     params = [p for p in params if p.requires_grad]
-    if key == "adamw":
-        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, foreach=foreach)
-    if key == "adam":
-        return torch.optim.Adam(params, lr=0.0, foreach=foreach)
-    if key == "sgd":
-        return torch.optim.SGD(params, lr=0.0, foreach=foreach)
-    if key == "sgd-momentum":
-        return torch.optim.SGD(params, lr=0.0, momentum=0.9, foreach=foreach)
-    if key == "none":
+    if optimizer is not None and not isinstance(optimizer, str):
+        built = optimizer(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise MemfitError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+        return built
+    base = "none" if optimizer is None else optimizer.lower()
+    kernels: dict[str, Any] = {"foreach": foreach_default}
+    for suffix, forced in (("-foreach", {"foreach": True}), ("-fused", {"fused": True})):
+        if base.endswith(suffix):
+            base, kernels = base.removesuffix(suffix), forced
+    if base == "adamw":
+        return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, **kernels)
+    if base == "adam":
+        return torch.optim.Adam(params, lr=0.0, **kernels)
+    if base == "sgd":
+        return torch.optim.SGD(params, lr=0.0, **kernels)
+    if base == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.0, momentum=0.9, **kernels)
+    if base == "adafactor":
+        if any(is_fake(p) for p in params):
+            raise MemfitError("Adafactor's step reads tensor values (.item()), which estimate mode's fake tensors "
+                              "do not hold: measure it on a device, or estimate with adamw")
+        return torch.optim.Adafactor(params, lr=0.0, **kernels)
+    if base == "none":
         return None
-    raise MemfitError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
+    raise MemfitError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def resolve_precision(step: TrainStep, model: nn.Module) -> TrainStep:
+    """``step`` with its precision named: the model's own dtype when not given; a mismatch
+    between the two is refused (a pure dtype is the model's; amp keeps fp32 weights)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    own = DTYPE_NAMES.get(next(iter(dtypes)), "") if len(dtypes) == 1 else ""
+    want = step.precision or own or "fp32"
+    if want in AMP:
+        if own != "fp32":
+            raise MemfitError(f"precision {want!r} is autocast over float32 weights, but this model's parameters "
+                              f"are {_dtype_words(dtypes)}: build it in float32, or give its own precision "
+                              f"({own or 'mixed'})")
+    elif own and want != own:
+        raise MemfitError(f"precision {want!r} means a model in that dtype, but this model's parameters are "
+                          f"{_dtype_words(dtypes)}: convert the model (model.to(...)), or use precision {own!r} "
+                          "(amp-bf16 / amp-fp16 for autocast over float32 weights)")
+    return dataclasses.replace(step, precision=want)
+
+
+def _dtype_words(dtypes: set[torch.dtype]) -> str:
+    return " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+class StepState:
+    """What lives across the steps of one TrainStep on one model: its optimizer (whose state
+    counts), the GradScaler of amp-fp16, and the parameters clipping reads."""
+
+    def __init__(self, step: TrainStep, model: nn.Module, *, foreach_default: bool | None = None) -> None:
+        self.step = resolve_precision(step, model)
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(step.optimizer, self.params, foreach_default=foreach_default)
+        self.device_type = device_of(model).type
+        fake = any(is_fake(p) for p in self.params)
+        self.scaler: Any = None
+        if self.step.precision == "amp-fp16":
+            self.scaler = ValuelessScaler(device_of(model)) if fake else torch.amp.GradScaler(self.device_type)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's autocast: none for a pure dtype."""
+        if not self.step.amp:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.step.precision == "amp-bf16" else torch.float16
+        return torch.autocast(self.device_type, dtype=dtype)
+
+    def zero_grad(self) -> None:
+        """As the loop does between steps: gradients set to None, or to zeros (kept allocated)."""
+        to_none = self.step.zero_grad == "none"
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=to_none)
+        else:
+            self.model.zero_grad(set_to_none=to_none)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state and the scaler's."""
+        states = self.optimizer.state.values() if self.optimizer is not None else []
+        out = [v for state in states for v in iter_tensors(dict(state))]
+        if isinstance(self.scaler, ValuelessScaler):
+            return out + self.scaler.tensors()
+        return out + (grad_scaler_tensors(self.scaler) if self.scaler is not None else [])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What lives across steps besides the model and the inputs: the state, and gradients
+        kept as zeros (none after ``zero_grad`` to None)."""
+        return self.state_tensors() + [p.grad for p in self.params if p.grad is not None]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def finish(self, mark: Callable[[str], None]) -> None:
+        """Clipping and the optimizer's step, after the last micro-batch's backward."""
+        if self.step.clip_grad_norm is not None:
+            mark("clip")
+            if self.scaler is not None and self.optimizer is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.params, self.step.clip_grad_norm)
+        mark("step")
+        if self.optimizer is not None:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+
+
+class ValuelessScaler:
+    """GradScaler's tensors and in-place kernels for fake tensors (estimate mode), which hold no
+    values: ``GradScaler.step`` reads ``found_inf`` with ``.item()``. The same ops on the same
+    tensors, never skipping the step (private: ``torch._amp_foreach_non_finite_check_and_unscale_``
+    and ``torch._amp_update_scale_``, what GradScaler itself calls)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._scale = torch.full((), 2.0**16, dtype=torch.float32, device=device)
+        self._growth = torch.full((), 0, dtype=torch.int32, device=device)
+        self._found = torch.full((), 0.0, dtype=torch.float32, device=device)
+        self._unscaled = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self._scale, self._growth]
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self._scale
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found, self._scale.double().reciprocal().float())
+        self._unscaled = True
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._unscaled:
+            self.unscale_(optimizer)
+        optimizer.step()
+
+    def update(self) -> None:
+        torch._amp_update_scale_(self._scale, self._growth, self._found, 2.0, 0.5, 2000)
+        self._unscaled = False
 
 
 def training_step(
-    model: nn.Module,
+    runner: Any,
     inputs: Inputs,
     loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None,
+    state: StepState,
     on_mark: Callable[[str], None] | None = None,
+    micro_batches: int | None = None,
 ) -> float:
-    """One step; ``on_mark`` hears ``forward``, ``backward``, ``step`` and ``done`` as each begins.
-    The output is not kept past the loss, as in ``loss = loss_fn(model(x))``."""
+    """One optimizer step of ``state.step`` on ``runner`` (the model, or it compiled): each
+    micro-batch's forward and loss under the step's autocast, the loss divided by the number of
+    micro-batches, its backward; then clipping and the optimizer. ``micro_batches`` runs fewer
+    (the profiler measures two: every later one repeats the second). ``on_mark`` hears
+    ``forward``, ``release`` (amp: autocast's weight casts freed), ``backward`` (``forward@2``,
+    ``backward@2``, ... for later micro-batches), ``clip``, ``step`` and ``done`` as each
+    begins. The output is not kept past the loss, as in ``loss = loss_fn(model(x))``; the mean
+    of the micro-batches' losses is returned."""
+    mark = on_mark or (lambda _label: None)
+    k = state.step.accumulate
+    runs = k if micro_batches is None else min(k, micro_batches)
+    losses = []
+    for m in range(runs):
+        suffix = f"@{m + 1}" if m else ""
+        mark("forward" + suffix)
+        with state.autocast():
+            loss = loss_fn(runner(*inputs.args, **inputs.kwargs))
+            if state.step.amp:  # leaving autocast frees its cache of weight casts: a stretch of its own
+                mark("release" + suffix)
+        _check_loss(loss)
+        mark("backward" + suffix)
+        losses.append(loss.detach())
+        state.backward(loss / k if k > 1 else loss)
+        del loss
+    state.finish(mark)
+    mark("done")
+    if is_fake(losses[0]):
+        return float("nan")  # fake tensors (estimate mode) hold no values
+    return sum(float(v) for v in losses) / len(losses)
+
+
+def run_user_step(step_fn: Callable[[nn.Module, Any], Any], model: nn.Module, inputs: Any,
+                  on_mark: Callable[[str], None] | None = None) -> float:
+    """The user's own step ``step_fn(model, inputs)`` (forward, backward and optimizer), bounded
+    by the ``forward`` and ``done`` marks; its return value, when a number or a one-element
+    tensor, is the loss."""
     mark = on_mark or (lambda _label: None)
     mark("forward")
-    loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+    out = step_fn(model, inputs)
+    mark("done")
+    if isinstance(out, torch.Tensor) and out.numel() == 1 and not is_fake(out):
+        return float(out.detach())
+    return float(out) if isinstance(out, (int, float)) else float("nan")
+
+
+def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise MemfitError(f"the loss must be a one-element tensor, got {', '.join(_describe(loss, ''))}; "
                           "pass loss_fn=")
@@ -149,13 +326,6 @@ def training_step(
             "the loss does not depend on any trainable parameter, so there is no backward pass to plan for: "
             "check that the model has parameters with requires_grad=True and that the loss uses its output"
         )
-    mark("backward")
-    loss.backward()
-    mark("step")
-    if optimizer is not None:
-        optimizer.step()
-    mark("done")
-    return float("nan") if is_fake(loss) else float(loss.detach())  # fake tensors (estimate mode) hold no values
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -163,13 +333,6 @@ def device_of(model: nn.Module) -> torch.device:
     for t in [*model.parameters(), *model.buffers()]:
         return t.device
     return torch.device("cpu")
-
-
-def zero_grad(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -201,13 +364,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = No
     return total
 
 
-def static_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Inputs) -> int:
-    """What lives across steps: parameters, buffers, optimizer state and inputs (the level at
-    the start of a step, after ``zero_grad(set_to_none=True)``)."""
-    return storage_bytes([*model.parameters(), *model.buffers(), *optimizer_tensors(optimizer), *inputs.tensors()])
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    if optimizer is None:
-        return []
-    return [v for state in optimizer.state.values() for v in iter_tensors(dict(state))]
+def static_bytes(model: nn.Module, state: StepState, inputs: Inputs) -> int:
+    """What lives across steps: parameters, buffers, optimizer state, the inputs, and gradients
+    kept as zeros (the level at the start of a step, after the loop's ``zero_grad``)."""
+    return storage_bytes([*model.parameters(), *model.buffers(), *state.tensors(), *inputs.tensors()])

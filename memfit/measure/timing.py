@@ -9,9 +9,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
-from memfit.measure.step import Inputs, LossFn, training_step, zero_grad
+from memfit.measure.step import Inputs, LossFn, StepState, training_step
 
 T = TypeVar("T")
 
@@ -56,13 +55,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(runner: Any, model: nn.Module, inputs: Inputs, loss_fn: LossFn,
-               optimizer: torch.optim.Optimizer | None, device: torch.device) -> float:
-    """Seconds of one training step of ``runner`` (``model`` itself, or ``model`` compiled),
-    from a cleared gradient, with CUDA synchronised on both sides."""
-    zero_grad(model, optimizer)
+def timed_step(runner: Any, inputs: Inputs, loss_fn: LossFn, state: StepState, device: torch.device) -> float:
+    """Seconds of one training step of ``runner`` (``state``'s model itself, or it compiled),
+    from the loop's ``zero_grad``, with CUDA synchronised on both sides."""
+    state.zero_grad()
     sync(device)
     t0 = time.perf_counter()
-    training_step(runner, inputs, loss_fn, optimizer)
+    training_step(runner, inputs, loss_fn, state)
     sync(device)
     return time.perf_counter() - t0

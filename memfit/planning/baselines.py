@@ -63,6 +63,8 @@ def not_applicable(profile: Profile, strategy: str) -> str | None:
     if strategy == "sqrt" and not profile.chain:
         return ("sqrt(N) checkpoints runs of several units as one segment, which memfit offers only when the "
                 "units form a chain (each unit's only input is the previous unit's output); these units do not")
+    if strategy == "sqrt" and not profile.segmentable:
+        return "sqrt(N) segments are not planned for steps under autocast (amp-*) yet"
     if strategy == "sqrt" and len(profile.units) < 2:
         return "sqrt(N) segments need at least two units"
     return None

@@ -89,14 +89,14 @@ class _Walk:
         members = range(i, last + 1)
         w, pf = -(2**62), p0
         for j in members:  # each member's forward, then the remainder after it
-            fp, fe, _, _ = model.costs[j, role]
+            fp, fe, *_ = model.costs[j, role]
             w = max(w, self.level(lay.fwd[j], pf) + fp)
             pf += fe
             if j < n - 1:
                 w = max([w, *(self.level(t, pf) + model.phases[t].peak for t in lay.after_fwd[j])])
         ub = self.netsuf[last + 1] + pf  # unit bytes as the block's backward begins
         for j in reversed(members):
-            _, fe, bp, be = model.costs[j, role]
+            _, fe, bp, be, *_ = model.costs[j, role]
             if not role.is_segment:  # one net per unit, the largest over its roles
                 be = model.net[j] - fe
             w = max(w, self.level(lay.bwd[j], ub) + bp)

@@ -110,10 +110,14 @@ def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: 
         if ph.unit is None:
             peaks.append(level + ph.peak)
             end_expr = level + ph.end + b.expr([(ph.ckpt_end - ph.end, any_ckpt)])
+            if ph.releases:
+                end_expr = end_expr - b.expr([(model.costs[j, r].release, v) for j in range(model.n)
+                                              for r, v in x[j].items()])
         else:
             fwd, costs = ph.kind == "forward", [(model.costs[ph.unit, r], v) for r, v in x[ph.unit].items()]
-            peaks.append(level + b.expr([(c.fwd_peak if fwd else c.bwd_peak, v) for c, v in costs]))
-            end_expr = level + b.expr([(c.fwd_end if fwd else c.bwd_end, v) for c, v in costs])
+            moves = [((c.fwd_peak, c.fwd_end) if fwd else c.backward(ph.later), v) for c, v in costs]
+            peaks.append(level + b.expr([(peak, v) for (peak, _), v in moves]))
+            end_expr = level + b.expr([(end, v) for (_, end), v in moves])
         nxt = b.integer(-big, big, f"L{k}")
         b.add_le(end_expr - nxt, 0)  # the level may only be over-estimated, never under
         level = b.expr([(1, nxt)])

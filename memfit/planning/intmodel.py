@@ -22,6 +22,8 @@ class IntPhase:
     peak: int = 0  # remainder only
     end: int = 0
     ckpt_end: int = 0  # remainder's end when some unit is checkpointed
+    later: bool = False  # a unit's later backward (IntCosts.backward)
+    releases: bool = False  # leaving autocast: each unit's IntCosts.release is freed
 
 
 class IntCosts(NamedTuple):
@@ -31,11 +33,18 @@ class IntCosts(NamedTuple):
     fwd_end: int
     bwd_peak: int
     bwd_end: int
+    later_bwd_peak: int
+    later_bwd_end: int
+    release: int = 0  # rounded down: the level may only be over-estimated
 
     @property
     def net(self) -> int:
-        """The level change over the whole step."""
+        """The level change over a forward and its first backward (the chain solvers' step, whose
+        units run once)."""
         return self.fwd_end + self.bwd_end
+
+    def backward(self, later: bool) -> tuple[int, int]:
+        return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
 
 
 @dataclass(slots=True)
@@ -59,22 +68,24 @@ class IntModel:
         figures = [profile.baseline_bytes, *(abs(v) for p in profile.phases for v in (p.peak_bytes, p.end_bytes))]
         for u in profile.units:
             for o in u.options.values():
-                figures += [abs(o.fwd_peak_bytes), abs(o.stored_bytes), abs(o.bwd_peak_bytes), abs(o.bwd_end_bytes)]
+                figures += [abs(o.fwd_peak_bytes), abs(o.stored_bytes), abs(o.bwd_peak_bytes), abs(o.bwd_end_bytes),
+                            *(abs(v) for v in (o.later_bwd_peak_bytes, o.later_bwd_end_bytes) if v is not None)]
         q = max(1, math.ceil(sum(figures) / RANGE))
 
         def up(x: float) -> int:
             return -int((-x) // q)
 
         phases = [
-            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes)) if p.unit is None
-            else IntPhase(p.unit, p.kind)
+            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes), releases=p.releases)
+            if p.unit is None
+            else IntPhase(p.unit, p.kind, later=p.later)
             for p in profile.phases
         ]
         units = profile.units
         roles: list[list[Role]] = [
             [NONE, FULL, *(Role(k) for k in u.options if fine and k not in (NONE.option, FULL.option))] for u in units
         ]
-        if segments and profile.chain:
+        if segments and profile.segmentable:
             for seg in segment_roles(len(units), max_segment):
                 for j in range(seg.first, seg.last + 1):
                     roles[j].append(seg)
@@ -85,7 +96,8 @@ class IntModel:
         for j in range(len(units)):
             for role in roles[j]:
                 c = unit_costs(profile, j, role)
-                costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end))
+                costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end),
+                                          up(c.later_bwd_peak), up(c.later_bwd_end), int(c.release // q))
                 recompute[j, role] = round(c.recompute_s * 1e9)
         net = [max(costs[j, r].net for r in roles[j] if not r.is_segment) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)
@@ -104,6 +116,8 @@ class Layout:
 
 def chain_layout(model: IntModel) -> Layout | None:
     n = model.n
+    if any(p.releases for p in model.phases):
+        return None  # leaving autocast frees per-unit bytes in a remainder phase: the general timeline
     order = [(p.kind, p.unit) for p in model.phases if p.unit is not None]
     expected = [("forward", j) for j in range(n)] + [("backward", j) for j in reversed(range(n))]
     if order != expected:

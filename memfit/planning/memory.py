@@ -37,10 +37,11 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
     for phase in profile.phases:
         if phase.unit is None:
             p, e = phase.peak_bytes, phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
+            e -= sum(c.release for c in costs) if phase.releases else 0
         elif phase.kind == "forward":
             p, e = costs[phase.unit].fwd_peak, costs[phase.unit].fwd_end
         else:
-            p, e = costs[phase.unit].bwd_peak, costs[phase.unit].bwd_end
+            p, e = costs[phase.unit].backward(phase.later)
         levels.append((phase.label, int(level + pending), int(level + pending + p)))
         if level + pending + p > peak:
             peak, where = level + pending + p, phase.label

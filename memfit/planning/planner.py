@@ -101,6 +101,7 @@ def plan(
         fallbacks=ladder,
         target=profile.target,
         parallel=dict(profile.parallel),
+        step=dict(profile.step),
     )
 
 

@@ -10,27 +10,20 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import OptionCost, Phase, Profile, UnitProfile
+from memfit.formats.profile import OptionCost, Profile
 from memfit.formats.schedule import model_fingerprint
 from memfit.measure.meters import Meters
-from memfit.measure.step import (
-    Inputs,
-    LossFn,
-    default_loss,
-    optimizer_tensors,
-    static_bytes,
-    storage_bytes,
-    training_step,
-    zero_grad,
-)
+from memfit.measure.step import Inputs, LossFn, StepState, default_loss, static_bytes, storage_bytes, training_step
 from memfit.measure.timing import alternate, median_ratio
 from memfit.planning.options import GRANULARITIES
 from memfit.policy import COARSE, Children, read
+from memfit.profiler import phases as timeline
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import UnitFacts, unit_facts
 from memfit.runtime.apply import is_checkpointed
 from memfit.runtime.harness import StepHarness
 from memfit.runtime.marks import Stretch, check_same_shape, stretches
+from memfit.trainstep import OptimizerFactory, TrainStep, step_of
 from memfit.units import find_units
 
 Progress = Callable[[str], None]
@@ -42,22 +35,25 @@ def profile(
     *,
     loss_fn: LossFn | None = None,
     units: str | list[str] = "auto",
-    optimizer: str | None = "adamw",
+    optimizer: str | OptimizerFactory | None = "adamw",
+    step: TrainStep | None = None,
     repeat: int = 5,
     progress: Progress | None = None,
     granularity: str = "module",
     children: list[str] | None = None,
     meters: Meters | None = None,
-    foreach: bool | None = None,
+    foreach_default: bool | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
-    unit checkpointed, and return the per-unit costs the planner needs. ``granularity="fine"``
-    also measures finer options (see profiler/options.py), each in a step of its own with every
-    unit that has it in it, for ``plan(..., granularity="fine")``; ``children`` (relative names
-    such as ``["attn", "mlp", "attn+mlp"]``) names the child options to measure instead of the
-    automatic choice. ``meters``: what to measure with (default: the model's device's own;
-    estimate mode passes fake ones, measure/fake.py). ``foreach``: the optimizer's multi-tensor
-    kernels (None: PyTorch's own choice on the model's device; estimate mode passes the target's).
+    unit checkpointed, and return the per-unit costs the planner needs. ``step``: the training
+    step as the loop runs it (memfit.TrainStep: optimizer, micro-batches, precision, clipping,
+    zero_grad; ``optimizer=`` alone is short for ``step=TrainStep(optimizer=...)``).
+    ``granularity="fine"`` also measures finer options (see profiler/options.py), each in a step
+    of its own with every unit that has it in it, for ``plan(..., granularity="fine")``;
+    ``children`` (relative names such as ``["attn", "mlp", "attn+mlp"]``) names the child options
+    to measure instead of the automatic choice. ``meters``: what to measure with (default: the
+    model's device's own; estimate mode passes fake ones, measure/fake.py, and with
+    ``foreach_default`` the optimizer kernels PyTorch would pick on the target).
 
     ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments, on
     the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
@@ -70,33 +66,34 @@ def profile(
     names = find_units(model, units)
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")
-    harness = StepHarness(model, inp, loss_fn=loss, optimizer=optimizer, foreach=foreach)
-    # lr 0: the steps leave the weights as they are, so only the rest is put back (no weight copy)
-    with harness.restoring(weights=False):
+    harness = StepHarness(model, inp, loss_fn=loss, step=step_of(step, optimizer), foreach_default=foreach_default)
+    # a named optimizer has lr 0: the steps leave the weights as they are, so only the rest is put back
+    with harness.restoring(weights=harness.changes_weights):
         model.train()
-        opt = harness.new_optimizer()
+        state = harness.new_state()
         say("warm-up step")
-        zero_grad(model, opt)
-        training_step(model, inp, loss, opt)  # creates the optimizer state: steady state follows
+        state.zero_grad()
+        training_step(model, inp, loss, state)  # creates the optimizer state: steady state follows
         say("saved-for-backward bytes")
-        facts = unit_facts(model, names, inp, loss)
-        finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
+        with state.autocast():
+            facts = unit_facts(model, names, inp, loss)
+            finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
         options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
         _check_children(model, names, options, children)
         configs = [{n: o if o in COARSE or o in finer[n] else "none" for n in names} for o in options]
-        memory = _memory(harness, opt, names, dict(zip(options, configs, strict=True)), meters, say)
-        times, full_times, *finer_times = _times(harness, opt, names, dict(zip(options, configs, strict=True)),
+        memory = _memory(harness, state, names, dict(zip(options, configs, strict=True)), meters, say)
+        times, full_times, *finer_times = _times(harness, state, names, dict(zip(options, configs, strict=True)),
                                                  repeat, meters, say)
-        zero_grad(model, opt)
-        baseline = static_bytes(model, opt, inp)
-        state_bytes = storage_bytes(optimizer_tensors(opt))
-    params = list(model.parameters())
-    prof = _assemble(
-        model, names, inp, optimizer, harness.device, memory, times, facts, baseline, state_bytes, params,
-        _recompute_factor(times, full_times),
-    )
+        state.zero_grad()
+        baseline = static_bytes(model, state, inp)
+        state_bytes = storage_bytes(state.state_tensors())
+    measured = timeline.Runs.of(memory["none"], len(names)).count
+    scale = max(measured, state.step.accumulate) / measured  # micro-batches past the two measured repeat the second
+    prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
+                     _recompute_factor(times, full_times), scale)
     for option, runs in zip(options[len(COARSE):], finer_times, strict=True):
-        _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], times, runs)
+        _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory["none"],
+                    times, runs, scale, facts.saved_casts)
     _prune(prof)
     return prof
 
@@ -115,7 +112,7 @@ def _check_arguments(model: nn.Module, repeat: int, granularity: str, children: 
         )
 
 
-def _times(harness: StepHarness, opt: torch.optim.Optimizer | None, names: list[str],
+def _times(harness: StepHarness, state: StepState, names: list[str],
            configs: dict[str, dict[str, str]], repeat: int, meters: Meters | None,
            say: Progress) -> list[list[list[Stretch]]]:
     """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``)."""
@@ -127,7 +124,7 @@ def _times(harness: StepHarness, opt: torch.optim.Optimizer | None, names: list[
         if (call := next(calls)) % per_round == 0:
             say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
         with harness.options(policies[k]):
-            return stretches(harness.marked_step(opt, names, "time", meters))
+            return stretches(harness.marked_step(state, names, "time", meters))
 
     return alternate(timed, len(options), repeat)
 
@@ -142,7 +139,7 @@ def _check_children(model: nn.Module, names: list[str], options: list[str], chil
                               f"{', '.join(n for n, _ in unit.named_children())} (nested ones with dots: mlp.0)")
 
 
-def _memory(harness: StepHarness, opt: torch.optim.Optimizer | None, names: list[str],
+def _memory(harness: StepHarness, state: StepState, names: list[str],
             configs: dict[str, dict[str, str]], meters: Meters | None, say: Progress) -> dict[str, list[Stretch]]:
     """The memory stretches of a steady-state step with every unit running each option."""
     model, inp, loss = harness.model, harness.inputs, harness.loss_fn
@@ -150,11 +147,11 @@ def _memory(harness: StepHarness, opt: torch.optim.Optimizer | None, names: list
     for option, policies in configs.items():
         say(f"memory with every unit {option}")
         with harness.options(policies):
-            zero_grad(model, opt)
-            training_step(model, inp, loss, opt)  # warm-up in this configuration
-            memory[option] = stretches(harness.marked_step(opt, names, "memory", meters))
+            state.zero_grad()
+            training_step(model, inp, loss, state)  # warm-up in this configuration
+            memory[option] = stretches(harness.marked_step(state, names, "memory", meters))
         check_same_shape(memory["none"], memory[option], f"every unit was {option}")
-    _check_order(memory["none"], names)
+    timeline.check_order(memory["none"], names)
     return memory
 
 
@@ -162,25 +159,29 @@ def _assemble(
     model: nn.Module,
     names: list[str],
     inp: Inputs,
-    optimizer: str | None,
+    state: StepState,
     device: torch.device,
     memory: dict[str, list[Stretch]],
     times: list[list[Stretch]],
     facts: UnitFacts,
     baseline: int,
     state_bytes: int,
-    params: list[nn.Parameter],
     factor: float,
+    scale: float,
 ) -> Profile:
-    units = _units(model, names, memory, times, facts, factor)
-    phases = _phases(memory, names)
-    step_s = statistics.median(_seconds(run) for run in times)
+    """The Profile; ``scale``: a whole step's runs of each unit over the measured ones."""
+    params = list(model.parameters())
+    runs = timeline.Runs.of(memory["none"], len(names)).count
+    unit_params = [storage_bytes(list(model.get_submodule(n).parameters())) for n in names]
+    units = timeline.units(names, memory, times, facts, factor, runs * scale, unit_params)
+    extra = round(runs * scale) - runs  # micro-batches like the last one measured
+    step_s = statistics.median(_seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
     measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in COARSE}
     return Profile(
         model_class=model_fingerprint(model, names)["model_class"],
         device=str(device),
-        optimizer=optimizer,
+        optimizer=state.step.optimizer_name,
         input_shapes=inp.describe(),
         baseline_bytes=baseline,
         param_bytes=storage_bytes(params),
@@ -190,76 +191,15 @@ def _assemble(
         input_bytes=storage_bytes(inp.tensors()),
         step_s=step_s,
         units=units,
-        phases=phases,
+        phases=timeline.phases(memory, names, "micro-batch"),
         fingerprint=model_fingerprint(model, names),
         measured_peak_bytes=measured,
         torch_version=torch.__version__,
         recompute_factor=factor,
         chain=facts.chain,
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
+        step=state.step.record(),
     )
-
-
-def _units(model: nn.Module, names: list[str], memory: dict[str, list[Stretch]], times: list[list[Stretch]],
-           facts: UnitFacts, factor: float) -> list[UnitProfile]:
-    """Each unit's times and its coarse options' memory phases."""
-    def median_time(k: int) -> float:
-        return statistics.median(run[k].seconds for run in times)
-
-    index = {s.label: k for k, s in enumerate(memory["none"])}
-    units: list[UnitProfile] = []
-    for i, name in enumerate(names):
-        fk, bk = index.get(f"fwd:{i}"), index.get(f"bwd:{i}")
-        if fk is None or bk is None:
-            raise MemfitError(
-                f"unit {name!r} did not take part in the backward pass (no gradient reached its "
-                "output); choose units whose outputs the loss depends on"
-            )
-        fwd_s, bwd_s = median_time(fk), median_time(bk)
-        options = {}
-        for option in COARSE:
-            f, b = memory[option][fk], memory[option][bk]
-            # A checkpointed unit runs its forward once more, inside its backward, at the cost
-            # measured for all units together (see _recompute_factor).
-            recompute = 0.0 if option == "none" else fwd_s * factor
-            options[option] = OptionCost(f.peak, f.end, b.peak, b.end, recompute)
-        pbytes = storage_bytes(list(model.get_submodule(name).parameters()))
-        units.append(
-            UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], pbytes, options, facts.outputs[i])
-        )
-    _share_outputs(units, facts)
-    return units
-
-
-def _phases(memory: dict[str, list[Stretch]], names: list[str]) -> list[Phase]:
-    """The step's phases: each unit's forward and backward, and the remainder between them."""
-    phases = []
-    for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
-        kind, _, idx = s_none.label.partition(":")
-        if kind in ("fwd", "bwd"):
-            i = int(idx)
-            label = f"{'forward' if kind == 'fwd' else 'backward'} {names[i]}"
-            phases.append(Phase(label, i, "forward" if kind == "fwd" else "backward"))
-        else:
-            # The remainder's peak does not depend on the units' options: keep the larger. Its end
-            # can be higher with checkpointing (tensors kept for recompute); never take it lower.
-            peak, end, ckpt_end = max(s_none.peak, s_full.peak), s_none.end, max(s_none.end, s_full.end)
-            phases.append(Phase(_remainder_label(s_none.label, names), None, "remainder", peak, end, ckpt_end))
-    return phases
-
-
-def _check_order(run: list[Stretch], names: list[str]) -> None:
-    """Units must be named in the order their forwards run: the memory model walks them so."""
-    ran = [int(s.label.partition(":")[2]) for s in run if s.label.startswith("fwd:")]
-    missing = [names[i] for i in range(len(names)) if i not in ran]
-    if missing:
-        raise MemfitError(
-            f"unit {missing[0]!r} never ran as a module in the forward pass (a ModuleList or a container whose "
-            "forward is not called is not a unit: name its blocks, e.g. --units 'h.*' or units=['h.*'])"
-        )
-    if ran != sorted(ran):
-        order = ", ".join(names[i] for i in ran)
-        raise MemfitError(f"the units run in the order {order}, not as given; list them in the order they run")
 
 
 def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> float:
@@ -285,24 +225,6 @@ def _seconds(run: list[Stretch]) -> float:
     return sum(s.seconds for s in run)
 
 
-def _share_outputs(units: list[UnitProfile], facts: UnitFacts) -> None:
-    """Attribute the freeing of a shared output to the unit whose option decides it.
-
-    When unit j saves its own output (a closing ReLU) and unit j+1 takes it, the output lives
-    until the later of the two backwards to need it. Kept, unit j frees it at the end of its own
-    backward (so measured); checkpointed, nothing of unit j holds it and it goes when unit j+1's
-    backward ends, which the all-checkpointed run books to unit j+1 whatever unit j does. Moving
-    that free to the start of unit j's checkpointed backward makes mixed schedules add up.
-    """
-    for j in range(len(units) - 1):
-        if facts.keeps_output[j]:
-            out = facts.outputs[j]
-            nxt, cur = units[j + 1].options["full"], units[j].options["full"]
-            nxt.bwd_end_bytes += out
-            cur.bwd_peak_bytes -= out
-            cur.bwd_end_bytes -= out
-
-
 def _cumulative(run: list[Stretch]) -> list[Stretch]:
     """Stretches with peaks relative to the step's start instead of their own start."""
     level, out = 0, []
@@ -312,32 +234,20 @@ def _cumulative(run: list[Stretch]) -> list[Stretch]:
     return out
 
 
-def _remainder_label(label: str, names: list[str]) -> str:
-    kind, _, idx = label.partition(":")
-    if kind == "forward":
-        return "forward before the units"
-    if kind == "fwd_end":
-        i = int(idx)
-        return f"forward after {names[i]}" + (" (head, loss)" if i == len(names) - 1 else "")
-    if kind == "backward":
-        return "backward of loss and head"
-    if kind == "bwd_end":
-        return f"backward before {names[int(idx)]}"
-    if kind == "step":
-        return "optimizer step"
-    return label
-
-
-def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretch],
-                plain: list[list[Stretch]], runs: list[list[Stretch]]) -> None:
+def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretch], plain_memory: list[Stretch],
+                plain: list[list[Stretch]], runs: list[list[Stretch]], scale: float, saved_casts: list[int]) -> None:
     """A finer option's costs, for the units that ``has`` it, from the step that ran them all so;
     ``_prune`` then drops it where another option dominates it.
 
     Its recompute time is the step's measured overhead over the plain step (interleaved, as for
     ``full``), shared among the units by how much longer each one's forward and backward took
-    (an op set costs in the forward too, where its dispatch mode runs)."""
+    (an op set costs in the forward too, where its dispatch mode runs); ``scale``: a whole step's
+    runs of each unit over the measured ones."""
     index = {s.label: k for k, s in enumerate(memory)}
-    extra = max(0.0, median_ratio([_seconds(r) for r in plain], [_seconds(r) for r in runs]) - 1.0) * prof.step_s
+    measured_s = statistics.median(_seconds(r) for r in plain)
+    extra = max(0.0, median_ratio([_seconds(r) for r in plain], [_seconds(r) for r in runs]) - 1.0) * measured_s * scale
+    where = timeline.Runs.of(memory, len(prof.units))
+    released = timeline.releases(plain_memory, memory, has, saved_casts)
 
     def longer(k: int) -> float:
         return statistics.median(r[k].seconds for r in runs) - statistics.median(r[k].seconds for r in plain)
@@ -346,9 +256,9 @@ def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretc
     raw = {j: max(0.0, longer(index[f"fwd:{j}"]) + longer(index[f"bwd:{j}"])) for j in units}
     total = sum(raw.values())
     for j in units:
-        f, b = memory[index[f"fwd:{j}"]], memory[index[f"bwd:{j}"]]
         share = raw[j] / total if total > 0 else 1 / len(units)
-        prof.units[j].options[option] = OptionCost(f.peak, f.end, b.peak, b.end, extra * share)
+        prof.units[j].options[option] = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share,
+                                                             released[j])
     prof.measured_peak_bytes[option] = prof.baseline_bytes + max(0, max(s.peak for s in _cumulative(memory)))
 
 
@@ -364,6 +274,7 @@ def _prune(prof: Profile) -> None:
 def _dominates(a: OptionCost, b: OptionCost) -> bool:
     """``a`` is never worse than ``b`` at any moment of the step, nor dearer: no plan needs ``b``
     (an op set that keeps more than autograd would, say)."""
-    return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes
+    (a_peak, a_end), (b_peak, b_end) = a.backward(later=True), b.backward(later=True)
+    return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes and a_end == b_end
             and a.stored_bytes <= b.stored_bytes and a.fwd_peak_bytes <= b.fwd_peak_bytes
-            and a.bwd_peak_bytes <= b.bwd_peak_bytes and a.recompute_s <= b.recompute_s)
+            and a.bwd_peak_bytes <= b.bwd_peak_bytes and a_peak <= b_peak and a.recompute_s <= b.recompute_s)

@@ -22,6 +22,7 @@ from memfit.formats.profile import ParallelLayout, Profile
 from memfit.measure.fake import fake_meters
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
 from memfit.torch_private import FakeTensorMode, fake_store
+from memfit.trainstep import TrainStep, step_of
 from memfit.units import find_units
 
 
@@ -76,13 +77,13 @@ def estimate(
     target: str,
     units: str | list[str] = "auto",
     optimizer: str | None = "adamw",
+    step: TrainStep | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     granularity: str = "module",
     children: list[str] | None = None,
     progress: Callable[[str], None] | None = None,
     parallel: str | None = None,
     world_size: int = 1,
-    foreach: bool | None = None,
 ) -> Profile:
     """A Profile for ``target`` (a name in devices.py: h100, a100-80gb, l4, …, or cpu) without
     the device and without allocating the model: ``build()`` returns ``(model, inputs)`` and is
@@ -95,9 +96,11 @@ def estimate(
     data: the shards, the gathered units and the reduce-scatter inputs are fake tensors like
     the rest. ``"ddp"``: the whole model per rank, plus DDP's gradient buckets.
 
-    ``foreach``: the optimizer's multi-tensor kernels, by default the target's choice: PyTorch
-    picks them on CUDA (with a temporary per state tensor in the step) and fake CPU tensors would
-    take the one-tensor path without being told."""
+    ``step``: the training step (memfit.TrainStep; ``optimizer=`` alone is short for
+    ``step=TrainStep(optimizer=...)``). A plainly named optimizer runs the kernels PyTorch picks
+    on the target: foreach on CUDA (a temporary per state tensor in the step), which fake CPU
+    tensors would not take without being told. Autocast (``amp-*``) runs CPU autocast's op lists
+    on the fake tensors; CUDA's differ in a few ops (softmax, layer_norm kept in fp32 there)."""
     from memfit.devices import device_spec
     from memfit.profiler import profile
 
@@ -110,9 +113,9 @@ def estimate(
         names = find_units(model, units)
         if parallel and mesh is not None:  # FSDP2: its fake ranks' mesh
             shard(model, names, parallel, mesh)
-        prof = profile(model, inputs, loss_fn=loss_fn, units=names, optimizer=optimizer, repeat=1,
+        prof = profile(model, inputs, loss_fn=loss_fn, units=names, step=step_of(step, optimizer), repeat=1,
                        progress=progress, granularity=granularity, children=children, meters=fake_meters(spec),
-                       foreach=spec.cuda or None if foreach is None else foreach)
+                       foreach_default=True if spec.cuda else None)
         if parallel is not None:
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)

@@ -16,12 +16,15 @@ from memfit.torch_private import TorchDispatchMode
 
 
 class _Producers(TorchDispatchMode):
-    """Remembers which unit's forward created each storage (the first op that returned it)."""
+    """Remembers which unit's forward created each storage (the first op that returned it), and
+    which storages are casts of parameters (autocast's, which its cache holds to the forward's end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, params: set[int]) -> None:
         super().__init__()
         self.current: int | None = None
         self.owner: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.casts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
+        self._params = params
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -29,6 +32,9 @@ class _Producers(TorchDispatchMode):
             st = t.untyped_storage()
             if st not in self.owner:
                 self.owner[st] = self.current
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and isinstance(
+                out, torch.Tensor) and storage_key(local(args[0]).untyped_storage()) in self._params:
+            self.casts[out.untyped_storage()] = True
         return out
 
 
@@ -39,6 +45,7 @@ class UnitFacts:
     outputs: list[int]  # bytes of each unit's tensor outputs
     chain: bool  # each unit's single tensor output is the next unit's only positional input
     keeps_output: list[bool]  # the unit saves its own output for backward and the next unit takes it
+    saved_casts: list[int]  # bytes of parameter casts (autocast's) the unit saves for backward
 
 
 def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn) -> UnitFacts:
@@ -49,7 +56,8 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
     known = WeakIdKeyDictionary()  # storages that exist before the step: parameters, buffers, inputs
     for t in [*model.parameters(), *model.buffers(), *inputs.tensors()]:
         known[local(t).untyped_storage()] = True
-    producers = _Producers()
+    producers = _Producers({storage_key(local(p).untyped_storage()) for p in model.parameters()})
+    saved_casts = [0] * n
     seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
     input_bytes = [0] * n
     saved_bytes = [0] * n
@@ -72,6 +80,8 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
             owner = producers.owner.get(st)
             if owner is not None:
                 saved_bytes[owner] += st.nbytes()
+                if st in producers.casts:
+                    saved_casts[owner] += st.nbytes()
         return t
 
     marks = UnitMarks(model, unit_names, on_mark)
@@ -100,7 +110,7 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
     finally:
         for h in handles:
             h.remove()
-    return UnitFacts(saved_bytes, input_bytes, outputs, chain, keeps)
+    return UnitFacts(saved_bytes, input_bytes, outputs, chain, keeps, saved_casts)
 
 
 def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:

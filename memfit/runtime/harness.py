@@ -23,19 +23,11 @@ from torch import nn
 from memfit.formats.schedule import Schedule
 from memfit.measure.memory import Mark, memory_recorder
 from memfit.measure.meters import Meters, real_meters
-from memfit.measure.step import (
-    Inputs,
-    LossFn,
-    default_loss,
-    device_of,
-    make_optimizer,
-    static_bytes,
-    training_step,
-    zero_grad,
-)
+from memfit.measure.step import Inputs, LossFn, StepState, default_loss, device_of, static_bytes, training_step
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.runtime.marks import recorded_step, stretches
+from memfit.trainstep import OptimizerFactory, TrainStep, step_of
 
 
 @dataclass(slots=True)
@@ -76,19 +68,26 @@ class Snapshot:
 
 class StepHarness:
     """``model``'s training step on ``inputs`` with ``loss_fn`` (default: the output's mean, or
-    its ``.loss``) and ``optimizer`` (a name in profile.OPTIMIZERS; its state counts)."""
+    its ``.loss``), as ``step`` describes it (memfit/trainstep.py; its optimizer's state counts).
+    ``foreach_default``: the kernels of a plainly named optimizer (make_optimizer)."""
 
     def __init__(self, model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
-                 optimizer: str | None = "adamw", foreach: bool | None = None) -> None:
+                 step: TrainStep | None = None, foreach_default: bool | None = None) -> None:
         self.model = model
         self.inputs = Inputs.of(inputs)
         self.loss_fn = loss_fn or default_loss
-        self.optimizer = optimizer
-        self.foreach = foreach  # the optimizer's kernels (make_optimizer); None: PyTorch's choice
+        self.step = step or TrainStep()
+        self.foreach_default = foreach_default
         self.device = device_of(model)
 
-    def new_optimizer(self) -> torch.optim.Optimizer | None:
-        return make_optimizer(self.optimizer, self.model.parameters(), foreach=self.foreach)
+    def new_state(self) -> StepState:
+        """A fresh optimizer (and GradScaler): its state is created by the first step."""
+        return StepState(self.step, self.model, foreach_default=self.foreach_default)
+
+    @property
+    def changes_weights(self) -> bool:
+        """The optimizer is the user's own (its learning rate is not 0): its steps move the weights."""
+        return callable(self.step.optimizer)
 
     @contextmanager
     def restoring(self, *, weights: bool = True) -> Iterator[Snapshot]:
@@ -124,19 +123,19 @@ class StepHarness:
         step's. A fresh optimizer each call: its state is created by the warm-up."""
         model, inp, loss = self.model, self.inputs, self.loss_fn
         runner = model if compile is None else torch.compile(model, backend=compile)
-        opt = self.new_optimizer()
+        state = self.new_state()
         model.train()
         torch.manual_seed(seed)
         losses = []
         for _ in range(steps - 1):
-            zero_grad(model, opt)
-            losses.append(training_step(runner, inp, loss, opt))
-        zero_grad(model, opt)
-        baseline = static_bytes(model, opt, inp)
+            state.zero_grad()
+            losses.append(training_step(runner, inp, loss, state))
+        state.zero_grad()
+        baseline = static_bytes(model, state, inp)
         recorder = memory_recorder(self.device)
         with recorder:
             recorder.on_mark("start")
-            losses.append(training_step(runner, inp, loss, opt))
+            losses.append(training_step(runner, inp, loss, state))
             recorder.on_mark("end")
         marks = recorder.marks()
         grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -147,43 +146,45 @@ class StepHarness:
         """Median step time of the plain model, and the median ratio of each plan's step time to
         the plain step's in the same round (``alternate``): one series for all plans, so that
         they share the plain steps and the machine's drift."""
-        opt = self.new_optimizer()
+        state = self.new_state()
         self.model.train()
         configs = [{}, *plans]
 
         def timed(k: int) -> float:
             with self.options(configs[k]):
-                return timed_step(self.model, self.model, self.inputs, self.loss_fn, opt, self.device)
+                return timed_step(self.model, self.inputs, self.loss_fn, state, self.device)
 
         plain, *others = alternate(timed, len(configs), rounds)
         return statistics.median(plain), [median_ratio(plain, t) for t in others]
 
-    def marked_step(self, opt: torch.optim.Optimizer | None, unit_names: list[str], what: str,
+    def marked_step(self, state: StepState, unit_names: list[str], what: str,
                     meters: Meters | None = None) -> list[Mark]:
         """One step with marks at the units' boundaries (runtime/marks.py), read by ``meters``
-        (default: the device's own): ``what`` is ``memory`` or ``time``."""
+        (default: the device's own): ``what`` is ``memory`` or ``time``. Two micro-batches at
+        most: every later one repeats the second."""
         meters = meters or real_meters(self.device)
-        return recorded_step(self.model, unit_names, self.inputs, self.loss_fn, opt, meters, what)
+        return recorded_step(self.model, unit_names, self.inputs, self.loss_fn, state, meters, what)
 
     def levels(self, unit_names: list[str]) -> list[list[Any]]:
         """(mark, live bytes at it, peak until the next mark) of one steady-state step as the
         model is now configured, at the marks the profiler sets."""
-        opt = self.new_optimizer()
+        state = self.new_state()
         self.model.train()
-        zero_grad(self.model, opt)
-        training_step(self.model, self.inputs, self.loss_fn, opt)  # warm-up: the optimizer state exists
-        zero_grad(self.model, opt)
-        level = static_bytes(self.model, opt, self.inputs)
+        state.zero_grad()
+        training_step(self.model, self.inputs, self.loss_fn, state)  # warm-up: the optimizer state exists
+        state.zero_grad()
+        level = static_bytes(self.model, state, self.inputs)
         out = []
-        for s in stretches(self.marked_step(opt, unit_names, "memory")):
+        for s in stretches(self.marked_step(state, unit_names, "memory")):
             out.append([s.label, level, level + s.peak])
             level += s.end
         return out
 
 
 def measure_steps(
-    model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
+    model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
+    optimizer: str | OptimizerFactory | None = "adamw", step: TrainStep | None = None,
     steps: int = 2, seed: int = 0, compile: str | Callable[..., Any] | None = None,
 ) -> StepRun:
     """``StepHarness(model, inputs, ...).run(steps, seed, compile)``: the model as it is now."""
-    return StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer).run(steps, seed, compile)
+    return StepHarness(model, inputs, loss_fn=loss_fn, step=step_of(step, optimizer)).run(steps, seed, compile)

@@ -3,7 +3,9 @@
 A mark is a label heard at a moment of the step: ``fwd:i`` / ``fwd_end:i`` around unit i's
 forward (module hooks), ``bwd:i`` when the gradient of its output arrives and ``bwd_end:i`` when
 the gradient of its input is complete (tensor hooks), plus the step's own ``forward``,
-``backward``, ``step`` and ``done``. Consecutive marks bound the phases of the Profile.
+``backward``, ``clip``, ``step`` and ``done``. A unit's later runs in one step (a second
+micro-batch, a user step with two forwards) carry their run: ``fwd:i@2``, ``bwd:i@2``.
+Consecutive marks bound the phases of the Profile.
 """
 
 from __future__ import annotations
@@ -13,27 +15,38 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import MemfitError
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
-from memfit.measure.step import Inputs, LossFn, iter_tensors, training_step, zero_grad
+from memfit.measure.step import Inputs, LossFn, StepState, iter_tensors, training_step
 from memfit.runtime.regions import recomputing
 
 
 class UnitMarks:
     """Context manager: hooks on the units that report boundary marks to ``on_mark``."""
 
-    def __init__(self, model: nn.Module, unit_names: list[str], on_mark: Callable[[str], None]):
+    def __init__(self, model: nn.Module, unit_names: list[str], on_mark: Callable[[str], None], *,
+                 once: bool = True):
         self.units = [model.get_submodule(n) for n in unit_names]
         self.names = unit_names
         self.on_mark = on_mark
+        self.once = once  # each unit runs once per forward (memfit's own step); a user's step may run it more
         self._handles: list[Any] = []
         self._labels: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._seen: set[int] = set()
+        self._runs = [0] * len(unit_names)
+
+    def step_mark(self, label: str) -> None:
+        """The step's own marks: a new micro-batch's ``forward`` lets every unit run once more."""
+        if label.startswith("forward"):
+            self._seen.clear()
+        self.on_mark(label)
+
+    def _run_label(self, i: int) -> str:
+        return f"{i}@{self._runs[i]}" if self._runs[i] > 1 else str(i)
 
     def __enter__(self) -> UnitMarks:
         for i, unit in enumerate(self.units):  # marks outside a checkpointed region's own hooks
@@ -50,14 +63,15 @@ class UnitMarks:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if recomputing():  # a checkpointed unit run again in the backward: not a new forward
                 return
-            if i in self._seen:
+            if self.once and i in self._seen:
                 raise MemfitError(
                     f"unit {self.names[i]!r} ran twice in one forward; units must each run once "
                     "per step (choose other units with --units, or units=[...] in Python)"
                 )
             self._seen.add(i)
-            self.on_mark(f"fwd:{i}")
-            self._tag((args, kwargs), f"bwd_end:{i}")
+            self._runs[i] += 1
+            self.on_mark(f"fwd:{self._run_label(i)}")
+            self._tag((args, kwargs), f"bwd_end:{self._run_label(i)}")
 
         return hook
 
@@ -65,8 +79,8 @@ class UnitMarks:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if recomputing():
                 return
-            self.on_mark(f"fwd_end:{i}")
-            self._tag(output, f"bwd:{i}")
+            self.on_mark(f"fwd_end:{self._run_label(i)}")
+            self._tag(output, f"bwd:{self._run_label(i)}")
 
         return hook
 
@@ -102,15 +116,16 @@ def recorded_step(
     unit_names: list[str],
     inputs: Inputs,
     loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None,
+    state: StepState,
     meters: Meters,
     what: str,
 ) -> list[Mark]:
-    """One training step with marks; ``what`` is ``memory`` or ``time``."""
-    zero_grad(model, optimizer)
+    """One training step with marks, of two micro-batches at most (every later one repeats the
+    second); ``what`` is ``memory`` or ``time``."""
+    state.zero_grad()
     recorder = meters.memory() if what == "memory" else meters.clock()
-    with recorder, UnitMarks(model, unit_names, recorder.on_mark):
-        training_step(model, inputs, loss_fn, optimizer, on_mark=recorder.on_mark)
+    with recorder, UnitMarks(model, unit_names, recorder.on_mark) as marks:
+        training_step(model, inputs, loss_fn, state, on_mark=marks.step_mark, micro_batches=2)
     return recorder.marks()
 
 

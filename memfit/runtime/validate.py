@@ -18,6 +18,7 @@ from memfit.measure.step import (
     device_of,
 )
 from memfit.runtime.harness import StepHarness
+from memfit.trainstep import OptimizerFactory, TrainStep, step_difference, step_of
 
 
 @dataclass(slots=True)
@@ -53,26 +54,29 @@ class Validation:
 
 def step_times(
     model: nn.Module, inputs: Any, schedules: list[dict[str, str]], *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "adamw", steps: int = 5,
+    optimizer: str | OptimizerFactory | None = "adamw", step: TrainStep | None = None, steps: int = 5,
 ) -> tuple[float, list[float]]:
     """``StepHarness.step_times``: the plain model's median step time, and each schedule's
     median ratio to it in the same round. ``model`` is left as it was."""
-    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, step=step_of(step, optimizer))
     with harness.restoring():
         return harness.step_times(schedules, steps)
 
 
 def validate(
     model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "schedule", steps: int = 5, compile: str | None = None,
+    optimizer: str | OptimizerFactory | None = "schedule", step: TrainStep | None = None, steps: int = 5,
+    compile: str | None = None,
 ) -> Validation:
     """Measure the plain model and the scheduled model on the same state and RNG, and compare
     peak memory, losses, gradients and buffers; time ``steps`` rounds of the two in alternation
     (``steps=0``: no timing, the time fields are NaN). ``model`` is left as it was.
 
-    ``optimizer`` is the one the schedule was planned with unless given; another optimizer, or
-    inputs of other shapes than the plan's, raise ``ScheduleMismatchError``: the measured peak
-    would then be another step's and prove nothing about the plan.
+    The step run is the one the schedule was planned for (its optimizer, micro-batches,
+    precision, clipping), unless ``step`` (or ``optimizer``) is given, as it must be for a
+    callable optimizer; another step, or inputs of other shapes than the plan's, raise
+    ``ScheduleMismatchError``: the measured peak would then be another step's and prove
+    nothing about the plan.
 
     ``compile`` (a ``torch.compile`` backend; by default the one the schedule was planned for,
     see ``plan_compiled``) runs both models compiled and compares with the compiled peak
@@ -80,9 +84,9 @@ def validate(
     from memfit.compiled import compiled_step_times, with_backend
 
     backend, predicted_peak = with_backend(schedule, compile)
-    optimizer = _planned_optimizer(schedule, optimizer)
+    train_step = _planned_step(schedule, step, optimizer)
     _check_inputs(schedule, inputs)
-    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, step=train_step)
     plain_s, ratio = float("nan"), float("nan")
     with harness.restoring() as found:  # each run from the state the model came in
         plain = harness.run(compile=backend)
@@ -93,7 +97,7 @@ def validate(
         found.restore()
         if steps > 0 and backend is not None:
             plain_s, ratio = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
-                                                 optimizer=optimizer, steps=steps)
+                                                 step=train_step, steps=steps)
         elif steps > 0:
             plain_s, (ratio,) = harness.step_times([schedule.policies], steps)
     # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute, and
@@ -119,16 +123,21 @@ def validate(
     )
 
 
-def _planned_optimizer(schedule: Schedule, optimizer: str | None) -> str | None:
-    """The optimizer to validate with: the plan's; another one is a mismatch."""
-    if optimizer == "schedule":
-        return schedule.optimizer
-    if optimizer != schedule.optimizer:
+def _planned_step(schedule: Schedule, step: TrainStep | None, optimizer: Any) -> TrainStep:
+    """The step to validate with: the plan's; another one is a mismatch."""
+    if step is None and optimizer == "schedule":
+        return schedule.train_step
+    given = step_of(step, schedule.optimizer if optimizer == "schedule" else optimizer)
+    if given.optimizer_name != schedule.optimizer:
         raise ScheduleMismatchError(
             f"the schedule was planned with optimizer {schedule.optimizer!r}, whose state its peak counts; "
-            f"validate with that one (got {optimizer!r}), or plan again with yours"
+            f"validate with that one (got {given.optimizer_name!r}), or plan again with yours"
         )
-    return optimizer
+    differs = step_difference(schedule.optimizer, schedule.step, given)
+    if differs:
+        raise ScheduleMismatchError(f"the schedule was {differs}: its peak is another step's; validate with the "
+                                    "planned step, or plan again with yours")
+    return given
 
 
 def _check_inputs(schedule: Schedule, inputs: Any) -> None:
@@ -172,12 +181,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def measure_plans(
     model: nn.Module, inputs: Any, plans: list[dict[str, str]], *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "adamw", steps: int = 3, progress: Callable[[], None] | None = None,
+    optimizer: str | None = "adamw", step: TrainStep | None = None, steps: int = 3,
+    progress: Callable[[], None] | None = None,
 ) -> tuple[list[int], list[float]]:
     """The measured peak bytes and slowdown of each plan, by ``validate``'s machinery: each peak
     from a steady-state step of its own, the slowdowns from one interleaved series of timed
     rounds that all plans share with the plain model. ``model`` is left as it was."""
-    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, step=step_of(step, optimizer))
     peaks = []
     with harness.restoring() as found:  # each plan from the state the model came in
         for policies in plans:
@@ -192,11 +202,11 @@ def measure_plans(
 
 def measure_levels(
     model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
-    optimizer: str | None = "adamw",
+    optimizer: str | None = "adamw", step: TrainStep | None = None,
 ) -> list[list[Any]]:
     """The measured (mark, live bytes at it, peak until the next mark) of one steady-state step
     of the scheduled model, at the marks the profiler sets: the measured side of a timeline,
     phase for phase beside ``schedule.levels["plan"]``. ``model`` is left as it was."""
-    harness = StepHarness(model, inputs, loss_fn=loss_fn, optimizer=optimizer)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, step=step_of(step, optimizer))
     with harness.restoring(), harness.scheduled(schedule):
         return harness.levels(list(schedule.policies))

@@ -1,0 +1,207 @@
+"""From measured stretches to the Profile's units and phases, for steps that run a unit more than once.
+
+A unit runs once per micro-batch: memfit's step measures two micro-batches (every later one
+repeats the second), a user's step function may run it several times. Each run's forward costs
+what the first one does; its first backward creates the gradients, every later one accumulates
+into them (``OptionCost.later_*``). Marks name the run (``fwd:3@2``, runtime/marks.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from memfit.errors import MemfitError
+from memfit.formats.profile import OptionCost, Phase, UnitProfile
+from memfit.policy import COARSE
+from memfit.profiler.saved import UnitFacts
+from memfit.runtime.marks import Stretch
+
+
+@dataclass(frozen=True, slots=True)
+class Label:
+    """A mark's label read back: ``kind`` (``fwd``, ``bwd_end``, ``forward``, ``step``, ...),
+    the unit's index (None for the step's own marks) and the run (1 for the first)."""
+
+    kind: str
+    unit: int | None
+    run: int
+
+    @staticmethod
+    def of(label: str) -> Label:
+        body, _, run = label.partition("@")
+        kind, _, idx = body.partition(":")
+        return Label(kind, int(idx) if idx else None, int(run) if run else 1)
+
+
+@dataclass(slots=True)
+class Runs:
+    """Where each unit's runs sit among one step's stretches."""
+
+    forwards: list[list[int]]  # per unit, its forward stretches in order
+    backwards: list[list[int]]  # per unit, its backward stretches in the order they ran
+
+    @staticmethod
+    def of(run: list[Stretch], n: int) -> Runs:
+        out = Runs([[] for _ in range(n)], [[] for _ in range(n)])
+        for k, s in enumerate(run):
+            lab = Label.of(s.label)
+            if lab.kind in ("fwd", "bwd") and lab.unit is not None:
+                (out.forwards if lab.kind == "fwd" else out.backwards)[lab.unit].append(k)
+        return out
+
+    @property
+    def count(self) -> int:
+        """Runs of a unit in the step (the most of any unit)."""
+        return max((len(f) for f in self.forwards), default=0)
+
+
+def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[Stretch]], facts: UnitFacts,
+          factor: float, runs_per_step: float, param_bytes: list[int]) -> list[UnitProfile]:
+    """Each unit's times and its coarse options' memory figures. A checkpointed unit runs its
+    forward once more inside each backward, at the cost measured for all units together
+    (``factor``), ``runs_per_step`` times a step."""
+    runs = Runs.of(memory["none"], len(names))
+    every = [True] * len(names)
+    released = {o: releases(memory["none"], memory[o], every, facts.saved_casts) for o in COARSE}
+    out: list[UnitProfile] = []
+    for i, name in enumerate(names):
+        if not runs.forwards[i] or not runs.backwards[i]:
+            raise MemfitError(
+                f"unit {name!r} did not take part in the backward pass (no gradient reached its "
+                "output); choose units whose outputs the loss depends on"
+            )
+        fwd_s = statistics.median(r[runs.forwards[i][0]].seconds for r in times)
+        bwd_s = statistics.median(r[runs.backwards[i][0]].seconds for r in times)
+        options = {o: option_cost(memory[o], runs, i, name, 0.0 if o == "none" else fwd_s * factor * runs_per_step,
+                                  released[o][i]) for o in COARSE}
+        out.append(UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], param_bytes[i], options,
+                               facts.outputs[i]))
+    _share_outputs(out, facts)
+    return out
+
+
+def option_cost(run: list[Stretch], runs: Runs, i: int, name: str, recompute_s: float,
+                release: int = 0) -> OptionCost:
+    """Unit ``i``'s figures in a step where it ran one option, every run checked against the first
+    of its kind (a unit whose runs differ, as with inputs of other sizes, cannot be planned so)."""
+    fwd, bwd = [run[k] for k in runs.forwards[i]], [run[k] for k in runs.backwards[i]]
+    for what, series in (("forward", fwd), ("later backward", bwd[1:])):
+        for s in series[1:]:
+            if (s.peak, s.end) != (series[0].peak, series[0].end):
+                raise MemfitError(
+                    f"unit {name!r} ran its {what} at different sizes within one step ({series[0].peak:,} and "
+                    f"{s.peak:,} bytes at the peak): memfit plans steps whose runs of a unit see the same shapes")
+    later = (bwd[1].peak, bwd[1].end) if len(bwd) > 1 else (None, None)
+    return OptionCost(fwd[0].peak, fwd[0].end, bwd[0].peak, bwd[0].end, recompute_s, *later, release)
+
+
+def releases(plain: list[Stretch], run: list[Stretch], has: list[bool], weights: list[int]) -> list[int]:
+    """Each unit's ``release_bytes`` in ``run`` (the units that ``has`` the option ran it): what
+    leaving autocast freed there beyond the plain step, shared by the weight casts each unit saves
+    when kept (checkpointed, its cache alone holds them), the whole exact for the run itself."""
+    at = [k for k, s in enumerate(plain) if Label.of(s.label).kind == "release"]
+    if not at:
+        return [0] * len(has)
+    extra = plain[at[0]].end - run[at[0]].end
+    for k in at[1:]:
+        if plain[k].end - run[k].end != extra:
+            raise MemfitError("leaving autocast freed different bytes in two micro-batches of one step")
+    units = [j for j, h in enumerate(has) if h]
+    total = sum(weights[j] for j in units)
+    out = [0] * len(has)
+    for n, j in enumerate(units):  # shares rounded down; the rest to the last unit: the sum is exact
+        out[j] = extra * weights[j] // total if total > 0 else extra // len(units)
+        if n == len(units) - 1:
+            out[j] += extra - sum(out)
+    return [max(0, v) for v in out]
+
+
+def phases(memory: dict[str, list[Stretch]], names: list[str], word: str) -> list[Phase]:
+    """The step's phases: each unit's forwards and backwards, and the remainder between them;
+    ``word`` names a unit's later runs (``micro-batch``, or ``run`` for a user's step)."""
+    out = []
+    seen: set[int] = set()
+    for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
+        lab = Label.of(s_none.label)
+        if lab.kind in ("fwd", "bwd") and lab.unit is not None:
+            label = f"{'forward' if lab.kind == 'fwd' else 'backward'} {names[lab.unit]}" + _nth(lab.run, word)
+            later = lab.kind == "bwd" and lab.unit in seen
+            if lab.kind == "bwd":
+                seen.add(lab.unit)
+            out.append(Phase(label, lab.unit, "forward" if lab.kind == "fwd" else "backward", later=later))
+        else:
+            # The remainder's peak does not depend on the units' options: keep the larger. Its end
+            # can be higher with checkpointing (tensors kept for recompute); never take it lower.
+            # Leaving autocast frees what its cache alone holds: the units' release_bytes.
+            freed = lab.kind == "release"
+            peak, end = max(s_none.peak, s_full.peak), s_none.end
+            ckpt_end = end if freed else max(s_none.end, s_full.end)
+            out.append(Phase(remainder_label(lab, names, word), None, "remainder", peak, end, ckpt_end,
+                             releases=freed))
+    return out
+
+
+def check_order(run: list[Stretch], names: list[str]) -> None:
+    """Units must be named in the order their first forwards run: the memory model walks them so."""
+    ran = [lab.unit for lab in map(Label.of, (s.label for s in run))
+           if lab.kind == "fwd" and lab.run == 1 and lab.unit is not None]
+    missing = [names[i] for i in range(len(names)) if i not in ran]
+    if missing:
+        raise MemfitError(
+            f"unit {missing[0]!r} never ran as a module in the forward pass (a ModuleList or a container whose "
+            "forward is not called is not a unit: name its blocks, e.g. --units 'h.*' or units=['h.*'])"
+        )
+    if ran != sorted(ran):
+        order = ", ".join(names[i] for i in ran)
+        raise MemfitError(f"the units run in the order {order}, not as given; list them in the order they run")
+
+
+def last_micro_batch(run: list[Stretch]) -> float:
+    """Seconds of the last measured micro-batch: from its ``forward@n`` to clipping or the step."""
+    starts = [k for k, s in enumerate(run) if Label.of(s.label).kind == "forward"]
+    ends = [k for k, s in enumerate(run) if s.label in ("clip", "step")]
+    if not starts or not ends:
+        return 0.0
+    return sum(s.seconds for s in run[starts[-1]:ends[0]])
+
+
+def _nth(run: int, word: str) -> str:
+    return f" ({word} {run})" if run > 1 else ""
+
+
+def remainder_label(lab: Label, names: list[str], word: str = "run") -> str:
+    nth = _nth(lab.run, word)
+    if lab.kind == "forward":
+        return "forward before the units" + nth
+    if lab.kind == "fwd_end" and lab.unit is not None:
+        return f"forward after {names[lab.unit]}" + (" (head, loss)" if lab.unit == len(names) - 1 else "") + nth
+    if lab.kind == "backward":
+        return "backward of loss and head" + nth
+    if lab.kind == "bwd_end" and lab.unit is not None:
+        return f"backward before {names[lab.unit]}" + nth
+    names_of = {"clip": "gradient clipping", "step": "optimizer step", "release": "leaving autocast"}
+    return names_of.get(lab.kind, lab.kind) + ("" if lab.kind in ("clip", "step") else nth)
+
+
+def _share_outputs(units: list[UnitProfile], facts: UnitFacts) -> None:
+    """Attribute the freeing of a shared output to the unit whose option decides it.
+
+    When unit j saves its own output (a closing ReLU) and unit j+1 takes it, the output lives
+    until the later of the two backwards to need it. Kept, unit j frees it at the end of its own
+    backward (so measured); checkpointed, nothing of unit j holds it and it goes when unit j+1's
+    backward ends, which the all-checkpointed run books to unit j+1 whatever unit j does. Moving
+    that free to the start of unit j's checkpointed backward makes mixed schedules add up; the
+    same holds for a later run's backward.
+    """
+    for j in range(len(units) - 1):
+        if facts.keeps_output[j]:
+            out = facts.outputs[j]
+            nxt, cur = units[j + 1].options["full"], units[j].options["full"]
+            nxt.bwd_end_bytes += out
+            cur.bwd_peak_bytes -= out
+            cur.bwd_end_bytes -= out
+            if nxt.later_bwd_end_bytes is not None and cur.later_bwd_peak_bytes is not None:
+                nxt.later_bwd_end_bytes += out
+                cur.later_bwd_peak_bytes -= out
+                cur.later_bwd_end_bytes = (cur.later_bwd_end_bytes or 0) - out

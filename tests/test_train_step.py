@@ -1,0 +1,202 @@
+"""The step users run (memfit.TrainStep): gradient accumulation, amp-bf16 autocast over fp32
+weights, clipping, optimizers by name or the user's own. Each plan's predicted peak is compared
+with the peak of a loop written here as a user writes it (not memfit's harness), measured with
+the exact CPU meter from a byte count of what lives across steps done by hand; the scheduled
+model's gradients equal the plain model's under that loop."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.errors import MemfitError, ScheduleMismatchError
+from memfit.formats.profile import Profile, profile_from_dict
+from memfit.formats.schedule import Schedule, model_fingerprint
+from memfit.measure.memory import memory_recorder
+
+from .conftest import tiny_gpt
+
+
+def user_optimizer(params):  # an optimizer of the user's own, with a learning rate that moves the weights
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "callable": user_optimizer,
+}
+
+
+def _bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _loss(out) -> torch.Tensor:
+    return out["loss"] if isinstance(out, dict) and "loss" in out else out.loss
+
+
+class UserLoop:
+    """A training loop as people write it: ``zero_grad``, micro-batches under autocast with the
+    loss divided by their number, clipping, ``step``."""
+
+    def __init__(self, model: nn.Module, batch: dict, optimizer: str, accumulate: int, precision: str,
+                 clip: float | None) -> None:
+        self.model, self.batch, self.accumulate, self.clip = model, batch, accumulate, clip
+        self.amp = precision == "amp-bf16"
+        self.opt = OPTIMIZERS[optimizer](model.parameters())
+
+    def step(self) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for _ in range(self.accumulate):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.amp):
+                loss = _loss(self.model(**self.batch))
+            (loss / self.accumulate).backward()
+            total += loss.detach().float()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        return total
+
+    def peak(self) -> int:
+        """The peak of one steady-state step: what lives across steps (counted here) plus the
+        highest rise the meter sees during the step."""
+        self.opt.zero_grad(set_to_none=True)
+        state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        static = _bytes([*self.model.parameters(), *self.model.buffers(), *state, *self.batch.values()])
+        recorder = memory_recorder(torch.device("cpu"))
+        with recorder:
+            recorder.on_mark("start")
+            self.step()
+            recorder.on_mark("end")
+        marks = recorder.marks()
+        return static + max(m.peak for m in marks) - marks[0].level
+
+
+def _apply(model: nn.Module, policies: dict[str, str]) -> nn.Module:
+    if any(p != "none" for p in policies.values()):
+        memfit.apply(model, Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+                                     model_fingerprint(model, list(policies))))
+    return model
+
+
+def _plans(names: list[str]) -> dict[str, dict[str, str]]:
+    return {"none": dict.fromkeys(names, "none"), "full": dict.fromkeys(names, "full"),
+            "mixed": {n: "full" if i % 2 else "none" for i, n in enumerate(names)}}
+
+
+def check_step(build, optimizer: str, accumulate: int, precision: str, clip: float | None) -> None:
+    model, batch = build()
+    step = memfit.TrainStep(optimizer=user_optimizer if optimizer == "callable" else optimizer,
+                            accumulate=accumulate, precision=precision, clip_grad_norm=clip)
+    before = [p.detach().clone() for p in model.parameters()]
+    prof = memfit.profile(model, batch, step=step, repeat=1)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # left as it was
+    assert prof.step["accumulate"] == accumulate and prof.step["precision"] == precision
+    for kind, policies in _plans(prof.unit_names).items():
+        predicted = memfit.predict(prof, policies).peak_bytes
+        plain, scheduled = copy.deepcopy(model), _apply(copy.deepcopy(model), policies)
+        loops = [UserLoop(m, batch, optimizer, accumulate, precision, clip) for m in (plain, scheduled)]
+        for m in (plain, scheduled):
+            m.train()
+        for i in range(2):  # the first step creates the optimizer state; the second is steady
+            losses = []
+            for loop in loops:
+                torch.manual_seed(i)
+                losses.append(loop.step())
+            assert torch.equal(*losses), (kind, i)
+            for (n, p), q in zip(plain.named_parameters(), scheduled.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (kind, n)
+        torch.manual_seed(2)
+        measured = loops[1].peak()
+        assert abs(predicted - measured) <= 0.01 * measured, (kind, predicted, measured)
+
+
+@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), list(itertools.product(
+    OPTIMIZERS, (1, 3), ("fp32", "amp-bf16"), (None, 1.0))))
+def test_gpt_plans_hold_in_the_users_loop(optimizer, accumulate, precision, clip):
+    check_step(tiny_gpt, optimizer, accumulate, precision, clip)
+
+
+def _hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)  # its defaults: dropout 0.1, eager attention
+    ids = torch.randint(0, 512, (2, 32))
+    return model, {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), [
+    (o, *rest) for o in OPTIMIZERS for rest in ((1, "fp32", None), (3, "amp-bf16", 1.0))])
+def test_hf_gpt2_plans_hold_in_the_users_loop(optimizer, accumulate, precision, clip):
+    check_step(_hf_gpt2, optimizer, accumulate, precision, clip)
+
+
+def test_accumulation_keeps_gradients_through_later_micro_batches():
+    """A later micro-batch starts with every gradient alive and accumulates into it: its
+    backward ends lower than the first one's by the unit's gradients; the step's peak is the
+    later micro-batch's when activations outweigh nothing else."""
+    model, batch = tiny_gpt()
+    one = memfit.profile(model, batch, repeat=1)
+    three = memfit.profile(model, batch, step=memfit.TrainStep(accumulate=3), repeat=1)
+    for u in three.units:
+        none = u.options["none"]
+        assert none.bwd_end_bytes - none.later_bwd_end_bytes == u.param_bytes
+    assert [p.later for p in three.phases if p.kind == "backward"].count(True) == len(three.units)
+    assert memfit.predict(three, {}).peak_bytes > memfit.predict(one, {}).peak_bytes
+    assert three.step_s > one.step_s  # three micro-batches' time (two measured, the third like the second)
+
+
+def test_validate_runs_the_planned_step(tmp_path):
+    model, batch = tiny_gpt()
+    step = memfit.TrainStep("sgd-momentum", accumulate=2, precision="amp-bf16", clip_grad_norm=0.5)
+    prof = memfit.profile(model, batch, step=step, repeat=1)
+    sched = memfit.plan(prof, (memfit.predict(prof, {}).peak_bytes + prof.measured_peak_bytes["full"]) // 2)
+    sched.save(tmp_path / "s.json")
+    loaded = memfit.load_schedule(tmp_path / "s.json")
+    assert loaded.train_step == memfit.TrainStep("sgd-momentum", 2, "amp-bf16", 0.5)
+    result = memfit.validate(model, batch, loaded, steps=0)
+    assert result.ok and result.measured_peak_bytes == result.predicted_peak_bytes
+    with pytest.raises(ScheduleMismatchError, match="2 micro-batches"):
+        memfit.validate(model, batch, loaded, step=memfit.TrainStep("sgd-momentum", precision="amp-bf16",
+                                                                     clip_grad_norm=0.5), steps=0)
+
+
+def test_profiles_with_later_runs_round_trip(tmp_path):
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, step=memfit.TrainStep(accumulate=2, precision="amp-bf16"), repeat=1)
+    assert any(p.releases for p in prof.phases) and any(u.options["full"].release_bytes > 0 for u in prof.units)
+    prof.save(tmp_path / "p.json")
+    again = Profile.load(tmp_path / "p.json")
+    full = dict.fromkeys(prof.unit_names, "full")
+    assert memfit.predict(again, full) == memfit.predict(prof, full)
+    plain = memfit.profile(model, batch, repeat=1).to_dict()
+    assert "step" in plain and not any("later" in p or "releases" in p for p in plain["phases"])
+    del plain["step"]  # a profile from before the step record: the plain step
+    assert profile_from_dict(plain).train_step == memfit.TrainStep()
+
+
+def test_step_mistakes_are_refused_in_words():
+    model, batch = tiny_gpt()
+    with pytest.raises(MemfitError, match="micro-batches >= 1"):
+        memfit.TrainStep(accumulate=0)
+    with pytest.raises(MemfitError, match="unknown optimizer 'lion'"):
+        memfit.TrainStep("lion")
+    with pytest.raises(MemfitError, match="positive number"):
+        memfit.TrainStep(clip_grad_norm=-1.0)
+    with pytest.raises(MemfitError, match="parameters are float32: convert the model"):
+        memfit.profile(model, batch, step=memfit.TrainStep(precision="bf16"), repeat=1)
+    with pytest.raises(MemfitError, match="give the optimizer once"):
+        memfit.profile(model, batch, step=memfit.TrainStep(), optimizer="sgd", repeat=1)
