@@ -20,7 +20,7 @@ import torch
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.step import Inputs, default_loss, make_optimizer
+from memfit.measure.step import Inputs, StepState, default_loss
 from memfit.measure.timing import alternate, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
@@ -48,12 +48,12 @@ def main() -> None:
             set_policies(m, policies)
             peak = measure_steps(m, inputs, optimizer=sc.step_optimizer, compile=mode).peak_bytes
             runner = m if mode is None else torch.compile(m, backend=mode)
-            configs.append((mode or "eager", name, runner, m, make_optimizer(sc.optimizer, m.parameters()), peak))
+            configs.append((mode or "eager", name, runner, m, StepState(sc.train_step, m), peak))
     inp = Inputs.of(inputs)
 
     def step(k: int) -> float:
-        _, _, runner, m, opt, _ = configs[k]
-        return timed_step(runner, m, inp, default_loss, opt, torch.device("cpu"))
+        _, _, runner, _model, opt, _ = configs[k]
+        return timed_step(runner, inp, default_loss, opt, torch.device("cpu"))
 
     for k in range(len(configs)):
         step(k)  # compiles

@@ -44,7 +44,7 @@ from peer_tools import SacMilp, budget_backend, hand_made, plan_summary, same_gr
 import memfit
 from memfit.budget import format_bytes
 from memfit.jsonio import write_atomic
-from memfit.measure.step import Inputs, default_loss, make_optimizer
+from memfit.measure.step import Inputs, StepState, default_loss, make_optimizer
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.report import table
 from memfit.runtime.harness import StepRun, measure_steps
@@ -189,7 +189,7 @@ def main() -> None:
 
     def step(k: int) -> float:
         cfg = configs[k]
-        return timed_step(cfg.runner, cfg.model, inputs, default_loss, cfg.opt, torch.device("cpu"))
+        return timed_step(cfg.runner, inputs, default_loss, cfg.opt, torch.device("cpu"))
 
     for cfg, t in zip(configs, alternate(step, len(configs), args.rounds), strict=True):
         cfg.times = t
@@ -207,7 +207,7 @@ def make_config(tool: str, how: str, model: torch.nn.Module, plan_s: float, raw:
         set_policies(m, policies)
     run = measure_steps(m, raw, optimizer=optimizer, compile=backend)
     runner = m if backend is None else torch.compile(m, backend=backend)  # finds the compiled graph
-    cfg = Config(tool, how, m, runner, plan_s, make_optimizer(optimizer, m.parameters()), run)
+    cfg = Config(tool, how, m, runner, plan_s, StepState(memfit.TrainStep(optimizer), m), run)
     print(f"{tool} {how}: {format_bytes(cfg.peak)}", flush=True)
     return cfg
 

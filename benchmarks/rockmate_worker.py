@@ -94,10 +94,10 @@ def run(args: argparse.Namespace, rockmate: Any) -> dict[str, Any]:
     from memfit.budget import format_bytes
     from memfit.measure.step import (
         Inputs,
+        StepState,
         default_loss,
         iter_tensors,
         local,
-        make_optimizer,
         static_bytes,
         storage_bytes,
         storage_key,
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace, rockmate: Any) -> dict[str, Any]:
     inputs = Inputs.of(raw)
     plain = copy.deepcopy(model)
     plain_run = measure_steps(plain, raw, optimizer=sc.step_optimizer)
-    plain_opt = make_optimizer(sc.step_optimizer, plain.parameters())
+    plain_opt = StepState(sc.train_step, plain)
     training_step(plain, inputs, default_loss, plain_opt)  # the optimizer state, as it lives across steps
     fixed = static_bytes(plain, plain_opt, inputs) + storage_bytes(p.grad for p in plain.parameters()
                                                                     if p.grad is not None)
@@ -245,11 +245,11 @@ def run(args: argparse.Namespace, rockmate: Any) -> dict[str, Any]:
         say(f"rockmate at {format_bytes(row['level'])}: measured {format_bytes(row['peak'])}, gradients "
             f"equal: {row['equal']}")
 
-    runs = [(plain, plain_opt)] + [(r, make_optimizer(sc.step_optimizer, r.parameters())) for _, r in built]
+    runs = [(plain, plain_opt)] + [(r, StepState(sc.train_step, r)) for _, r in built]
 
     def step(k: int) -> float:
         m, opt = runs[k]
-        return timed_step(m, m, inputs, default_loss, opt, torch.device("cpu"))
+        return timed_step(m, inputs, default_loss, opt, torch.device("cpu"))
 
     times = alternate(step, len(runs), args.rounds) if built else [[]]
     plain_s = statistics.median(times[0]) if built else None

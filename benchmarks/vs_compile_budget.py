@@ -25,7 +25,7 @@ from peer_tools import budget_backend, plan_summary
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.step import Inputs, default_loss, make_optimizer
+from memfit.measure.step import Inputs, StepState, default_loss
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
@@ -66,7 +66,7 @@ def main() -> None:
             set_policies(m, policies)
         backend = None if budget is None else budget_backend(budget)
         runner = m if backend is None else torch.compile(m, backend=backend)
-        cfg = Config(label, runner, m, make_optimizer(sc.optimizer, m.parameters()), policies=policies)
+        cfg = Config(label, runner, m, StepState(sc.train_step, m), policies=policies)
         # a steady-state step, as validate measures it (compiles, for a budget: the runner's
         # backend is the same object, so it finds this compilation)
         run = measure_steps(m, raw_inputs, optimizer=sc.step_optimizer, compile=backend)
@@ -91,7 +91,7 @@ def main() -> None:
 
     def step(k: int) -> float:
         cfg = configs[k]
-        return timed_step(cfg.runner, cfg.model, inputs, default_loss, cfg.opt, torch.device("cpu"))
+        return timed_step(cfg.runner, inputs, default_loss, cfg.opt, torch.device("cpu"))
 
     times = alternate(step, len(configs), args.rounds)
     for cfg, t in zip(configs, times, strict=True):

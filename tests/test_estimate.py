@@ -209,9 +209,9 @@ def test_foreach_optimizer_step_is_counted_as_measured():
     from memfit.runtime.harness import StepHarness
 
     model, inputs = tiny_gpt()
-    foreach = memfit.profile(model, inputs, repeat=1, foreach=True)
-    single = memfit.profile(model, inputs, repeat=1, foreach=False)
-    estimated = estimate(tiny_gpt, target="cpu", foreach=True)
+    foreach = memfit.profile(model, inputs, repeat=1, optimizer="adamw-foreach")
+    single = memfit.profile(model, inputs, repeat=1, optimizer="adamw")  # the CPU's own choice: one at a time
+    estimated = estimate(tiny_gpt, target="cpu", optimizer="adamw-foreach")
     step = [p.peak_bytes for p in foreach.phases if p.label == "optimizer step"]
     single_step = [p.peak_bytes for p in single.phases if p.label == "optimizer step"]
     largest = max(p.numel() * p.element_size() for p in model.parameters())
@@ -221,7 +221,7 @@ def test_foreach_optimizer_step_is_counted_as_measured():
     assert memfit.predict(foreach, full).peak_phase == "optimizer step"
     twin = copy.deepcopy(model)
     memfit.runtime.apply.set_policies(twin, full)
-    real = StepHarness(twin, inputs, foreach=True).run().peak_bytes
+    real = StepHarness(twin, inputs, step=memfit.TrainStep("adamw-foreach")).run().peak_bytes
     assert memfit.predict(foreach, full).peak_bytes == real
     assert abs(memfit.predict(estimated, full).peak_bytes - real) <= 0.001 * real
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "memfit"
 LAYERS = [
     # records, formats and names: no torch model needed
     ["memfit.errors", "memfit.budget", "memfit.jsonio", "memfit.console", "memfit.devices", "memfit.policy",
-     "memfit.formats", "memfit.measure.malloc", "memfit.planning"],
+     "memfit.trainstep", "memfit.formats", "memfit.measure.malloc", "memfit.planning"],
     # the measuring floor (the training step, meters, timing), cutting a model into units, the
     # private PyTorch symbols memfit uses (torch_private.py), and the optimizer, which needs
     # neither torch nor a model

@@ -51,8 +51,9 @@ class UserLoop:
     loss divided by their number, clipping, ``step``."""
 
     def __init__(self, model: nn.Module, batch: dict, optimizer: str, accumulate: int, precision: str,
-                 clip: float | None) -> None:
+                 clip: float | None, keep_output: bool = False) -> None:
         self.model, self.batch, self.accumulate, self.clip = model, batch, accumulate, clip
+        self.keep_output = keep_output  # ``out = model(**batch); out.loss.backward()``: out lives through it
         self.amp = precision == "amp-bf16"
         self.opt = OPTIMIZERS[optimizer](model.parameters())
 
@@ -61,7 +62,11 @@ class UserLoop:
         total = torch.zeros(())
         for _ in range(self.accumulate):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.amp):
-                loss = _loss(self.model(**self.batch))
+                if self.keep_output:
+                    out = self.model(**self.batch)
+                    loss = _loss(out)
+                else:
+                    loss = _loss(self.model(**self.batch))
             (loss / self.accumulate).backward()
             total += loss.detach().float()
         if self.clip is not None:
@@ -96,10 +101,11 @@ def _plans(names: list[str]) -> dict[str, dict[str, str]]:
             "mixed": {n: "full" if i % 2 else "none" for i, n in enumerate(names)}}
 
 
-def check_step(build, optimizer: str, accumulate: int, precision: str, clip: float | None) -> None:
+def check_step(build, optimizer: str, accumulate: int, precision: str, clip: float | None,
+               keep_output: bool = False) -> memfit.Profile:
     model, batch = build()
     step = memfit.TrainStep(optimizer=user_optimizer if optimizer == "callable" else optimizer,
-                            accumulate=accumulate, precision=precision, clip_grad_norm=clip)
+                            accumulate=accumulate, precision=precision, clip_grad_norm=clip, keep_output=keep_output)
     before = [p.detach().clone() for p in model.parameters()]
     prof = memfit.profile(model, batch, step=step, repeat=1)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # left as it was
@@ -107,7 +113,7 @@ def check_step(build, optimizer: str, accumulate: int, precision: str, clip: flo
     for kind, policies in _plans(prof.unit_names).items():
         predicted = memfit.predict(prof, policies).peak_bytes
         plain, scheduled = copy.deepcopy(model), _apply(copy.deepcopy(model), policies)
-        loops = [UserLoop(m, batch, optimizer, accumulate, precision, clip) for m in (plain, scheduled)]
+        loops = [UserLoop(m, batch, optimizer, accumulate, precision, clip, keep_output) for m in (plain, scheduled)]
         for m in (plain, scheduled):
             m.train()
         for i in range(2):  # the first step creates the optimizer state; the second is steady
@@ -121,6 +127,7 @@ def check_step(build, optimizer: str, accumulate: int, precision: str, clip: flo
         torch.manual_seed(2)
         measured = loops[1].peak()
         assert abs(predicted - measured) <= 0.01 * measured, (kind, predicted, measured)
+    return prof
 
 
 @pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), list(itertools.product(
@@ -142,6 +149,15 @@ def _hf_gpt2():
     (o, *rest) for o in OPTIMIZERS for rest in ((1, "fp32", None), (3, "amp-bf16", 1.0))])
 def test_hf_gpt2_plans_hold_in_the_users_loop(optimizer, accumulate, precision, clip):
     check_step(_hf_gpt2, optimizer, accumulate, precision, clip)
+
+
+@pytest.mark.parametrize("build", [tiny_gpt, _hf_gpt2])
+def test_a_loop_that_keeps_the_output_through_the_backward(build):
+    """``out = model(**batch); out.loss.backward()`` (HF's examples, nanoGPT's ``logits, loss``)
+    holds the logits through the backward: planned with keep_output=True, predicted = measured."""
+    kept = check_step(build, "adamw", 2, "amp-bf16", None, keep_output=True)
+    dropped = memfit.profile(*build(), step=memfit.TrainStep(accumulate=2, precision="amp-bf16"), repeat=1)
+    assert memfit.predict(kept, {}).peak_bytes > memfit.predict(dropped, {}).peak_bytes
 
 
 def test_accumulation_keeps_gradients_through_later_micro_batches():

@@ -320,8 +320,9 @@ def _check_timeline(f: Fields, units: list[UnitProfile], phases: list[Phase]) ->
         fwd = sum(p.kind == "forward" for p in phases if p.unit == i)
         bwd = [p.later for p in phases if p.unit == i and p.kind == "backward"]
         if fwd < 1 or fwd != len(bwd) or bwd[0] or not all(bwd[1:]):
-            raise_field(f.where, "phases", f"unit {u.name!r} has {fwd} forward and {len(bwd)} backward phases (the "
-                                           "first backward first, the rest later ones)")
+            counts = f"{fwd} forward and {len(bwd)} backward" if fwd or bwd else "no"
+            raise_field(f.where, "phases", f"unit {u.name!r} has {counts} phases, not a forward and a backward "
+                                           "for each run (the first backward first, later ones after)")
         if len(bwd) > 1 and any(o.later_bwd_peak_bytes is None or o.later_bwd_end_bytes is None
                                 for o in u.options.values()):
             raise_field(f.where, "units", f"unit {u.name!r} runs more than once but lacks later_bwd_* figures")
