@@ -270,6 +270,9 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
                    help="clip_grad_norm_ to MAX before each optimizer step")
     s.add_argument("--zero-grad", choices=ZERO_GRADS,
                    help="none: zero_grad(set_to_none=True) (default); zeros: gradients stay allocated")
+    s.add_argument("--keep-output", action="store_true", default=None,
+                   help="the loop holds the model's output (logits) through the backward, as "
+                   "`out = model(**batch); out.loss.backward()` does")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     if not validate:
         from memfit.devices import DEVICES

@@ -11,7 +11,7 @@ from typing import Any
 from memfit.console import check_interrupt
 from memfit.errors import MemfitError
 
-STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad")
+STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output")
 MODEL_FLAGS = ("scenario", "model", "input_shape", "units", *STEP_FLAGS, "device", "repeat", "children", "target",
                "parallel", "world_size")
 
@@ -229,4 +229,4 @@ def _planned_flags(schedule: Any) -> dict[str, Any]:
     """The step flags' values the schedule was planned with (TrainStep.of_record)."""
     step = schedule.train_step
     return {"optimizer": schedule.optimizer or "none", "accumulate": step.accumulate, "precision": step.precision,
-            "clip_grad_norm": step.clip_grad_norm, "zero_grad": step.zero_grad}
+            "clip_grad_norm": step.clip_grad_norm, "zero_grad": step.zero_grad, "keep_output": step.keep_output}

@@ -53,6 +53,7 @@ class Scenario:
     precision: str | None = None
     clip_grad_norm: float | None = None
     zero_grad: str = "none"
+    keep_output: bool = False
 
     @property
     def missing(self) -> str | None:
@@ -69,7 +70,8 @@ class Scenario:
     @property
     def train_step(self) -> TrainStep:
         """The training step this scenario is trained with."""
-        return TrainStep(self.step_optimizer, self.accumulate, self.precision, self.clip_grad_norm, self.zero_grad)
+        return TrainStep(self.step_optimizer, self.accumulate, self.precision, self.clip_grad_norm, self.zero_grad,
+                         self.keep_output)
 
     def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
         """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
@@ -273,7 +275,7 @@ def load_scenario(name_or_path: str) -> Scenario:
             )
     data = _read_toml(path)
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target",
-             "accumulate", "precision", "clip_grad_norm", "zero_grad"}
+             "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -310,7 +312,7 @@ def load_scenario(name_or_path: str) -> Scenario:
             raise bad("target", f"one of {', '.join(DEVICES)}")
     try:
         step = TrainStep(None, data.get("accumulate", 1), data.get("precision"), data.get("clip_grad_norm"),
-                         data.get("zero_grad", "none"))
+                         data.get("zero_grad", "none"), data.get("keep_output", False))
     except MemfitError as exc:
         raise MemfitError(f"{path}: {exc}") from None
     return Scenario(
@@ -329,4 +331,5 @@ def load_scenario(name_or_path: str) -> Scenario:
         precision=step.precision,
         clip_grad_norm=step.clip_grad_norm,
         zero_grad=step.zero_grad,
+        keep_output=step.keep_output,
     )

@@ -37,6 +37,8 @@ class StepRecord(TypedDict, total=False):
     precision: str
     clip_grad_norm: float | None
     zero_grad: str
+    keep_output: bool
+    function: str  # a step function of the user's own (its qualified name): profile(step_fn=...)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +51,18 @@ class TrainStep:
     ``precision``: a pure dtype, ``amp-bf16`` or ``amp-fp16`` (fp32 weights and state, autocast
     over forward and loss, a ``GradScaler`` for fp16), or None for the model's own dtype;
     ``clip_grad_norm``: ``clip_grad_norm_`` to this norm before the step; ``zero_grad``:
-    ``"none"`` (set to None) or ``"zeros"`` (gradients stay allocated across steps)."""
+    ``"none"`` (set to None) or ``"zeros"`` (gradients stay allocated across steps);
+    ``keep_output``: the loop holds the model's output in a variable until the next forward
+    returns, through the backward, the optimizer's step and into the next step, as nanoGPT's
+    ``logits, loss = model(X, Y)`` and Hugging Face's ``outputs = model(**batch)`` do (by default
+    it is dropped once the loss is made, as in ``loss = loss_fn(model(x))``)."""
 
     optimizer: str | OptimizerFactory | None = "adamw"
     accumulate: int = 1
     precision: str | None = None
     clip_grad_norm: float | None = None
     zero_grad: str = "none"
+    keep_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, str) and self.optimizer.lower() not in OPTIMIZERS:
@@ -70,6 +77,8 @@ class TrainStep:
         clip = self.clip_grad_norm
         if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
             raise MemfitError(f"clip_grad_norm must be a positive number (the largest gradient norm), got {clip!r}")
+        if not isinstance(self.keep_output, bool):
+            raise MemfitError(f"keep_output must be True or False, got {self.keep_output!r}")
         if self.zero_grad not in ZERO_GRADS:
             raise MemfitError(f"zero_grad must be one of {', '.join(ZERO_GRADS)}, got {self.zero_grad!r}")
 
@@ -87,19 +96,27 @@ class TrainStep:
         return self.precision in AMP
 
     def record(self) -> StepRecord:
-        return StepRecord(accumulate=self.accumulate, precision=self.precision or "",
-                          clip_grad_norm=None if self.clip_grad_norm is None else float(self.clip_grad_norm),
-                          zero_grad=self.zero_grad)
+        """The JSON form; ``keep_output`` only when set, so that older files read the same."""
+        record = StepRecord(accumulate=self.accumulate, precision=self.precision or "",
+                            clip_grad_norm=None if self.clip_grad_norm is None else float(self.clip_grad_norm),
+                            zero_grad=self.zero_grad)
+        if self.keep_output:
+            record["keep_output"] = True
+        return record
 
     @staticmethod
     def of_record(optimizer: str | None, record: StepRecord | dict[str, Any]) -> TrainStep:
         """The step a profile or a schedule was made for. A callable optimizer cannot be rebuilt
         from its name: such a step is refused here, and Python callers pass it again."""
+        if record.get("function"):
+            raise MemfitError(f"this plan was made for a step function of your own ({record['function']}), which "
+                              "memfit cannot rebuild from a file: in Python pass step_fn= again")
         if optimizer is not None and optimizer.startswith(CUSTOM):
             raise MemfitError(f"this plan was made with the optimizer {optimizer}, a callable memfit cannot rebuild "
                               "from a file: in Python pass step=TrainStep(optimizer=your_factory, ...) again")
         return TrainStep(optimizer, int(record.get("accumulate", 1)), record.get("precision") or None,
-                         record.get("clip_grad_norm"), record.get("zero_grad", "none"))
+                         record.get("clip_grad_norm"), record.get("zero_grad", "none"),
+                         bool(record.get("keep_output", False)))
 
     def describe(self) -> str:
         """``adamw, amp-bf16, 3 micro-batches, clip 1.0`` (the defaults left out)."""
@@ -108,6 +125,7 @@ class TrainStep:
         parts += [f"{self.accumulate} micro-batches"] if self.accumulate > 1 else []
         parts += [f"clip {self.clip_grad_norm:g}"] if self.clip_grad_norm is not None else []
         parts += ["gradients zeroed, not freed"] if self.zero_grad == "zeros" else []
+        parts += ["output kept through the backward"] if self.keep_output else []
         return ", ".join(parts)
 
 
@@ -116,7 +134,8 @@ def step_difference(optimizer: str | None, record: StepRecord | dict[str, Any], 
     and ``given``, in words; None when the plan holds for it. A precision not given is the
     model's own, which the fingerprint checks."""
     planned = TrainStep(None, int(record.get("accumulate", 1)), record.get("precision") or None,
-                        record.get("clip_grad_norm"), record.get("zero_grad", "none"))
+                        record.get("clip_grad_norm"), record.get("zero_grad", "none"),
+                        bool(record.get("keep_output", False)))
     mine = {**given.record(), "precision": given.precision or planned.precision or ""}
     if given.optimizer_name == optimizer and mine == planned.record():
         return None

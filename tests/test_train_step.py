@@ -53,7 +53,8 @@ class UserLoop:
     def __init__(self, model: nn.Module, batch: dict, optimizer: str, accumulate: int, precision: str,
                  clip: float | None, keep_output: bool = False) -> None:
         self.model, self.batch, self.accumulate, self.clip = model, batch, accumulate, clip
-        self.keep_output = keep_output  # ``out = model(**batch); out.loss.backward()``: out lives through it
+        self.keep_output = keep_output  # a loop variable, as nanoGPT's logits: alive until the next forward returns
+        self.out = None
         self.amp = precision == "amp-bf16"
         self.opt = OPTIMIZERS[optimizer](model.parameters())
 
@@ -63,8 +64,8 @@ class UserLoop:
         for _ in range(self.accumulate):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.amp):
                 if self.keep_output:
-                    out = self.model(**self.batch)
-                    loss = _loss(out)
+                    self.out = self.model(**self.batch)
+                    loss = _loss(self.out)
                 else:
                     loss = _loss(self.model(**self.batch))
             (loss / self.accumulate).backward()
@@ -79,7 +80,8 @@ class UserLoop:
         highest rise the meter sees during the step."""
         self.opt.zero_grad(set_to_none=True)
         state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        static = _bytes([*self.model.parameters(), *self.model.buffers(), *state, *self.batch.values()])
+        held = [v for v in (self.out or {}).values() if torch.is_tensor(v)]  # the last step's output
+        static = _bytes([*self.model.parameters(), *self.model.buffers(), *state, *self.batch.values(), *held])
         recorder = memory_recorder(torch.device("cpu"))
         with recorder:
             recorder.on_mark("start")
@@ -90,9 +92,10 @@ class UserLoop:
 
 
 def _apply(model: nn.Module, policies: dict[str, str]) -> nn.Module:
-    if any(p != "none" for p in policies.values()):
-        memfit.apply(model, Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
-                                     model_fingerprint(model, list(policies))))
+    """The schedule applied as users apply it, a plan that checkpoints nothing too (a scheduled
+    Hugging Face model keeps no KV cache in training forwards, as its own checkpointing does)."""
+    memfit.apply(model, Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+                                 model_fingerprint(model, list(policies))))
     return model
 
 

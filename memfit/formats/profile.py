@@ -243,7 +243,7 @@ def read_step(f: Fields) -> StepRecord | dict[str, Any]:
     record = s.record(StepRecord, {"accumulate": 1})
     try:
         TrainStep(None, record.get("accumulate", 1), record.get("precision") or None, record.get("clip_grad_norm"),
-                  record.get("zero_grad", "none"))
+                  record.get("zero_grad", "none"), record.get("keep_output", False))
     except MemfitError as exc:
         raise FileFormatError(f"{s.where}: {exc}") from None
     return record

@@ -19,7 +19,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.torch_private import grad_scaler_tensors, is_fake
-from memfit.trainstep import AMP, OPTIMIZERS, OptimizerFactory, TrainStep
+from memfit.trainstep import AMP, OPTIMIZERS, OptimizerFactory, StepRecord, TrainStep
 
 LossFn = Callable[[Any], torch.Tensor]
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -31,17 +31,18 @@ class Inputs:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    given: Any = None  # the object the caller passed, for a step function of their own
 
     @staticmethod
     def of(inputs: Any) -> Inputs:
         if isinstance(inputs, Inputs):
             return inputs
         if isinstance(inputs, torch.Tensor):
-            return Inputs((inputs,), {})
+            return Inputs((inputs,), {}, inputs)
         if isinstance(inputs, tuple):
-            return Inputs(inputs, {})
+            return Inputs(inputs, {}, inputs)
         if isinstance(inputs, dict):
-            return Inputs((), dict(inputs))
+            return Inputs((), dict(inputs), inputs)
         raise MemfitError(
             f"inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
             f"arguments, got {type(inputs).__name__}"
@@ -171,7 +172,10 @@ def _dtype_words(dtypes: set[torch.dtype]) -> str:
 
 class StepState:
     """What lives across the steps of one TrainStep on one model: its optimizer (whose state
-    counts), the GradScaler of amp-fp16, and the parameters clipping reads."""
+    counts), the GradScaler of amp-fp16, and the parameters clipping reads. It runs the step
+    (``run``); measure/userstep.py has its counterpart for a step function of the user's own."""
+
+    units_once = True  # each unit runs once per micro-batch's forward
 
     def __init__(self, step: TrainStep, model: nn.Module, *, foreach_default: bool | None = None) -> None:
         self.step = resolve_precision(step, model)
@@ -180,9 +184,17 @@ class StepState:
         self.optimizer = make_optimizer(step.optimizer, self.params, foreach_default=foreach_default)
         self.device_type = device_of(model).type
         fake = any(is_fake(p) for p in self.params)
+        self.output: Any = None  # the last forward's output, held by a loop that keeps it (keep_output)
         self.scaler: Any = None
         if self.step.precision == "amp-fp16":
             self.scaler = ValuelessScaler(device_of(model)) if fake else torch.amp.GradScaler(self.device_type)
+
+    @property
+    def optimizer_name(self) -> str | None:
+        return self.step.optimizer_name
+
+    def record(self) -> StepRecord:
+        return self.step.record()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward's autocast: none for a pure dtype."""
@@ -208,9 +220,10 @@ class StepState:
         return out + (grad_scaler_tensors(self.scaler) if self.scaler is not None else [])
 
     def tensors(self) -> list[torch.Tensor]:
-        """What lives across steps besides the model and the inputs: the state, and gradients
-        kept as zeros (none after ``zero_grad`` to None)."""
-        return self.state_tensors() + [p.grad for p in self.params if p.grad is not None]
+        """What lives across steps besides the model and the inputs: the state, gradients kept
+        as zeros (none after ``zero_grad`` to None), and the output a loop keeps."""
+        return self.state_tensors() + [p.grad for p in self.params if p.grad is not None] + list(
+            iter_tensors(self.output))
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
@@ -229,6 +242,11 @@ class StepState:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+
+
+    def run(self, runner: Any, inputs: Inputs, loss_fn: LossFn, mark: Callable[[str], None],
+            micro_batches: int | None) -> float:
+        return _run(self, runner, inputs, loss_fn, mark, micro_batches)
 
 
 class ValuelessScaler:
@@ -268,19 +286,25 @@ def training_step(
     runner: Any,
     inputs: Inputs,
     loss_fn: LossFn,
-    state: StepState,
+    state: Any,
     on_mark: Callable[[str], None] | None = None,
     micro_batches: int | None = None,
 ) -> float:
+    """One training step as ``state`` runs it (a StepState, or a user step function's state):
+    ``state.run``."""
+    return state.run(runner, inputs, loss_fn, on_mark or (lambda _label: None), micro_batches)
+
+
+def _run(state: StepState, runner: Any, inputs: Inputs, loss_fn: LossFn, mark: Callable[[str], None],
+         micro_batches: int | None) -> float:
     """One optimizer step of ``state.step`` on ``runner`` (the model, or it compiled): each
     micro-batch's forward and loss under the step's autocast, the loss divided by the number of
     micro-batches, its backward; then clipping and the optimizer. ``micro_batches`` runs fewer
     (the profiler measures two: every later one repeats the second). ``on_mark`` hears
     ``forward``, ``release`` (amp: autocast's weight casts freed), ``backward`` (``forward@2``,
     ``backward@2``, ... for later micro-batches), ``clip``, ``step`` and ``done`` as each
-    begins. The output is not kept past the loss, as in ``loss = loss_fn(model(x))``; the mean
-    of the micro-batches' losses is returned."""
-    mark = on_mark or (lambda _label: None)
+    begins. The output is not kept past the loss, as in ``loss = loss_fn(model(x))``, unless
+    the step keeps it; the mean of the micro-batches' losses is returned."""
     k = state.step.accumulate
     runs = k if micro_batches is None else min(k, micro_batches)
     losses = []
@@ -288,7 +312,11 @@ def training_step(
         suffix = f"@{m + 1}" if m else ""
         mark("forward" + suffix)
         with state.autocast():
-            loss = loss_fn(runner(*inputs.args, **inputs.kwargs))
+            out = runner(*inputs.args, **inputs.kwargs)
+            if state.step.keep_output:  # the loop's variable: the previous output goes only now
+                state.output = out
+            loss = loss_fn(out)
+            del out
             if state.step.amp:  # leaving autocast frees its cache of weight casts: a stretch of its own
                 mark("release" + suffix)
         _check_loss(loss)
@@ -301,20 +329,6 @@ def training_step(
     if is_fake(losses[0]):
         return float("nan")  # fake tensors (estimate mode) hold no values
     return sum(float(v) for v in losses) / len(losses)
-
-
-def run_user_step(step_fn: Callable[[nn.Module, Any], Any], model: nn.Module, inputs: Any,
-                  on_mark: Callable[[str], None] | None = None) -> float:
-    """The user's own step ``step_fn(model, inputs)`` (forward, backward and optimizer), bounded
-    by the ``forward`` and ``done`` marks; its return value, when a number or a one-element
-    tensor, is the loss."""
-    mark = on_mark or (lambda _label: None)
-    mark("forward")
-    out = step_fn(model, inputs)
-    mark("done")
-    if isinstance(out, torch.Tensor) and out.numel() == 1 and not is_fake(out):
-        return float(out.detach())
-    return float(out) if isinstance(out, (int, float)) else float("nan")
 
 
 def _check_loss(loss: Any) -> None:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from memfit.measure.step import Inputs, LossFn, StepState, training_step
+from memfit.measure.step import Inputs, LossFn, training_step
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(runner: Any, inputs: Inputs, loss_fn: LossFn, state: StepState, device: torch.device) -> float:
+def timed_step(runner: Any, inputs: Inputs, loss_fn: LossFn, state: Any, device: torch.device) -> float:
     """Seconds of one training step of ``runner`` (``state``'s model itself, or it compiled),
     from the loop's ``zero_grad``, with CUDA synchronised on both sides."""
     state.zero_grad()

@@ -15,6 +15,7 @@ from memfit.formats.schedule import model_fingerprint
 from memfit.measure.meters import Meters
 from memfit.measure.step import Inputs, LossFn, StepState, default_loss, static_bytes, storage_bytes, training_step
 from memfit.measure.timing import alternate, median_ratio
+from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
 from memfit.policy import COARSE, Children, read
 from memfit.profiler import phases as timeline
@@ -43,6 +44,7 @@ def profile(
     children: list[str] | None = None,
     meters: Meters | None = None,
     foreach_default: bool | None = None,
+    step_fn: StepFn | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
     unit checkpointed, and return the per-unit costs the planner needs. ``step``: the training
@@ -51,8 +53,10 @@ def profile(
     ``granularity="fine"`` also measures finer options (see profiler/options.py), each in a step
     of its own with every unit that has it in it, for ``plan(..., granularity="fine")``;
     ``children`` (relative names such as ``["attn", "mlp", "attn+mlp"]``) names the child options
-    to measure instead of the automatic choice. ``meters``: what to measure with (default: the
-    model's device's own; estimate mode passes fake ones, measure/fake.py, and with
+    to measure instead of the automatic choice. ``step_fn``: a step function of your own,
+    ``step_fn(model, inputs)`` doing forward(s), backward and the optimizer (measure/userstep.py),
+    in place of memfit's step; ``loss_fn`` and ``step`` do not apply to it. ``meters``: what to
+    measure with (default: the model's device's own; estimate mode passes fake ones, measure/fake.py, and with
     ``foreach_default`` the optimizer kernels PyTorch would pick on the target).
 
     ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments, on
@@ -60,13 +64,17 @@ def profile(
     they were.
     """
     _check_arguments(model, repeat, granularity, children)
+    if step_fn is not None and (step is not None or optimizer != "adamw" or granularity != "module"):
+        raise MemfitError("step_fn= is the whole step, optimizer included: give it alone, without step= or "
+                          "optimizer= (and at granularity 'module': finer options need memfit's own step)")
     say = progress or (lambda _msg: None)
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
     names = find_units(model, units)
     if any(is_checkpointed(model.get_submodule(n)) for n in names):
         raise MemfitError("the model already has checkpointed units; profile the plain model")
-    harness = StepHarness(model, inp, loss_fn=loss, step=step_of(step, optimizer), foreach_default=foreach_default)
+    harness = StepHarness(model, inp, loss_fn=loss, step=step_of(step, optimizer), foreach_default=foreach_default,
+                          step_fn=step_fn)
     # a named optimizer has lr 0: the steps leave the weights as they are, so only the rest is put back
     with harness.restoring(weights=harness.changes_weights):
         model.train()
@@ -76,7 +84,8 @@ def profile(
         training_step(model, inp, loss, state)  # creates the optimizer state: steady state follows
         say("saved-for-backward bytes")
         with state.autocast():
-            facts = unit_facts(model, names, inp, loss)
+            facts = unit_facts(model, names, inp, loss, None if step_fn is None else
+                               lambda on_mark: training_step(model, inp, loss, state, on_mark))
             finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
         options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
         _check_children(model, names, options, children)
@@ -112,7 +121,7 @@ def _check_arguments(model: nn.Module, repeat: int, granularity: str, children: 
         )
 
 
-def _times(harness: StepHarness, state: StepState, names: list[str],
+def _times(harness: StepHarness, state: StepState | UserStepState, names: list[str],
            configs: dict[str, dict[str, str]], repeat: int, meters: Meters | None,
            say: Progress) -> list[list[list[Stretch]]]:
     """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``)."""
@@ -139,7 +148,7 @@ def _check_children(model: nn.Module, names: list[str], options: list[str], chil
                               f"{', '.join(n for n, _ in unit.named_children())} (nested ones with dots: mlp.0)")
 
 
-def _memory(harness: StepHarness, state: StepState, names: list[str],
+def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[str],
             configs: dict[str, dict[str, str]], meters: Meters | None, say: Progress) -> dict[str, list[Stretch]]:
     """The memory stretches of a steady-state step with every unit running each option."""
     model, inp, loss = harness.model, harness.inputs, harness.loss_fn
@@ -159,7 +168,7 @@ def _assemble(
     model: nn.Module,
     names: list[str],
     inp: Inputs,
-    state: StepState,
+    state: StepState | UserStepState,
     device: torch.device,
     memory: dict[str, list[Stretch]],
     times: list[list[Stretch]],
@@ -181,7 +190,7 @@ def _assemble(
     return Profile(
         model_class=model_fingerprint(model, names)["model_class"],
         device=str(device),
-        optimizer=state.step.optimizer_name,
+        optimizer=state.optimizer_name,
         input_shapes=inp.describe(),
         baseline_bytes=baseline,
         param_bytes=storage_bytes(params),
@@ -198,7 +207,7 @@ def _assemble(
         recompute_factor=factor,
         chain=facts.chain,
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
-        step=state.step.record(),
+        step=state.record(),
     )
 
 

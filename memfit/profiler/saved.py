@@ -48,10 +48,13 @@ class UnitFacts:
     saved_casts: list[int]  # bytes of parameter casts (autocast's) the unit saves for backward
 
 
-def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn) -> UnitFacts:
+def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn,
+               run: Callable[[Callable[[str], None]], Any] | None = None) -> UnitFacts:
     """One forward pass, watched: bytes packed for backward (deduplicated by storage, parameters
     and buffers excluded, counted for the unit that produced them), bytes in and out of each
-    unit, and whether the units form a chain that segments can checkpoint as one region."""
+    unit, and whether the units form a chain that segments can checkpoint as one region.
+    ``run(on_mark)``: a user's whole step in place of the forward, of which each unit's first
+    run counts (a unit that runs twice is no chain)."""
     n = len(unit_names)
     known = WeakIdKeyDictionary()  # storages that exist before the step: parameters, buffers, inputs
     for t in [*model.parameters(), *model.buffers(), *inputs.tensors()]:
@@ -64,7 +67,9 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
 
     def on_mark(label: str) -> None:
         kind, _, idx = label.partition(":")
-        if kind == "fwd":
+        if kind == "fwd" and "@" in idx:  # a later run: its tensors are the first run's again
+            producers.current = None
+        elif kind == "fwd":
             producers.current = int(idx)
         elif kind == "fwd_end":
             producers.current = None
@@ -84,22 +89,32 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
                     saved_casts[owner] += st.nbytes()
         return t
 
-    marks = UnitMarks(model, unit_names, on_mark)
+    marks = UnitMarks(model, unit_names, on_mark, once=run is None)
     units = marks.units
     calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = []
     handles = [
         u.register_forward_pre_hook(_input_counter(i, input_bytes, model), with_kwargs=True)
         for i, u in enumerate(units)
     ]
-    handles += [
-        u.register_forward_hook(lambda m, a, k, out: calls.append((a, k, out)), with_kwargs=True) for u in units
-    ]
+    first: set[int] = set()
+
+    def called(i: int) -> Callable[..., None]:
+        def hook(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], out: Any) -> None:
+            if i not in first:
+                first.add(i)
+                calls.append((a, k, out))
+        return hook
+
+    handles += [u.register_forward_hook(called(i), with_kwargs=True) for i, u in enumerate(units)]
     try:
         with marks, producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn(model(*inputs.args, **inputs.kwargs))
-        del loss
+            if run is None:
+                loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+                del loss
+            else:
+                run(marks.step_mark)
         outputs = [storage_bytes(list(iter_tensors(out))) for _, _, out in calls]
-        chain = len(calls) == n and _is_chain(calls)
+        chain = len(calls) == n and _is_chain(calls) and (run is None or all(c == 1 for c in marks.runs))
         keeps = [False] * n
         for j in range(min(n, len(calls)) - 1):
             out = next(iter_tensors(calls[j][2]), None)
@@ -127,8 +142,12 @@ def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:
 
 def _input_counter(i: int, out: list[int], model: nn.Module) -> Callable[..., None]:
     params = {storage_key(local(p).untyped_storage()) for p in model.parameters()}
+    counted: list[bool] = []
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if counted:  # a unit's first run only
+            return
+        counted.append(True)
         seen: set[int] = set()
         for t in iter_tensors((args, kwargs)):
             key = storage_key(t.untyped_storage())

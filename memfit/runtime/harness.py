@@ -25,6 +25,7 @@ from memfit.measure.memory import Mark, memory_recorder
 from memfit.measure.meters import Meters, real_meters
 from memfit.measure.step import Inputs, LossFn, StepState, default_loss, device_of, static_bytes, training_step
 from memfit.measure.timing import alternate, median_ratio, timed_step
+from memfit.measure.userstep import StepFn, UserStepState
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.runtime.marks import recorded_step, stretches
 from memfit.trainstep import OptimizerFactory, TrainStep, step_of
@@ -45,7 +46,9 @@ class Snapshot:
     train/eval mode, the CPU and CUDA RNG, and with ``weights`` the parameters' values (kept on
     the host, so that the copy takes no device memory from the measured step)."""
 
-    def __init__(self, model: nn.Module, *, weights: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, weights: bool = True,
+                 held: Callable[[], None] | None = None) -> None:
+        self._held = held  # puts a user step function's optimizers back (UserStepState.snapshot)
         self._training = {m: m.training for m in model.modules()}
         self._buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self._params = [(p, p.detach().to("cpu", copy=True)) for p in model.parameters()] if weights else []
@@ -64,6 +67,8 @@ class Snapshot:
         torch.set_rng_state(self._cpu_rng)
         if self._cuda_rng is not None:
             torch.cuda.set_rng_state_all(self._cuda_rng)
+        if self._held is not None:
+            self._held()
 
 
 class StepHarness:
@@ -72,28 +77,33 @@ class StepHarness:
     ``foreach_default``: the kernels of a plainly named optimizer (make_optimizer)."""
 
     def __init__(self, model: nn.Module, inputs: Any, *, loss_fn: LossFn | None = None,
-                 step: TrainStep | None = None, foreach_default: bool | None = None) -> None:
+                 step: TrainStep | None = None, foreach_default: bool | None = None,
+                 step_fn: StepFn | None = None) -> None:
         self.model = model
         self.inputs = Inputs.of(inputs)
         self.loss_fn = loss_fn or default_loss
         self.step = step or TrainStep()
         self.foreach_default = foreach_default
         self.device = device_of(model)
+        self.user = UserStepState(step_fn, model) if step_fn is not None else None  # the user's own step
 
-    def new_state(self) -> StepState:
-        """A fresh optimizer (and GradScaler): its state is created by the first step."""
+    def new_state(self) -> StepState | UserStepState:
+        """A fresh optimizer (and GradScaler): its state is created by the first step; a step
+        function's own optimizers, as they are."""
+        if self.user is not None:
+            return self.user
         return StepState(self.step, self.model, foreach_default=self.foreach_default)
 
     @property
     def changes_weights(self) -> bool:
         """The optimizer is the user's own (its learning rate is not 0): its steps move the weights."""
-        return callable(self.step.optimizer)
+        return self.user is not None or callable(self.step.optimizer)
 
     @contextmanager
     def restoring(self, *, weights: bool = True) -> Iterator[Snapshot]:
         """Leave the model as found (``Snapshot``); the snapshot it yields can also put the model
         back between runs, so that one copy serves several."""
-        snapshot = Snapshot(self.model, weights=weights)
+        snapshot = Snapshot(self.model, weights=weights, held=self.user.snapshot() if self.user else None)
         try:
             yield snapshot
         finally:
@@ -157,7 +167,7 @@ class StepHarness:
         plain, *others = alternate(timed, len(configs), rounds)
         return statistics.median(plain), [median_ratio(plain, t) for t in others]
 
-    def marked_step(self, state: StepState, unit_names: list[str], what: str,
+    def marked_step(self, state: StepState | UserStepState, unit_names: list[str], what: str,
                     meters: Meters | None = None) -> list[Mark]:
         """One step with marks at the units' boundaries (runtime/marks.py), read by ``meters``
         (default: the device's own): ``what`` is ``memory`` or ``time``. Two micro-batches at

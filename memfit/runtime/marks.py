@@ -22,6 +22,7 @@ from memfit.errors import MemfitError
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
 from memfit.measure.step import Inputs, LossFn, StepState, iter_tensors, training_step
+from memfit.measure.userstep import UserStepState
 from memfit.runtime.regions import recomputing
 
 
@@ -44,6 +45,11 @@ class UnitMarks:
         if label.startswith("forward"):
             self._seen.clear()
         self.on_mark(label)
+
+    @property
+    def runs(self) -> list[int]:
+        """How many times each unit has run so far."""
+        return list(self._runs)
 
     def _run_label(self, i: int) -> str:
         return f"{i}@{self._runs[i]}" if self._runs[i] > 1 else str(i)
@@ -116,7 +122,7 @@ def recorded_step(
     unit_names: list[str],
     inputs: Inputs,
     loss_fn: LossFn,
-    state: StepState,
+    state: StepState | UserStepState,
     meters: Meters,
     what: str,
 ) -> list[Mark]:
@@ -124,7 +130,7 @@ def recorded_step(
     second); ``what`` is ``memory`` or ``time``."""
     state.zero_grad()
     recorder = meters.memory() if what == "memory" else meters.clock()
-    with recorder, UnitMarks(model, unit_names, recorder.on_mark) as marks:
+    with recorder, UnitMarks(model, unit_names, recorder.on_mark, once=state.units_once) as marks:
         training_step(model, inputs, loss_fn, state, on_mark=marks.step_mark, micro_batches=2)
     return recorder.marks()
 

@@ -17,6 +17,7 @@ from memfit.measure.step import (
     LossFn,
     device_of,
 )
+from memfit.measure.userstep import StepFn
 from memfit.runtime.harness import StepHarness
 from memfit.trainstep import OptimizerFactory, TrainStep, step_difference, step_of
 
@@ -66,7 +67,7 @@ def step_times(
 def validate(
     model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
     optimizer: str | OptimizerFactory | None = "schedule", step: TrainStep | None = None, steps: int = 5,
-    compile: str | None = None,
+    compile: str | None = None, step_fn: StepFn | None = None,
 ) -> Validation:
     """Measure the plain model and the scheduled model on the same state and RNG, and compare
     peak memory, losses, gradients and buffers; time ``steps`` rounds of the two in alternation
@@ -76,7 +77,8 @@ def validate(
     precision, clipping), unless ``step`` (or ``optimizer``) is given, as it must be for a
     callable optimizer; another step, or inputs of other shapes than the plan's, raise
     ``ScheduleMismatchError``: the measured peak would then be another step's and prove
-    nothing about the plan.
+    nothing about the plan. A plan made for a step function of your own needs it again
+    (``step_fn``), and runs it.
 
     ``compile`` (a ``torch.compile`` backend; by default the one the schedule was planned for,
     see ``plan_compiled``) runs both models compiled and compares with the compiled peak
@@ -84,9 +86,10 @@ def validate(
     from memfit.compiled import compiled_step_times, with_backend
 
     backend, predicted_peak = with_backend(schedule, compile)
-    train_step = _planned_step(schedule, step, optimizer)
+    train_step = _user_step(schedule, step_fn, step, optimizer) if step_fn is not None or schedule.step.get(
+        "function") else _planned_step(schedule, step, optimizer)
     _check_inputs(schedule, inputs)
-    harness = StepHarness(model, inputs, loss_fn=loss_fn, step=train_step)
+    harness = StepHarness(model, inputs, loss_fn=loss_fn, step=train_step, step_fn=step_fn)
     plain_s, ratio = float("nan"), float("nan")
     with harness.restoring() as found:  # each run from the state the model came in
         plain = harness.run(compile=backend)
@@ -121,6 +124,18 @@ def validate(
         compile=backend,
         edited=schedule.edited,
     )
+
+
+def _user_step(schedule: Schedule, step_fn: StepFn | None, step: TrainStep | None, optimizer: Any) -> TrainStep:
+    """A plan for a step function of the user's own is validated with it, and only with it."""
+    planned = schedule.step.get("function")
+    if step_fn is None:
+        raise ScheduleMismatchError(f"the schedule was planned for the step function {planned}: validate with "
+                                    "step_fn= (memfit cannot rebuild it from the file)")
+    if not planned or step is not None or optimizer != "schedule":
+        raise ScheduleMismatchError("step_fn= validates a plan made with a step function (profile(step_fn=...)), "
+                                    "alone: this schedule was " + ("not" if not planned else "given a step= too"))
+    return TrainStep(None)
 
 
 def _planned_step(schedule: Schedule, step: TrainStep | None, optimizer: Any) -> TrainStep:
