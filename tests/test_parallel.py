@@ -132,3 +132,25 @@ def test_eight_fsdp_ranks_hold_an_eighth_of_the_static_memory():
     assert abs(eight.baseline_bytes - eight.input_bytes - held / 8) <= 0.01 * held / 8
     activations = memfit.predict(one, {}).peak_bytes - one.baseline_bytes
     assert memfit.predict(eight, {}).peak_bytes - eight.baseline_bytes >= 0.9 * activations
+
+
+def test_fsdp_estimate_counts_the_gathers_fsdp2_resizes(tmp_path):
+    """FSDP2 frees each gathered unit with ``untyped_storage().resize_(0)`` and allocates it again
+    with ``resize_(n)``, which no op shows: on a GPT whose 32k-token embedding is most of its
+    parameters, estimated for 2 fake ranks and measured on 2 gloo ranks, the plans' peaks agree
+    within 3%."""
+    from memfit.profiler.estimate import estimate
+
+    path = tmp_path / "wide.toml"
+    path.write_text(TINY.replace("vocab = 256", "vocab = 32000").replace("batch = 2", "batch = 4")
+                    + "dropout = 0.0\n")
+    wide = load_scenario(str(path))
+    model, _ = wide.build()
+    embedding = model.wte.weight.numel()
+    assert embedding >= 0.4 * sum(p.numel() for p in model.parameters())
+    prof = estimate(lambda: wide.build("cpu"), target="cpu", units=wide.units, parallel="fsdp", world_size=2)
+    plans = [{}, dict.fromkeys(prof.unit_names, "full")]
+    measured = measure_ranks(wide, plans, parallel="fsdp", world_size=2)["peaks"]
+    for policies, peak in zip(plans, measured, strict=True):
+        predicted = memfit.predict(prof, policies).peak_bytes
+        assert abs(predicted - peak) <= 0.03 * peak, (policies, predicted, peak)
