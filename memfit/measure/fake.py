@@ -33,7 +33,8 @@ def fake_meters(target: Device) -> Meters:
 
 class FakeMemoryRecorder(TorchDispatchMode):
     """Live bytes of the storages that ops create while it is active, each counted until its
-    Python storage object is collected (PyTorch keeps one per storage while the storage lives)."""
+    Python storage object is collected (PyTorch keeps one per storage while the storage lives),
+    and the changes of storages resized in place (``_watch_resizes``)."""
 
     def __init__(self, target: Device) -> None:
         super().__init__()
@@ -62,6 +63,33 @@ class FakeMemoryRecorder(TorchDispatchMode):
             self._peak = max(self._peak, self._level + workspace * largest)
         return out
 
+    def __enter__(self) -> FakeMemoryRecorder:
+        self._unwatch = _watch_resizes(self._resized)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._unwatch()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._unwatch()
+
+    def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
+        """A storage resized in place: FSDP2 frees each gathered unit's buffer with ``resize_(0)``
+        after use and allocates it again with ``resize_(n)`` before the next gather."""
+        counted = self._seen.get(st)
+        if counted is None:  # made before this recorder: only its changes count
+            counted = [0]
+            self._seen[st] = counted
+            weakref.finalize(st, self._free, counted)
+        delta = self._rounded(new) - self._rounded(old)
+        counted[0] += delta
+        self._level += delta
+        self._peak = max(self._peak, self._level)
+
     def _rounded(self, nbytes: int) -> int:
         return -(-nbytes // self._granule) * self._granule
 
@@ -83,6 +111,32 @@ class FakeMemoryRecorder(TorchDispatchMode):
 
     def marks(self) -> list[Mark]:
         return self._marks
+
+
+def _watch_resizes(on_resize: Callable[[torch.UntypedStorage, int, int], None]) -> Callable[[], None]:
+    """Report every ``UntypedStorage.resize_`` to ``on_resize(storage, old bytes, new bytes)``
+    until the returned undo is called. A storage resized in place runs no op a dispatch mode
+    sees, and PyTorch has no hook for it, so the method itself is wrapped for the duration (as
+    FSDP2's ``alloc_storage`` / ``free_storage`` call it, torch 2.13)."""
+    cls = torch.UntypedStorage
+    own = "resize_" in cls.__dict__
+    original = cls.resize_
+
+    def resize_(st: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        old = st.nbytes()
+        out = original(st, size)
+        on_resize(st, old, st.nbytes())
+        return out
+
+    cls.resize_ = resize_  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if own:
+            cls.resize_ = original  # type: ignore[method-assign]
+        else:
+            del cls.resize_
+
+    return undo
 
 
 class RooflineClock(TorchDispatchMode):
