@@ -30,9 +30,9 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as ch
 # a recompute (runtime/regions.py). Since torch 1.0.
 BatchNorm = nn.modules.batchnorm._BatchNorm
 
-__all__ = ["BatchNorm", "FakeTensorMode", "TorchDispatchMode", "allow_in_compiled_graph", "checkpoint_generator",
-           "fake_store", "grad_scaler_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten",
-           "tree_map"]
+__all__ = ["BatchNorm", "FakeTensorMode", "TorchDispatchMode", "allow_in_compiled_graph", "amp_unscale_",
+           "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors", "is_fake", "op_schema",
+           "saved_tensors_hooks_active", "tree_flatten", "tree_map"]
 
 
 def op_schema(func: Any) -> Any:
@@ -60,6 +60,18 @@ def allow_in_compiled_graph(fn: Any) -> None:
     set, not a documented API; it keeps ``fullgraph=True`` working). Since torch 2.2. Imports
     torch._dynamo (seconds), so call it only where compilation may follow."""
     torch._dynamo.config.reorderable_logging_functions.add(fn)
+
+
+def amp_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """GradScaler's unscaling kernel (``torch._amp_foreach_non_finite_check_and_unscale_``), for
+    estimate mode's stand-in scaler (measure/step.py:ValuelessScaler). Since torch 1.9."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def amp_update_scale_(scale: torch.Tensor, growth: torch.Tensor, found_inf: torch.Tensor, factor: float,
+                      backoff: float, interval: int) -> None:
+    """GradScaler's scale update (``torch._amp_update_scale_``), for the same stand-in. Since torch 1.9."""
+    torch._amp_update_scale_(scale, growth, found_inf, factor, backoff, interval)
 
 
 def grad_scaler_tensors(scaler: Any) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@
 The step is the steady state of a training loop as a TrainStep (memfit/trainstep.py) describes
 it: ``zero_grad``, each micro-batch's forward, loss and backward (under autocast for amp), clipping,
 ``optimizer.step()``. Profiling, validation and the example all run this one; a user's own step
-function runs in its place where one is given (``run_user_step``).
+function runs in its place where one is given (measure/userstep.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.torch_private import grad_scaler_tensors, is_fake
+from memfit.torch_private import amp_unscale_, amp_update_scale_, grad_scaler_tensors, is_fake
 from memfit.trainstep import AMP, OPTIMIZERS, OptimizerFactory, StepRecord, TrainStep
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -243,7 +243,6 @@ class StepState:
             else:
                 self.optimizer.step()
 
-
     def run(self, runner: Any, inputs: Inputs, loss_fn: LossFn, mark: Callable[[str], None],
             micro_batches: int | None) -> float:
         return _run(self, runner, inputs, loss_fn, mark, micro_batches)
@@ -252,8 +251,7 @@ class StepState:
 class ValuelessScaler:
     """GradScaler's tensors and in-place kernels for fake tensors (estimate mode), which hold no
     values: ``GradScaler.step`` reads ``found_inf`` with ``.item()``. The same ops on the same
-    tensors, never skipping the step (private: ``torch._amp_foreach_non_finite_check_and_unscale_``
-    and ``torch._amp_update_scale_``, what GradScaler itself calls)."""
+    tensors (torch_private.amp_unscale_ and amp_update_scale_), never skipping the step."""
 
     def __init__(self, device: torch.device) -> None:
         self._scale = torch.full((), 2.0**16, dtype=torch.float32, device=device)
@@ -269,7 +267,7 @@ class ValuelessScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found, self._scale.double().reciprocal().float())
+        amp_unscale_(grads, self._found, self._scale.double().reciprocal().float())
         self._unscaled = True
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -278,7 +276,7 @@ class ValuelessScaler:
         optimizer.step()
 
     def update(self) -> None:
-        torch._amp_update_scale_(self._scale, self._growth, self._found, 2.0, 0.5, 2000)
+        amp_update_scale_(self._scale, self._growth, self._found, 2.0, 0.5, 2000)
         self._unscaled = False
 
 
