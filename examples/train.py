@@ -4,7 +4,9 @@
     python examples/train.py --schedule schedule.json --steps 20
 
 The model comes from the same scenario the schedule was planned for; in your own script it is
-simply your model: ``model = memfit.apply(model, memfit.load_schedule("schedule.json"))``.
+simply your model: ``model = memfit.apply(model, memfit.load_schedule("schedule.json"))``. The
+loop runs the step the schedule was planned for (``memfit plan --accumulate 4 --precision
+amp-bf16 --clip-grad-norm 1.0``): micro-batches, autocast, clipping, as your loop would.
 """
 
 from __future__ import annotations
@@ -27,16 +29,24 @@ def main() -> None:
     memfit.keep_freed_cpu_memory()  # CPU training: reuse freed memory instead of faulting it in every step
 
     model, batch = load_scenario(args.scenario).build()
-    model = memfit.apply(model, memfit.load_schedule(args.schedule))
-    print("checkpointed units:", ", ".join(memfit.load_schedule(args.schedule).checkpointed) or "none")
+    schedule = memfit.load_schedule(args.schedule)
+    model = memfit.apply(model, schedule)
+    planned = schedule.train_step  # the step the plan's peak is for
+    print("checkpointed units:", ", ".join(schedule.checkpointed) or "none", f"({planned.describe()})")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    amp = planned.precision in ("amp-bf16", "amp-fp16")
+    dtype = torch.float16 if planned.precision == "amp-fp16" else torch.bfloat16
+    device = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device, enabled=planned.precision == "amp-fp16")
     model.train()
     for step in range(args.steps):
         while True:
             try:
                 optimizer.zero_grad(set_to_none=True)
-                loss = memfit.default_loss(model(**batch) if isinstance(batch, dict) else model(*batch))
-                loss.backward()
+                for _ in range(planned.accumulate):
+                    with torch.autocast(device, dtype=dtype, enabled=amp):
+                        loss = memfit.default_loss(model(**batch) if isinstance(batch, dict) else model(*batch))
+                    scaler.scale(loss / planned.accumulate).backward()
                 break
             except torch.OutOfMemoryError:
                 # The real run still did not fit (another process, fragmentation): step down to the
@@ -44,7 +54,11 @@ def main() -> None:
                 if not memfit.tighten(model):
                     raise
                 print("out of memory: switched to a tighter plan", flush=True)
-        optimizer.step()
+        if planned.clip_grad_norm is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), planned.clip_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
         print(f"step {step}: loss {loss.item():.4f}", flush=True)
 
 

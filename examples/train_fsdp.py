@@ -15,10 +15,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from memfit.measure.harness import measure_steps
 
 import memfit
 from memfit.measure.ranks import shard
+from memfit.runtime.harness import measure_steps
 from memfit.scenarios import scenario_from_source
 from memfit.units import find_units
 
@@ -41,7 +41,7 @@ def main() -> None:
         names = find_units(model, sc.units)
         wrapped = shard(model, names, kind)  # FSDP2 per unit and on the root, or DDP
         memfit.apply(model, schedule)  # after sharding, as the per-rank profile was measured
-        run = measure_steps(wrapped, batch, optimizer=schedule.optimizer, steps=args.steps)
+        run = measure_steps(wrapped, batch, step=schedule.train_step, steps=args.steps)
         print(f"rank {dist.get_rank()}: loss {run.losses[-1]:.4f}; peak {memfit.format_bytes(run.peak_bytes)} "
               f"measured, {memfit.format_bytes(schedule.predicted_peak_bytes)} predicted "
               f"(budget {memfit.format_bytes(schedule.budget_bytes)})", flush=True)

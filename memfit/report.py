@@ -12,6 +12,7 @@ from memfit.planning.memory import predict
 from memfit.planning.planner import best_baseline
 from memfit.planning.roles import roles_of, unit_costs
 from memfit.policy import COARSE, is_segment, read
+from memfit.trainstep import TrainStep
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -96,6 +97,25 @@ def _strategy_rows(schedule: Schedule, best: str | None) -> list[list[str]]:
     return summary
 
 
+def _not_plain(schedule: Schedule) -> bool:
+    """The step differs from one micro-batch of the model's own dtype, unclipped, set to None."""
+    s = schedule.step
+    return bool(s.get("accumulate", 1) > 1 or (s.get("precision") or "").startswith("amp-") or s.get("function")
+                or s.get("clip_grad_norm") is not None or s.get("zero_grad", "none") != "none"
+                or s.get("keep_output") or (schedule.optimizer or "").startswith("custom:"))
+
+
+def _step_words(schedule: Schedule) -> str:
+    """``adamw, amp-bf16, 2 micro-batches, clip 1``, from the recorded step (a callable optimizer or
+    step function is named, not rebuilt)."""
+    s = schedule.step
+    if s.get("function"):
+        return f"your step function {s['function']} ({schedule.optimizer})"
+    step = TrainStep(None, int(s.get("accumulate", 1)), s.get("precision") or None, s.get("clip_grad_norm"),
+                     s.get("zero_grad", "none"), bool(s.get("keep_output", False)))
+    return step.describe().replace("no optimizer", schedule.optimizer or "no optimizer", 1)
+
+
 def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     """The units with their policies, then the plan beside the baselines."""
     out = _unit_table(schedule, profile)
@@ -118,13 +138,17 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         f"solver {schedule.solver} ({schedule.solver_status}){took}"
     )
     out += device_notes(schedule, profile)
+    if schedule.step and _not_plain(schedule):
+        out.append(f"planned for the step: {_step_words(schedule)}")
     if schedule.compile:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
                    f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")
     if any(not f["fits"] and "peak_bytes" in f for f in schedule.baselines.values()):
         out.append("*: the strategy does not fit; its tightest schedule's figures")
     if any(not f.get("applies", True) for f in schedule.baselines.values()):
-        out.append("n/a: the strategy has no schedule for these units (sqrt needs a chain of units)")
+        why = "no segments under autocast" if (schedule.step.get("precision") or "").startswith("amp-") else (
+            "sqrt needs a chain of units")
+        out.append(f"n/a: the strategy has no schedule for these units ({why})")
     if profile is not None:
         where = predict(profile, schedule.policies).peak_phase
         out.append(f"the peak is reached in: {where}")
