@@ -12,7 +12,7 @@ from memfit.planning.memory import predict
 from memfit.planning.planner import best_baseline
 from memfit.planning.roles import roles_of, unit_costs
 from memfit.policy import COARSE, is_segment, read
-from memfit.trainstep import TrainStep
+from memfit.trainstep import CUSTOM, TrainStep, describe_record
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -98,11 +98,10 @@ def _strategy_rows(schedule: Schedule, best: str | None) -> list[list[str]]:
 
 
 def _not_plain(schedule: Schedule) -> bool:
-    """The step differs from one micro-batch of the model's own dtype, unclipped, set to None."""
+    """The recorded step is a user's function, a callable optimizer, or not TrainStep.plain."""
     s = schedule.step
-    return bool(s.get("accumulate", 1) > 1 or (s.get("precision") or "").startswith("amp-") or s.get("function")
-                or s.get("clip_grad_norm") is not None or s.get("zero_grad", "none") != "none"
-                or s.get("keep_output") or (schedule.optimizer or "").startswith("custom:"))
+    return bool(s) and (bool(s.get("function")) or (schedule.optimizer or "").startswith(CUSTOM)
+                        or not TrainStep.from_fields(s).plain)
 
 
 def _step_words(schedule: Schedule) -> str:
@@ -111,9 +110,7 @@ def _step_words(schedule: Schedule) -> str:
     s = schedule.step
     if s.get("function"):
         return f"your step function {s['function']} ({schedule.optimizer})"
-    step = TrainStep(None, int(s.get("accumulate", 1)), s.get("precision") or None, s.get("clip_grad_norm"),
-                     s.get("zero_grad", "none"), bool(s.get("keep_output", False)))
-    return step.describe().replace("no optimizer", schedule.optimizer or "no optimizer", 1)
+    return describe_record(schedule.optimizer, s)
 
 
 def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
@@ -138,7 +135,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         f"solver {schedule.solver} ({schedule.solver_status}){took}"
     )
     out += device_notes(schedule, profile)
-    if schedule.step and _not_plain(schedule):
+    if _not_plain(schedule):
         out.append(f"planned for the step: {_step_words(schedule)}")
     if schedule.compile:
         out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "

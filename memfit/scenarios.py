@@ -311,8 +311,7 @@ def load_scenario(name_or_path: str) -> Scenario:
         if data["target"] not in DEVICES:
             raise bad("target", f"one of {', '.join(DEVICES)}")
     try:
-        step = TrainStep(None, data.get("accumulate", 1), data.get("precision"), data.get("clip_grad_norm"),
-                         data.get("zero_grad", "none"), data.get("keep_output", False))
+        step = TrainStep.from_fields(data)
     except MemfitError as exc:
         raise MemfitError(f"{path}: {exc}") from None
     return Scenario(

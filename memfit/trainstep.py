@@ -9,7 +9,7 @@ step itself runs in measure/step.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -95,6 +95,12 @@ class TrainStep:
     def amp(self) -> bool:
         return self.precision in AMP
 
+    @property
+    def plain(self) -> bool:
+        """One micro-batch, no autocast, no clipping, gradients set to None, the output dropped."""
+        return (self.accumulate == 1 and not self.amp and self.clip_grad_norm is None and self.zero_grad == "none"
+                and not self.keep_output)
+
     def record(self) -> StepRecord:
         """The JSON form; ``keep_output`` only when set, so that older files read the same."""
         record = StepRecord(accumulate=self.accumulate, precision=self.precision or "",
@@ -103,6 +109,14 @@ class TrainStep:
         if self.keep_output:
             record["keep_output"] = True
         return record
+
+    @staticmethod
+    def from_fields(record: Mapping[str, Any], optimizer: str | OptimizerFactory | None = None) -> TrainStep:
+        """The step fields of a record (a profile's or schedule's ``step``, a scenario file),
+        checked as any TrainStep is, with ``optimizer``."""
+        return TrainStep(optimizer, record.get("accumulate", 1), record.get("precision") or None,
+                         record.get("clip_grad_norm"), record.get("zero_grad", "none"),
+                         record.get("keep_output", False))
 
     @staticmethod
     def of_record(optimizer: str | None, record: StepRecord | dict[str, Any]) -> TrainStep:
@@ -114,9 +128,7 @@ class TrainStep:
         if optimizer is not None and optimizer.startswith(CUSTOM):
             raise MemfitError(f"this plan was made with the optimizer {optimizer}, a callable memfit cannot rebuild "
                               "from a file: in Python pass step=TrainStep(optimizer=your_factory, ...) again")
-        return TrainStep(optimizer, int(record.get("accumulate", 1)), record.get("precision") or None,
-                         record.get("clip_grad_norm"), record.get("zero_grad", "none"),
-                         bool(record.get("keep_output", False)))
+        return TrainStep.from_fields(record, optimizer)
 
     def describe(self) -> str:
         """``adamw, amp-bf16, 3 micro-batches, clip 1.0`` (the defaults left out)."""
@@ -133,14 +145,17 @@ def step_difference(optimizer: str | None, record: StepRecord | dict[str, Any], 
     """What differs between the step a plan was made for (its optimizer's name and step record)
     and ``given``, in words; None when the plan holds for it. A precision not given is the
     model's own, which the fingerprint checks."""
-    planned = TrainStep(None, int(record.get("accumulate", 1)), record.get("precision") or None,
-                        record.get("clip_grad_norm"), record.get("zero_grad", "none"),
-                        bool(record.get("keep_output", False)))
+    planned = TrainStep.from_fields(record)
     mine = {**given.record(), "precision": given.precision or planned.precision or ""}
     if given.optimizer_name == optimizer and mine == planned.record():
         return None
-    name = optimizer or "no optimizer"
-    return f"planned for {planned.describe().replace('no optimizer', name, 1)}, not {given.describe()}"
+    return f"planned for {describe_record(optimizer, record)}, not {given.describe()}"
+
+
+def describe_record(optimizer: str | None, record: StepRecord | dict[str, Any]) -> str:
+    """``adamw, amp-bf16, 2 micro-batches`` for a recorded step, its optimizer by the recorded
+    name (a callable's ``custom:<name>`` too, which no TrainStep can hold)."""
+    return TrainStep.from_fields(record).describe().replace("no optimizer", optimizer or "no optimizer", 1)
 
 
 def step_of(step: TrainStep | None, optimizer: str | OptimizerFactory | None = "adamw") -> TrainStep:

@@ -242,8 +242,7 @@ def read_step(f: Fields) -> StepRecord | dict[str, Any]:
     s = f.obj("step")
     record = s.record(StepRecord, {"accumulate": 1})
     try:
-        TrainStep(None, record.get("accumulate", 1), record.get("precision") or None, record.get("clip_grad_norm"),
-                  record.get("zero_grad", "none"), record.get("keep_output", False))
+        TrainStep.from_fields(record)
     except MemfitError as exc:
         raise FileFormatError(f"{s.where}: {exc}") from None
     return record

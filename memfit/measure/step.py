@@ -245,7 +245,38 @@ class StepState:
 
     def run(self, runner: Any, inputs: Inputs, loss_fn: LossFn, mark: Callable[[str], None],
             micro_batches: int | None) -> float:
-        return _run(self, runner, inputs, loss_fn, mark, micro_batches)
+        """One optimizer step of ``self.step`` on ``runner`` (the model, or it compiled): each
+        micro-batch's forward and loss under the step's autocast, the loss divided by the number of
+        micro-batches, its backward; then clipping and the optimizer. ``micro_batches`` runs fewer
+        (the profiler measures two: every later one repeats the second). ``mark`` hears
+        ``forward``, ``release`` (amp: autocast's weight casts freed), ``backward`` (``forward@2``,
+        ``backward@2``, ... for later micro-batches), ``clip``, ``step`` and ``done`` as each
+        begins. The output is not kept past the loss, as in ``loss = loss_fn(model(x))``, unless
+        the step keeps it; the mean of the micro-batches' losses is returned."""
+        k = self.step.accumulate
+        runs = k if micro_batches is None else min(k, micro_batches)
+        losses = []
+        for m in range(runs):
+            suffix = f"@{m + 1}" if m else ""
+            mark("forward" + suffix)
+            with self.autocast():
+                out = runner(*inputs.args, **inputs.kwargs)
+                if self.step.keep_output:  # the loop's variable: the previous output goes only now
+                    self.output = out
+                loss = loss_fn(out)
+                del out
+                if self.step.amp:  # leaving autocast frees its cache of weight casts: a stretch of its own
+                    mark("release" + suffix)
+            _check_loss(loss)
+            mark("backward" + suffix)
+            losses.append(loss.detach())
+            self.backward(loss / k if k > 1 else loss)
+            del loss
+        self.finish(mark)
+        mark("done")
+        if is_fake(losses[0]):
+            return float("nan")  # fake tensors (estimate mode) hold no values
+        return sum(float(v) for v in losses) / len(losses)
 
 
 class ValuelessScaler:
@@ -291,42 +322,6 @@ def training_step(
     """One training step as ``state`` runs it (a StepState, or a user step function's state):
     ``state.run``."""
     return state.run(runner, inputs, loss_fn, on_mark or (lambda _label: None), micro_batches)
-
-
-def _run(state: StepState, runner: Any, inputs: Inputs, loss_fn: LossFn, mark: Callable[[str], None],
-         micro_batches: int | None) -> float:
-    """One optimizer step of ``state.step`` on ``runner`` (the model, or it compiled): each
-    micro-batch's forward and loss under the step's autocast, the loss divided by the number of
-    micro-batches, its backward; then clipping and the optimizer. ``micro_batches`` runs fewer
-    (the profiler measures two: every later one repeats the second). ``on_mark`` hears
-    ``forward``, ``release`` (amp: autocast's weight casts freed), ``backward`` (``forward@2``,
-    ``backward@2``, ... for later micro-batches), ``clip``, ``step`` and ``done`` as each
-    begins. The output is not kept past the loss, as in ``loss = loss_fn(model(x))``, unless
-    the step keeps it; the mean of the micro-batches' losses is returned."""
-    k = state.step.accumulate
-    runs = k if micro_batches is None else min(k, micro_batches)
-    losses = []
-    for m in range(runs):
-        suffix = f"@{m + 1}" if m else ""
-        mark("forward" + suffix)
-        with state.autocast():
-            out = runner(*inputs.args, **inputs.kwargs)
-            if state.step.keep_output:  # the loop's variable: the previous output goes only now
-                state.output = out
-            loss = loss_fn(out)
-            del out
-            if state.step.amp:  # leaving autocast frees its cache of weight casts: a stretch of its own
-                mark("release" + suffix)
-        _check_loss(loss)
-        mark("backward" + suffix)
-        losses.append(loss.detach())
-        state.backward(loss / k if k > 1 else loss)
-        del loss
-    state.finish(mark)
-    mark("done")
-    if is_fake(losses[0]):
-        return float("nan")  # fake tensors (estimate mode) hold no values
-    return sum(float(v) for v in losses) / len(losses)
 
 
 def _check_loss(loss: Any) -> None:

@@ -97,9 +97,10 @@ def profile(
         baseline = static_bytes(model, state, inp)
         state_bytes = storage_bytes(state.state_tensors())
     measured = timeline.Runs.of(memory["none"], len(names)).count
-    scale = max(measured, state.step.accumulate) / measured  # micro-batches past the two measured repeat the second
+    per_step = max(measured, state.step.accumulate)  # micro-batches past the two measured repeat the second
     prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
-                     _recompute_factor(times, full_times), scale)
+                     _recompute_factor(times, full_times), measured, per_step)
+    scale = per_step / measured
     for option, runs in zip(options[len(COARSE):], finer_times, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory["none"],
                     times, runs, scale, facts.saved_casts)
@@ -176,14 +177,15 @@ def _assemble(
     baseline: int,
     state_bytes: int,
     factor: float,
-    scale: float,
+    measured: int,
+    per_step: int,
 ) -> Profile:
-    """The Profile; ``scale``: a whole step's runs of each unit over the measured ones."""
+    """The Profile of a step whose units ran ``measured`` times and run ``per_step`` times in a
+    whole step (the micro-batches past the two measured repeat the second)."""
     params = list(model.parameters())
-    runs = timeline.Runs.of(memory["none"], len(names)).count
     unit_params = [storage_bytes(list(model.get_submodule(n).parameters())) for n in names]
-    units = timeline.units(names, memory, times, facts, factor, runs * scale, unit_params)
-    extra = round(runs * scale) - runs  # micro-batches like the last one measured
+    units = timeline.units(names, memory, times, facts, factor, per_step, unit_params)
+    extra = per_step - measured  # micro-batches like the last one measured
     step_s = statistics.median(_seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
     measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in COARSE}

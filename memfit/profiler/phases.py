@@ -57,7 +57,7 @@ class Runs:
 
 
 def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[Stretch]], facts: UnitFacts,
-          factor: float, runs_per_step: float, param_bytes: list[int]) -> list[UnitProfile]:
+          factor: float, runs_per_step: int, param_bytes: list[int]) -> list[UnitProfile]:
     """Each unit's times and its coarse options' memory figures. A checkpointed unit runs its
     forward once more inside each backward, at the cost measured for all units together
     (``factor``), ``runs_per_step`` times a step."""
@@ -201,7 +201,8 @@ def _share_outputs(units: list[UnitProfile], facts: UnitFacts) -> None:
             nxt.bwd_end_bytes += out
             cur.bwd_peak_bytes -= out
             cur.bwd_end_bytes -= out
-            if nxt.later_bwd_end_bytes is not None and cur.later_bwd_peak_bytes is not None:
+            if (nxt.later_bwd_end_bytes is not None and cur.later_bwd_peak_bytes is not None
+                    and cur.later_bwd_end_bytes is not None):
                 nxt.later_bwd_end_bytes += out
                 cur.later_bwd_peak_bytes -= out
-                cur.later_bwd_end_bytes = (cur.later_bwd_end_bytes or 0) - out
+                cur.later_bwd_end_bytes -= out
