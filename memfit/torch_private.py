@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 # The base of every dispatch-level observer: FlopCounterMode and selective checkpointing are
 # built on it. memfit's meters (measure/fake.py), saved-tensor attribution (profiler/saved.py)
 # and derive (runtime/derive.py) see each op with its real arguments through it. Since torch 1.13.
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 # pytree flattening of op arguments, as SAC and torch.compile use it. Since torch 1.10.
 from torch.utils._pytree import tree_flatten, tree_map
@@ -31,8 +31,20 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as ch
 BatchNorm = nn.modules.batchnorm._BatchNorm
 
 __all__ = ["BatchNorm", "FakeTensorMode", "TorchDispatchMode", "allow_in_compiled_graph", "amp_unscale_",
-           "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors", "is_fake", "op_schema",
-           "saved_tensors_hooks_active", "tree_flatten", "tree_map"]
+           "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors", "inner_tensors", "is_fake",
+           "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map"]
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold a wrapper subclass's data (a DTensor's local shard), or ``t`` itself.
+    A dispatch mode sees a DTensor op's wrapper output, whose storage has the global size; the
+    op on the shard runs below the mode. ``__tensor_flatten__`` is the traceable-subclass protocol
+    torch.compile flattens DTensors by (torch.utils._python_dispatch, since torch 2.1)."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    held = (getattr(t, name) for name in names)
+    return [inner for h in held if isinstance(h, torch.Tensor) for inner in inner_tensors(h)]
 
 
 def op_schema(func: Any) -> Any:

@@ -6,7 +6,8 @@ import pytest
 import torch.distributed as dist
 
 import memfit
-from memfit.parallel import fsdp_headroom, measure_ranks, profile_ranks
+from memfit.parallel import measure_ranks, profile_ranks
+from memfit.planning.memory import fsdp_headroom
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 from memfit.units import find_units
@@ -154,3 +155,37 @@ def test_fsdp_estimate_counts_the_gathers_fsdp2_resizes(tmp_path):
     for policies, peak in zip(plans, measured, strict=True):
         predicted = memfit.predict(prof, policies).peak_bytes
         assert abs(predicted - peak) <= 0.03 * peak, (policies, predicted, peak)
+
+
+def test_fsdp_estimate_counts_an_optimizer_step_on_shards_not_whole_parameters():
+    """The optimizer steps FSDP2's DTensor parameters, whose ops a dispatch mode sees at their
+    global size while each rank's kernels run on its shard: the estimate counts the shards. A
+    Llama whose embedding and head are most of it, estimated for 2 fake ranks and measured on 2
+    gloo ranks: every phase of the all-checkpointed step leaves the same level within 1%, and the
+    optimizer's step peaks within 1% (it was counted at the parameters' whole size: 2x here, 8x
+    on 8 ranks); other peaks within 3% (the head's backward is 2.3% low, not yet explained), but
+    for the root's reduce-scatter at the end of the backward, where the gloo run holds 115 MiB
+    (about the root's unsharded gradients) that the fake process group's collective does not: a
+    CPU-backend copy, it seems, not yet checked against NCCL."""
+    from memfit.profiler.estimate import estimate
+    from memfit.scenarios import Scenario
+
+    pytest.importorskip("transformers")
+    sc = Scenario(name="llama-wide", model="memfit.hf:llama", optimizer="adamw-single",
+                  args={"batch": 1, "seq": 64, "n_layer": 2, "hidden": 512, "intermediate": 1024, "n_head": 8,
+                        "kv_heads": 8, "vocab": 32000})
+    est = estimate(lambda: sc.build("cpu"), target="cpu", units="auto", step=sc.train_step, parallel="fsdp",
+                   world_size=2)
+    measured = profile_ranks(sc, parallel="fsdp", world_size=2, repeat=1)
+    full = dict.fromkeys(est.unit_names, "full")
+    got, want = memfit.predict(est, full).levels, memfit.predict(measured, full).levels
+    assert [name for name, _, _ in got] == [name for name, _, _ in want]
+    step = next(i for i, (name, _, _) in enumerate(want) if name == "optimizer step")
+    assert want[step][2] - want[step][1] > 0  # the step's temporaries, on the shards
+    root = want[step - 1][0]  # the embedding's backward, where the root's gradients are reduce-scattered
+    for (name, level, peak), (_, level_m, peak_m) in zip(got, want, strict=True):
+        assert abs(level - level_m) <= 0.01 * level_m, name  # what each phase leaves: within 1%
+        if name == root:  # gloo's reduce-scatter holds 115 MiB more than the collective's own buffers
+            assert peak <= peak_m, name
+        else:
+            assert abs(peak - peak_m) <= (0.01 if name == "optimizer step" else 0.03) * peak_m, name

@@ -16,7 +16,7 @@ from memfit.devices import Device
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
 from memfit.measure.step import iter_tensors, storage_key
-from memfit.torch_private import TorchDispatchMode, op_schema
+from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema
 
 CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
 # Convolution kernels reorder their operands into scratch buffers (oneDNN on the CPU, cuDNN
@@ -46,9 +46,8 @@ class FakeMemoryRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_key(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
-        for t in iter_tensors(out):
-            st = t.untyped_storage()
+        inputs = {storage_key(i.untyped_storage()) for t in iter_tensors((args, kwargs)) for i in inner_tensors(t)}
+        for st in (i.untyped_storage() for t in iter_tensors(out) for i in inner_tensors(t)):  # a DTensor: its shard
             if storage_key(st) not in inputs and st not in self._seen:  # new storage: not a view, not in place
                 counted = [self._rounded(st.nbytes())]
                 self._seen[st] = counted
