@@ -210,7 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--csv", metavar="FILE", help="write the table as CSV")
     sw.add_argument("--plot", metavar="FILE", help="draw the curve (.png or .svg)")
     sw.add_argument("--device-memory", metavar="SIZE",
-                    help="draw the device's memory as a line, e.g. 24GB (default: the GPU's, when profiled on one)")
+                    help="draw the memory a step may use as a line, e.g. 22GB (default: the GPU's usable memory, "
+                    "profiled or estimated for one)")
     sw.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     sw.set_defaults(func=commands.cmd_sweep)
 
@@ -228,6 +229,9 @@ def _parser() -> argparse.ArgumentParser:
                      "was planned for with plan --compile, else none)")
     val.add_argument("--timeline", metavar="FILE",
                      help="draw predicted and measured memory over the step (.png or .svg)")
+    val.add_argument("--save-device-spec", metavar="FILE",
+                     help="on a GPU: write the card's measured CUDA context and allocator margin as a device spec "
+                     "(.toml) for plan --device-spec FILE")
     val.add_argument("--json", action="store_true", help="print the result as JSON")
     val.set_defaults(func=commands.cmd_validate)
 
@@ -280,6 +284,10 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
         g.add_argument("--target", help=f"estimate for this device without having it, from shapes: "
                        f"{', '.join(DEVICES)} "
                        "(default: measure here; with no GPU here, a scenario's own target)")
+        g.add_argument("--device-spec", metavar="FILE",
+                       help="a TOML file describing your GPU (name, memory, context, margin, tflops, bandwidth_gbs, or "
+                       "base = a built-in to start from): estimate for it, or with --device cuda, plan against its "
+                       "context and margin (memfit validate --save-device-spec writes one from a run)")
         g.add_argument("--parallel", choices=PARALLEL,
                        help="plan per rank: measure one of --world-size processes under FSDP2 (fully_shard per unit "
                        "and the root; fsdp-bf16: with MixedPrecisionPolicy, bf16 params, fp32 reduce) or DDP (gloo "

@@ -66,13 +66,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_output(schedule.save, output)
     if args.timeline:
         write_output(lambda path: timeline(schedule.levels, path, title=_title(prof, f"{schedule.strategy} plan"),
-                                           budget=budget, checkpointed=schedule.checkpointed), args.timeline)
+                                           budget=schedule.budget_bytes, checkpointed=schedule.checkpointed),
+                     args.timeline)
         print(f"wrote {args.timeline}", file=sys.stderr)  # stdout may be --json
     if args.json:
         print(json.dumps({"format": "memfit.schedule/1", **schedule.to_dict()}, indent=2))
         return 0
     if idle and args.strategy in ("ilp", "none"):
-        _say_nothing_to_do(args, prof, schedule, budget, output, write)
+        _say_nothing_to_do(args, prof, schedule, schedule.budget_bytes, output, write)
         return 0
     print(schedule_report(schedule, prof))
     print(f"\nwrote {output}; in train.py:\n"
@@ -196,6 +197,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             raise MemfitError("this schedule holds no predicted timeline (made by an older memfit): plan it again "
                               "to draw --timeline")
     sc, device = modelflags.validation_setup(args, schedule)
+    if args.save_device_spec:
+        if not device.startswith("cuda"):
+            raise MemfitError(f"--save-device-spec writes what a GPU run measures; this schedule runs on {device}")
+        from memfit.jsonio import check_writable
+
+        check_writable(args.save_device_spec)
     from memfit.report import validation_report
     from memfit.runtime.validate import measure_levels, validate
 
@@ -214,11 +221,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
                                            budget=schedule.budget_bytes, checkpointed=schedule.checkpointed),
                      args.timeline)
         print(f"wrote {args.timeline}", file=sys.stderr)
+    if args.save_device_spec and result.cuda is not None:
+        _save_device_spec(args.save_device_spec, args.schedule, result)
     if args.json:
-        print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok}, indent=2))
+        print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok,
+                          "context_bytes": result.context_bytes, "margin": result.margin,
+                          "reserved_fits": result.reserved_fits}, indent=2))
     else:
         print(validation_report(result))
     return 0 if result.ok else 1
+
+
+def _save_device_spec(path: str, schedule_path: str, result: Any) -> None:
+    """The card's measured context and margin as a device spec (devices.load_device_spec reads it)."""
+    import torch
+
+    from memfit.devices import by_title, spec_toml
+    from memfit.jsonio import write_atomic
+
+    title = torch.cuda.get_device_name()
+    known = by_title(title)
+    text = spec_toml(name=Path(path).stem, title=title, base=known.name if known else None,
+                     total=result.cuda["total_bytes"], context=result.context_bytes, margin=max(0.0, result.margin),
+                     source=f"memfit validate --schedule {schedule_path} on this card, torch {torch.__version__}")
+    write_output(lambda p: write_atomic(p, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")), path)
+    print(f"wrote {path}: plan against this card's context and margin with --device-spec {path}", file=sys.stderr)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -249,19 +276,28 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
     if not names:
         raise MemfitError(f"no built-in scenarios in {BUILTIN_DIR}: this memfit installation is incomplete; "
                           "reinstall it")
+    from memfit.budget import format_bytes
+
     rows = []
     for name in names:
         sc = load_scenario(name)
         mode = "measured" if not sc.target or cuda else f"estimated ({sc.target})"
+        device = sc.target_device() if sc.target else None
+        usable = format_bytes(device.usable_bytes) if device is not None and device.memory else "-"
         if sc.missing:
             mode, size = f"needs {sc.missing}", "-"
         else:
             size = f"{_count(sc.parameter_count())} {sc.dtype}"
-        rows.append([name + (" (default)" if name == DEFAULT else ""), size, sc.model, mode, sc.description])
-    print(table(["scenario", "parameters", "factory", "here", "description"], rows,
-                [False, True, False, False, False]))
+        rows.append([name + (" (default)" if name == DEFAULT else ""), size, sc.train_step.describe(), mode, usable,
+                     sc.description])
+    print(table(["scenario", "parameters", "step", "here", "usable", "description"], rows,
+                [False, True, False, False, True, False]))
     print("\nhere: measured on this machine, or estimated from shapes for the scenario's target device (no GPU "
-          "here); --target NAME estimates any scenario for a device")
+          "here); --target NAME estimates any scenario for a device\n"
+          "usable: what the target leaves to a training step (its total less the CUDA context and the allocator's "
+          "margin); plans for it are held to that\n"
+          "step: the training step each is planned for (amp-bf16: fp32 weights and AdamW state, bf16 autocast, as most "
+          "people train; --precision bf16 builds a pure-bf16 model instead)")
     if any(row[3].startswith("needs transformers") for row in rows):
         print("needs transformers: pip install 'memfit[hf]' for the Hugging Face scenarios")
     return 0
@@ -303,8 +339,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_interrupt()
     if args.measure:
         _measure_rows(args, prof, frame)
-    if device_memory is None and prof.device.startswith("cuda"):
-        device_memory = _gpu_memory(prof.device)
+    if device_memory is None and prof.memory:  # the line on the plot: what the card leaves to a step
+        from memfit.devices import usable_bytes
+
+        device_memory = usable_bytes(prof.memory)  # type: ignore[arg-type]
     if args.csv:
         write_output(lambda path: write_atomic(path, lambda tmp: frame.to_csv(tmp, index=False)), args.csv)
     if args.plot:
@@ -314,6 +352,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(frame.to_json(orient="records", indent=2))
     else:
         print(sweep_report(frame))
+        if prof.memory:
+            from memfit.devices import describe_memory
+
+            print(f"device memory: {describe_memory(prof.memory)}")  # type: ignore[arg-type]
         for flag, path in (("csv", args.csv), ("plot", args.plot)):
             if path:
                 print(f"wrote {path} ({flag})")
@@ -336,11 +378,3 @@ def _measure_rows(args: argparse.Namespace, prof: Any, frame: Any) -> None:
                                          steps=args.steps, progress=lambda: (check_interrupt(), bar.update(1)))
     frame["measured_peak_bytes"] = frame["policies"].map(dict(zip(plans, peaks, strict=True))).astype("Int64")
     frame["measured_overhead"] = frame["policies"].map(dict(zip(plans, overheads, strict=True))).astype(float)
-
-
-def _gpu_memory(device: str) -> int | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)

@@ -1,38 +1,95 @@
-"""Devices memfit can plan for without having one: memory, dense throughput and bandwidth.
+"""Devices memfit can plan for without having one: memory, dense throughput and bandwidth, and
+what a training step can really use of the memory.
 
 Figures are the vendors' published peaks (dense, without sparsity), each with its source. Op
 times in estimate mode are ``max(FLOPs / peak, bytes moved / bandwidth) / EFFICIENCY``: a
 roofline, so an estimated slowdown ranks plans well but is not a stopwatch.
+
+Memory (``MemoryRecord``): a plan's budget is compared with the caching allocator's *allocated*
+peak; an out-of-memory error is about what the process holds on the card. Between the two sit
+the CUDA context (kernels, cuBLAS handles: outside the allocator) and the allocator's *margin*
+(its reserved peak over its allocated peak: block rounding, cached free blocks, fragmentation).
+So a step can use ``(total − context) / (1 + margin)``: ``usable_bytes``. Both figures are
+learned from CUDA runs: ``memfit validate`` on a GPU measures them and writes them as a device
+spec (``--save-device-spec``), which ``--device-spec FILE`` reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from memfit.errors import MemfitError
 
 if TYPE_CHECKING:
     import torch
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 GiB = 2**30
+MiB = 2**20
 EFFICIENCY = 0.6  # share of the peak that real kernels of a training step reach (a common rule of thumb)
-CUDA_CONTEXT_BYTES = GiB // 2  # CUDA context and cuBLAS/cuDNN workspaces, not counted by the allocator
+# Defaults until a run on the card says otherwise (docs/devices.md gives the measurements): what
+# processes on A100, A800 and H200 held outside PyTorch's allocator in out-of-memory messages
+# (0.49 to 0.51 GiB: context and library workspaces), and the reserved over allocated peaks of
+# training runs that print both (Megatron-LM on H100: 1.133; a PyTorch sweep: 1.115, 1.112).
+CONTEXT_BYTES = 512 * MiB
+MARGIN = 0.12
+
+
+class MemoryRecord(TypedDict):
+    """What a device leaves to a training step, and where the figures come from (files hold it)."""
+
+    title: str
+    total_bytes: int  # what torch.cuda.mem_get_info() reports as total (a little under the marketed size)
+    context_bytes: int  # held outside the caching allocator: CUDA context, loaded kernels
+    margin: float  # the allocator's reserved peak / allocated peak - 1
+    source: str
+
+
+def usable_bytes(memory: MemoryRecord) -> int:
+    """What a step's allocated peak may reach: the total less the context, less the margin."""
+    return math.floor((memory["total_bytes"] - memory["context_bytes"]) / (1 + memory["margin"]))
+
+
+def describe_memory(memory: MemoryRecord) -> str:
+    """``21.96 GiB usable (23.65 GiB total - 0.50 GiB CUDA context, / 1.05 allocator margin)``."""
+    from memfit.budget import format_bytes
+
+    return (f"{format_bytes(usable_bytes(memory))} usable on {memory['title']} "
+            f"({format_bytes(memory['total_bytes'])} total, less {format_bytes(memory['context_bytes'])} for the CUDA "
+            f"context, less a {memory['margin']:.0%} allocator margin)")
 
 
 @dataclass(frozen=True, slots=True)
 class Device:
     name: str  # key, as --target takes it
     title: str  # the product, for messages and for matching torch.cuda.get_device_name
-    memory_bytes: int
+    memory_bytes: int  # the total torch.cuda.mem_get_info() reports (see source)
     tflops: dict[str, float]  # dense, per dtype name: float32 (without TF32), tf32, bfloat16, float16
     bandwidth_gbs: float  # memory bandwidth, GB/s (10^9 bytes)
+    source: str  # where memory_bytes, tflops and bandwidth come from
     cuda: bool = True  # allocations are rounded as the CUDA caching allocator rounds them
+    context_bytes: int = CONTEXT_BYTES
+    margin: float = MARGIN
+
+    @property
+    def memory(self) -> MemoryRecord | None:
+        """The memory a step can use, as plans record it; None for the CPU (nothing to hold back)."""
+        if not self.cuda:
+            return None
+        return MemoryRecord(title=self.title, total_bytes=self.memory_bytes, context_bytes=self.context_bytes,
+                            margin=self.margin, source=self.source)
 
     @property
     def usable_bytes(self) -> int:
-        """What a training step can use: the memory less the CUDA context."""
-        return self.memory_bytes - (CUDA_CONTEXT_BYTES if self.cuda else 0)
+        return usable_bytes(self.memory) if self.memory else self.memory_bytes
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         key = str(dtype).removeprefix("torch.")  # no torch import: the CLI reads this table before loading torch
@@ -42,56 +99,190 @@ class Device:
         return max(flops / self.flops_per_s(dtype), nbytes / (self.bandwidth_gbs * 1e9)) / EFFICIENCY
 
 
-def _gb(n: float) -> int:
-    return int(n * GiB)
+def _gib(n: float) -> int:
+    """A total as PyTorch's out-of-memory message prints it ("a total capacity of 79.15 GiB"),
+    to the nearest MiB: the message rounds to 10 MiB, well inside the margin."""
+    return round(n * 1024) * MiB
 
 
 def _mib(n: int) -> int:
-    """A card's memory as the driver reports it (``torch.cuda.mem_get_info``'s total,
-    nvidia-smi's "MiB"), where that is less than the marketed figure."""
-    return n * 2**20
+    """A total in MiB, as nvidia-smi prints it."""
+    return n * MiB
 
 
-# NVIDIA A100 datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
-# nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS
-_A100 = {"float32": 19.5, "tf32": 156, "bfloat16": 312, "float16": 312}
-# NVIDIA H100 datasheet (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet),
-# SXM: FP32 67, TF32 494.5, BF16/FP16 989.5 TFLOPS dense (the sheet's 1,979 is with sparsity)
-_HOPPER = {"float32": 67, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5}
+def _tf(fp32: float, tf32: float, half: float) -> dict[str, float]:
+    return {"float32": fp32, "tf32": tf32, "bfloat16": half, "float16": half}
 
+
+# Compute and bandwidth: the vendors' datasheets, dense (the sheets' sparse tensor figures halved).
+# Totals: what PyTorch itself reported on such a card (torch.cuda.get_device_properties /
+# mem_get_info, or the "total capacity" an out-of-memory message prints), quoted in public issues;
+# a card reports a little less on newer drivers (docs/devices.md gives every quote).
+_V100 = {"float32": 15.7, "tf32": 15.7, "bfloat16": 15.7, "float16": 125}  # no bf16 tensor cores
+_A100 = _tf(19.5, 156, 312)
+_HOPPER = _tf(67, 494.5, 989.5)
+_V100_SHEET = "images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf"
+_A100_SHEET = ("nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+               "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+_H100_SHEET = "resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+_A10_SHEET = "nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf"
 
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    # A100 (datasheet above): 40GB at 1,555 GB/s, 80GB SXM at 2,039 GB/s
-    Device("a100-40gb", "NVIDIA A100-SXM4-40GB", _gb(40), _A100, 1555),
-    Device("a100-80gb", "NVIDIA A100-SXM4-80GB", _gb(80), _A100, 2039),
-    # H100 SXM (datasheet above): 3.35 TB/s; the driver reports 81,559 MiB (79.65 GiB) of its 80 GB
-    Device("h100", "NVIDIA H100 80GB HBM3", _mib(81559), _HOPPER, 3350),
-    # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200/): H100's compute, 141 GB at 4.8 TB/s;
-    # the driver reports 143,771 MiB (140.4 GiB)
-    Device("h200", "NVIDIA H200", _mib(143771), _HOPPER, 4800),
-    # NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4/): FP32 30.3, TF32 60, BF16/FP16 121 TFLOPS
-    # dense (242 with sparsity); 24 GB at 300 GB/s
-    Device("l4", "NVIDIA L4", _gb(24), {"float32": 30.3, "tf32": 60, "bfloat16": 121, "float16": 121}, 300),
-    # NVIDIA Ada whitepaper (images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf),
-    # RTX 4090: FP32 82.6, BF16/FP16 tensor with FP32 accumulate 165.2 TFLOPS dense; 1,008 GB/s
-    Device("rtx4090", "NVIDIA GeForce RTX 4090", _gb(24),
-           {"float32": 82.6, "tf32": 82.6, "bfloat16": 165.2, "float16": 165.2}, 1008),
-    # NVIDIA Ampere GA102 whitepaper (nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-
-    # whitepaper-v2.pdf), RTX 3090: FP32 35.6, BF16/FP16 tensor with FP32 accumulate 71 TFLOPS dense; 936 GB/s
-    Device("rtx3090", "NVIDIA GeForce RTX 3090", _gb(24),
-           {"float32": 35.6, "tf32": 35.6, "bfloat16": 71, "float16": 71}, 936),
-    # AMD Instinct MI300X datasheet (amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/
-    # amd-instinct-mi300x-data-sheet.pdf): FP32 163.4, TF32 653.7, BF16/FP16 1,307.4 TFLOPS dense; 5.3 TB/s
-    Device("mi300x", "AMD Instinct MI300X", _gb(192),
-           {"float32": 163.4, "tf32": 653.7, "bfloat16": 1307.4, "float16": 1307.4}, 5300),
+    Device("v100-16gb", "Tesla V100-SXM2-16GB", _mib(16160), _V100, 900,
+           "total_memory=16160MB (torch; nvidia-smi 16160MiB, github.com/microsoft/Bringing-Old-Photos-Back-to-Life/"
+           f"issues/19; OOM '15.78 GiB total capacity', github.com/kchengiva/Shift-GCN/issues/34); {_V100_SHEET}"),
+    Device("v100-32gb", "Tesla V100-SXM2-32GB", _gib(31.74), _V100, 900,
+           f"OOM '31.74 GiB total capacity' on a V100 32GB, github.com/haotian-liu/LLaVA/issues/812; {_V100_SHEET}"),
+    Device("t4", "Tesla T4", _mib(15109), {"float32": 8.1, "tf32": 8.1, "bfloat16": 8.1, "float16": 65}, 320,
+           "total_memory=15109MB (torch; OOM '14.75 GiB total capacity', github.com/googlecolab/colabtools/"
+           "issues/3439; newer drivers report 14.56 GiB); nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/"
+           "t4-tensor-core-datasheet-951643.pdf"),
+    Device("a10", "NVIDIA A10", _gib(23.70), _tf(31.2, 62.5, 125), 600,
+           "OOM '23.70 GiB total capacity' on an A10, github.com/tatsu-lab/stanford_alpaca/issues/76 (one quote: with "
+           f"ECC on it reports about the A10G's 22.2 GiB); {_A10_SHEET}"),
+    Device("a10g", "NVIDIA A10G", _gib(22.20), _tf(31.2, 62.5, 125), 600,
+           "OOM '22.20 GiB total capacity' on AWS g5, github.com/XavierXiao/Dreambooth-Stable-Diffusion/issues/18; "
+           f"compute: the A10's ({_A10_SHEET}), as NVIDIA publishes no A10G sheet"),
+    Device("l4", "NVIDIA L4", _gib(22.03), _tf(30.3, 60, 121), 300,
+           "OOM 'a total capacity of 22.03 GiB' on an L4, github.com/ArcInstitute/evo2/issues/190; "
+           "nvidia.com/en-us/data-center/l4/"),
+    Device("l40s", "NVIDIA L40S", _mib(45589), _tf(91.6, 183, 362), 864,
+           "total_memory=45589MB (torch; OOM 'a total capacity of 44.53 GiB' on an L40S, github.com/Wan-Video/Wan2.1/"
+           "issues/205); resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
+    Device("a6000", "NVIDIA RTX A6000", _mib(48676), _tf(38.7, 77.4, 154.8), 768,
+           "total_memory=48676MB (torch device properties quoted in a CUDA-mode benchmark README); "
+           "nvidia.com/content/dam/en-zz/Solutions/design-visualization/quadro-product-literature/proviz-print-nvidia-rtx-a6000-datasheet-us-"
+           "nvidia-1454980-r9-web.pdf"),
+    Device("a100-40gb", "NVIDIA A100-SXM4-40GB", _mib(40536), _A100, 1555,
+           "total_memory=40536MB (device properties; OOM 'a total capacity of 39.50 GiB' on a 2025 driver, "
+           f"github.com/TianheWu/CoSeR/issues/10); {_A100_SHEET}"),
+    Device("a100-80gb", "NVIDIA A100-SXM4-80GB", _gib(79.15), _A100, 2039,
+           "79.15 GiB (torch's total in github.com/meta-pytorch/tnt/pull/616 and many OOM messages; 79.14 to 79.35 "
+           f"GiB by driver); {_A100_SHEET}"),
+    Device("h100", "NVIDIA H100 80GB HBM3", _mib(81089), _HOPPER, 3350,
+           "SXM: total_memory=81089MB (torch 2.7, CUDA 12.8; vLLM's mem_get_info 79.22 GiB, github.com/vllm-project/"
+           f"vllm/pull/10511; nvidia-smi 81559MiB); {_H100_SHEET}"),
+    Device("h100-pcie", "NVIDIA H100 PCIe", _mib(81089), _tf(51, 378, 756), 2000,
+           "total: no public quote found for the PCIe board: the SXM board's 81089MB (both 80 GB); "
+           f"{_H100_SHEET}"),
+    Device("h200", "NVIDIA H200", _mib(143156), _HOPPER, 4800,
+           "total_memory=143156MB (torch, github.com/ai-bot-pro/achatbot deploy/modal/src/llm/vllm/vlm/skywork_r1v.py; "
+           "OOM 'a total capacity of 139.80 GiB' on 8xH200); H100's compute, 4.8 TB/s: "
+           "nvidia.com/en-us/data-center/h200/"),
+    Device("b200", "NVIDIA B200", _mib(182642), _tf(80, 1100, 2250), 8000,
+           "total_memory=182642MB (torch, github.com/ai-bot-pro/achatbot as for h200; 'Total Global Memory: "
+           "178.35 GB', github.com/pytorch/ao/pull/4002); BF16 2.25 PFLOPS dense, 8 TB/s: resources.nvidia.com/"
+           "en-us-blackwell-architecture (FP32 and TF32 not confirmed)"),
+    Device("mi250x", "AMD Instinct MI250X", _gib(63.98), _tf(47.9, 47.9, 191.5), 1600,
+           "one GCD, as PyTorch sees it: HIP OOM 'a total capacity of 63.98 GiB' (a 64 GB GCD, github.com/RooCodeInc/"
+           "Roo-Code/issues/6541; rocminfo 67092480 KB); per GCD: amd.com/en/products/accelerators/instinct/mi200/"
+           "mi250x.html"),
+    Device("mi300x", "AMD Instinct MI300X", _gib(191.98), _tf(163.4, 653.7, 1307.4), 5300,
+           "HIP OOM 'a total capacity of 191.98 GiB' on MI300X (about ten agreeing quotes); amd.com/content/dam/amd/en/"
+           "documents/instinct-tech-docs/data-sheets/amd-instinct-mi300x-data-sheet.pdf"),
+    Device("rtx4090", "NVIDIA GeForce RTX 4090", _gib(23.65), _tf(82.6, 82.6, 165.2), 1008,
+           "OOM 'a total capacity of 23.65 GiB' (23.64 to 23.68: github.com/zai-org/CogVideo/issues/36, github.com/"
+           "kerrj/lerf/issues/73; nvidia-smi 24564MiB); images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-"
+           "gpu-architecture.pdf (tensor FLOPS with FP32 accumulate)"),
+    Device("rtx3090", "NVIDIA GeForce RTX 3090", _mib(24268), _tf(35.6, 35.6, 71), 936,
+           "total_memory=24268MB (torch, quoted in the transformers docs; nvidia-smi 24268MiB, github.com/pytorch/"
+           "pytorch/issues/54564); nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf"),
     # This machine's kind: memory only (no CUDA rounding or context), to check estimates against the
     # CPU's exact measurements; its times are a rough 2-core figure, not a claim.
-    Device("cpu", "CPU", _gb(24), {"float32": 0.1, "bfloat16": 0.05, "float16": 0.05}, 20, cuda=False),
+    Device("cpu", "CPU", _gib(24), {"float32": 0.1, "bfloat16": 0.05, "float16": 0.05}, 20,
+           "not a GPU: the CPU this suite runs on, for checking estimates against exact CPU measurements", cuda=False),
 )}
 
 
 def device_spec(name: str) -> Device:
     key = name.lower().replace(" ", "").replace("_", "-")
     if key not in DEVICES:
-        raise MemfitError(f"unknown target {name!r}; known: {', '.join(DEVICES)}")
+        raise MemfitError(f"unknown target {name!r}; known: {', '.join(DEVICES)} (or describe your own with "
+                          "--device-spec FILE.toml)")
     return DEVICES[key]
+
+
+def by_title(title: str) -> Device | None:
+    """The table's device whose product name torch.cuda.get_device_name gives, if any."""
+    return next((d for d in DEVICES.values() if d.title.lower() == title.lower()), None)
+
+
+SPEC_FIELDS = ("name", "title", "base", "memory", "context", "margin", "tflops", "bandwidth_gbs", "source")
+
+
+def load_device_spec(path: str | Path) -> Device:
+    """A device described in a TOML file: ``base`` (a built-in name) gives what is not set; sizes
+    are written as memfit's budgets are ("79.15GiB", or bytes)."""
+    from memfit.budget import BudgetFormatError, parse_bytes
+
+    path = Path(path)
+    if not path.is_file():
+        raise MemfitError(f"{path}: no such device spec file (a TOML file: name, memory, context, margin, ...)")
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as exc:
+        raise MemfitError(f"{path}: not a readable TOML file ({exc})") from None
+    unknown = set(data) - set(SPEC_FIELDS)
+    if unknown:
+        raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {', '.join(SPEC_FIELDS)}")
+
+    def size(key: str) -> int | None:
+        if key not in data:
+            return None
+        value = data[key]
+        try:
+            return value if isinstance(value, int) and not isinstance(value, bool) else parse_bytes(str(value))
+        except BudgetFormatError as exc:
+            raise MemfitError(f"{path}: field {key!r}: {exc}") from None
+
+    base = device_spec(str(data["base"])) if "base" in data else None
+    if base is None and not {"memory", "tflops", "bandwidth_gbs"} <= set(data):
+        raise MemfitError(f"{path}: give base = a built-in device ({', '.join(DEVICES)}), or memory, tflops and "
+                          "bandwidth_gbs")
+    tflops = data.get("tflops", base.tflops if base else {})
+    if not isinstance(tflops, dict) or "float32" not in tflops or not all(
+            isinstance(v, int | float) and v > 0 for v in tflops.values()):
+        raise MemfitError(f"{path}: tflops must be a table of positive numbers with float32, e.g. "
+                          "{ float32 = 19.5, bfloat16 = 312 }")
+    margin = data.get("margin", base.margin if base else MARGIN)
+    if not isinstance(margin, int | float) or not 0 <= margin < 1:
+        raise MemfitError(f"{path}: margin is reserved/allocated - 1, a number from 0 to 1, got {margin!r}")
+    bandwidth = data.get("bandwidth_gbs", base.bandwidth_gbs if base else 0)
+    if not isinstance(bandwidth, int | float) or bandwidth <= 0:
+        raise MemfitError(f"{path}: bandwidth_gbs must be a positive number (GB/s)")
+    for key in ("name", "title", "source"):
+        if key in data and not isinstance(data[key], str):
+            raise MemfitError(f"{path}: field {key!r} must be a string")
+    fields: dict[str, Any] = {
+        "name": data.get("name", path.stem), "title": data.get("title", base.title if base else path.stem),
+        "memory_bytes": size("memory") or (base.memory_bytes if base else 0), "tflops": dict(tflops),
+        "bandwidth_gbs": float(bandwidth), "margin": float(margin),
+        "context_bytes": size("context") if "context" in data else (base.context_bytes if base else CONTEXT_BYTES),
+        "source": data.get("source", f"{path.name}" + (f", else {base.name}'s: {base.source}" if base else "")),
+    }
+    spec = replace(base, **fields) if base else Device(**fields)
+    if spec.context_bytes >= spec.memory_bytes:
+        raise MemfitError(f"{path}: the context ({spec.context_bytes} bytes) is not less than the memory")
+    return spec
+
+
+def spec_toml(*, name: str, title: str, base: str | None, total: int, context: int, margin: float,
+              source: str) -> str:
+    """A device spec file's text, as ``load_device_spec`` reads it (``memfit validate
+    --save-device-spec`` writes the context and margin a run on the card measured)."""
+    from memfit.budget import format_bytes
+
+    lines = [f"# {title}: {format_bytes(total)} total; measured {format_bytes(context)} outside the allocator and a "
+             f"{margin:.1%} reserved-over-allocated margin", f"name = {_quoted(name)}", f"title = {_quoted(title)}"]
+    if base:
+        lines.append(f"base = {_quoted(base)}  # compute and bandwidth from memfit's table")
+    else:
+        lines += ["# not in memfit's table: give the card's dense TFLOPS and bandwidth for estimates",
+                  "tflops = { float32 = 1.0 }", "bandwidth_gbs = 1.0"]
+    lines += [f"memory = {total}", f"context = {context}", f"margin = {round(margin, 4)}",
+              f"source = {_quoted(source)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

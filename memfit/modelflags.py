@@ -38,8 +38,13 @@ def scenario_of(args: argparse.Namespace) -> Any:
     for flag in STEP_FLAGS:
         if getattr(args, flag, None) is not None:
             setattr(sc, flag, getattr(args, flag))
+    if args.precision is not None:  # the model is built for it: fp32 weights under autocast, else its dtype
+        sc.dtype = _PRECISION_DTYPES.get(args.precision, "float32")
     sc.train_step  # noqa: B018 -- checks the combination now, before any model is built
     return sc
+
+
+_PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # amp-*: float32
 
 
 def parse_shape(text: str) -> list[int]:
@@ -73,20 +78,26 @@ def parse_device(text: str | None) -> str:
     return "cpu"
 
 
-def target_of(args: argparse.Namespace, sc: Any) -> str | None:
-    """The device to estimate for: --target; else, with no GPU here and no --device, the
-    scenario's own target; else None (measure here)."""
+def target_of(args: argparse.Namespace, sc: Any) -> Any:
+    """The device to estimate for (a ``devices.Device``): --target or --device-spec; else, with no
+    GPU here and no --device, the scenario's own target; else None (measure here)."""
     import torch
 
-    from memfit.devices import device_spec
+    from memfit.devices import device_spec, load_device_spec
 
-    if args.target is not None:
+    spec_file = getattr(args, "device_spec", None)
+    if args.target is not None and spec_file is not None:
+        raise MemfitError("give either --target NAME or --device-spec FILE, not both (a spec file's base = NAME "
+                          "starts from a built-in device)")
+    if spec_file is not None and args.device is not None:
+        return None  # measured on that device; the spec gives its context and margin (profile_of)
+    if args.target is not None or spec_file is not None:
         if args.device is not None:
             raise MemfitError("--target estimates for a device without using one; drop --device (or --target to "
                               "measure on the device)")
-        return device_spec(args.target).name
+        return device_spec(args.target) if args.target is not None else load_device_spec(spec_file)
     if sc.target and args.device is None and not torch.cuda.is_available():
-        return str(sc.target)
+        return sc.target_device()
     return None
 
 
@@ -110,37 +121,45 @@ def profile_of(args: argparse.Namespace) -> Any:
     target = target_of(args, sc)
     if target is not None and getattr(args, "compile", None):
         raise MemfitError(f"--compile measures the compiled step, which needs the device; {sc.name} would be estimated "
-                          f"for {target} from shapes: plan without --compile here, or with it on that GPU")
+                          f"for {target.name} from shapes: plan without --compile here, or with it on that GPU")
     step = sc.train_step
-    if args.world_size is not None and args.parallel is None:
+    if args.world_size is not None and args.parallel is None and sc.parallel is None:
         raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
-    ranks = 2 if args.world_size is None else args.world_size
-    if args.parallel is not None and target is None:
+    parallel = args.parallel or sc.parallel
+    ranks = args.world_size or (sc.world_size if parallel == sc.parallel else None) or 2
+    if parallel is not None and target is None:
         from memfit.measure.ranks import check_parallel
         from memfit.parallel import profile_ranks
 
-        check_parallel(args.parallel, ranks)  # before saying what it will do
-        print(f"measuring {sc.name} on one of {ranks} {args.parallel} ranks", file=sys.stderr)
-        return profile_ranks(sc, parallel=args.parallel, world_size=ranks, repeat=repeat,
+        check_parallel(parallel, ranks)  # before saying what it will do
+        print(f"measuring {sc.name} on one of {ranks} {parallel} ranks", file=sys.stderr)
+        return profile_ranks(sc, parallel=parallel, world_size=ranks, repeat=repeat,
                              granularity=args.granularity, device=parse_device(args.device))
     if target is not None:
         from memfit.profiler.estimate import estimate
 
-        print(f"estimating {sc.name} ({sc.model}) for {target} from shapes (fake tensors, nothing allocated)",
+        print(f"estimating {sc.name} ({sc.model}) for {target.name} from shapes (fake tensors, nothing allocated)",
               file=sys.stderr)
         result = estimate(lambda: sc.build("cpu"), target=target, units=sc.units, step=step,
                           granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt(),
-                          parallel=args.parallel, world_size=ranks if args.parallel else 1)
+                          parallel=parallel, world_size=ranks if parallel else 1)
         result.source = sc.source()
         return result
     device = parse_device(args.device)
     try:
-        return _measured(args, sc, device, step, repeat)
+        measured = _measured(args, sc, device, step, repeat)
     except torch.OutOfMemoryError:
         raise MemfitError(
             f"{sc.name} does not fit {device} unplanned, and memfit measures the plain step: estimate it instead "
             f"with --target (one of {', '.join(DEVICES)}), which needs no GPU memory"
         ) from None
+    if getattr(args, "device_spec", None) and measured.memory:  # this card's own context and margin
+        from memfit.devices import load_device_spec
+
+        spec = load_device_spec(args.device_spec)
+        measured.memory = {**measured.memory, "context_bytes": spec.context_bytes, "margin": spec.margin,
+                           "source": f"total: torch.cuda.mem_get_info; context and margin: {args.device_spec}"}
+    return measured
 
 
 def _measured(args: argparse.Namespace, sc: Any, device: str, step: Any, repeat: int) -> Any:

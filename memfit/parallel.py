@@ -9,7 +9,7 @@ The processes run on the CPU with gloo here, or one per GPU with NCCL.
 
 Under FSDP2 a rank's peak moves from step to step by up to one unit's gathered parameters (the
 collectives free their buffers when they finish, on their own threads or streams):
-``fsdp_headroom`` says how much to leave (the plan report prints it).
+``planning.memory.fsdp_headroom`` says how much to leave (plans keep it free).
 
 Apply the schedule to the model after ``fully_shard`` (or to ``ddp.module``), as the profile was
 measured: memfit's regions then open after FSDP2's all-gather hooks, and unit names are the plain
@@ -31,19 +31,9 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.formats.profile import ParallelLayout, Profile, profile_from_dict
-from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
+from memfit.measure.ranks import check_parallel, held_by_wrapper, shard
 
 TIMEOUT_S = 600
-
-
-def fsdp_headroom(profile: Profile) -> int:
-    """Bytes a per-rank FSDP2 plan should leave free: one unit's parameters, gathered at their
-    own (fp32) size. Under fsdp-bf16 the gathers are half that, but its fp32 gradient reduction
-    moves the peak too: 2 gloo ranks on gpt-small saw the all-checkpointed step's peak differ by
-    8 MiB between runs, more than the bf16 gather alone."""
-    if not is_fsdp(profile.parallel.get("kind", "")):
-        return 0
-    return max(u.param_bytes for u in profile.units) * int(profile.parallel["world_size"])
 
 
 def profile_ranks(scenario: Any, *, parallel: str, world_size: int, repeat: int = 5,

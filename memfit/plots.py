@@ -93,7 +93,7 @@ def curve(frame: pd.DataFrame, path: str | os.PathLike[str] | None, *, title: st
                 markersize=14, color=STYLE["none"][1], label="no checkpointing")
     if device_memory:
         ax.axvline(device_memory / scale, color="black", linestyle="--", linewidth=1,
-                   label=f"device memory ({device_memory / scale:.1f} {unit})")
+                   label=f"usable device memory ({device_memory / scale:.1f} {unit})")
     ax.set_xlabel(f"peak memory of the training step ({unit})")
     ax.set_ylabel("slowdown against no checkpointing (%)")
     ax.set_title(title, fontsize=10)

@@ -209,6 +209,14 @@ def validation_report(v: Validation) -> str:
         f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
         + (f", both compiled ({v.compile})" if v.compile else ""),
     ]
+    if v.cuda is not None:
+        c, context, margin = v.cuda, v.context_bytes or 0, v.margin or 0.0
+        checks.append(f"on the card: reserved peak {format_bytes(c['reserved_peak_bytes'])} ({margin:+.1%} over the "
+                      f"allocated peak: the allocator's margin); {format_bytes(context)} outside the allocator (CUDA "
+                      f"context); {format_bytes(c['free_bytes'])} free of {format_bytes(c['total_bytes'])} at the "
+                      "step's end (torch.cuda.mem_get_info)")
+        if not v.reserved_fits:
+            checks.append("the reserved peak and the context EXCEED the card's memory: this step does not fit there")
     if v.edited:
         checks.append("the schedule's policies were EDITED after planning: the predicted figures are the old plan's, "
                       "not these policies'; plan again, or predict these policies from the profile "
@@ -250,27 +258,37 @@ def sweep_report(frame: pd.DataFrame) -> str:
 
 
 def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
-    """What the device leaves beside the budget: an estimate's target and its usable memory after
-    the CUDA context, a per-rank plan's FSDP headroom. Said with every plan, and when nothing
-    needs checkpointing."""
+    """What the device leaves beside the budget: an estimate's target, the usable memory after
+    the CUDA context and the allocator's margin, a per-rank plan's FSDP headroom. Said with every
+    plan, and when nothing needs checkpointing."""
+    from memfit.devices import DEVICES, describe_memory, usable_bytes
+    from memfit.planning.memory import fsdp_headroom
+
     out = []
     peak = schedule.predicted_peak_bytes
+    memory = schedule.memory
+    headroom = fsdp_headroom(profile) if profile is not None else 0
     if schedule.target:
-        from memfit.devices import device_spec
-
-        spec = device_spec(schedule.target)
-        out.append(f"estimated for {spec.title} ({spec.name}) from shapes on fake tensors, nothing allocated: memory "
-                   "exact from shapes, times a roofline; check it on the GPU with memfit validate")
-        if peak > spec.usable_bytes:
-            out.append(f"warning: {spec.title} leaves about {format_bytes(spec.usable_bytes)} to a training step "
-                       f"(the rest is the CUDA context): a peak of {format_bytes(peak)} will not fit there; plan with "
-                       f"a budget of at most {format_bytes(spec.usable_bytes)}")
+        known = DEVICES.get(schedule.target)  # a file older than the memory record names only the target
+        title = memory["title"] if memory else known.title if known else ""
+        title = f"{title} ({schedule.target})" if title else schedule.target
+        out.append(f"estimated for {title} from shapes on fake tensors, nothing allocated: memory exact from shapes, "
+                   "times a roofline; check it on the GPU with memfit validate")
+    if memory:
+        out.append(f"device memory: {describe_memory(memory)}")  # type: ignore[arg-type]
+        usable = usable_bytes(memory)  # type: ignore[arg-type]
+        if schedule.asked_budget_bytes:
+            out.append(f"warning: the budget asked for, {format_bytes(schedule.asked_budget_bytes)}, is more than "
+                       f"that: planned for {format_bytes(schedule.budget_bytes)} instead (describe the card's own "
+                       "context and margin with --device-spec FILE; memfit validate on it measures them)")
+        if peak + headroom > usable:
+            out.append(f"warning: a peak of {format_bytes(peak)} leaves less than the allocator's margin on "
+                       f"{memory['title']} and would likely run out of memory there; plan with a budget of at most "
+                       f"{format_bytes(usable - headroom)}")
     if schedule.parallel:
         p = schedule.parallel
         out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks (measured on one of them)")
-        from memfit.parallel import fsdp_headroom
-
-        if profile is not None and (headroom := fsdp_headroom(profile)):
+        if headroom:
             short = " (more than this budget leaves)" if peak + headroom > schedule.budget_bytes else ""
             out.append(f"leave {format_bytes(headroom)} of headroom{short}: a rank's peak moves by up to one "
                        "unit's gathered parameters from step to step, as collectives finish")

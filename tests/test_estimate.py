@@ -115,7 +115,7 @@ def test_default_plan_is_estimated_for_a_24gb_gpu_and_matters(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--target", "tpu"], "unknown target 'tpu'; known: a100-40gb"),
+    (["--target", "tpu"], "unknown target 'tpu'; known: v100-16gb"),
     (["--target", "h100", "--device", "cpu"], "--target estimates for a device without using one"),
 ])
 def test_target_mistakes(args, message, capsys):
@@ -197,7 +197,7 @@ def test_a_model_too_large_to_measure_points_to_estimate_mode(monkeypatch, tmp_p
     (tmp_path / "tiny.toml").write_text(TINY)
     assert main(["plan", "--budget", "1GB", "--scenario", str(tmp_path / "tiny.toml")]) == 2
     err = capsys.readouterr().err
-    assert "tiny does not fit cpu unplanned" in err and "--target (one of a100-40gb" in err
+    assert "tiny does not fit cpu unplanned" in err and "--target (one of v100-16gb" in err
     assert "Traceback" not in err
 
 

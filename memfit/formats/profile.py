@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from memfit.devices import MemoryRecord
 from memfit.errors import FileFormatError, MemfitError
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import COARSE, is_option
@@ -123,6 +124,8 @@ class Profile:
     target: str = ""  # the device estimated for (devices.py); "" when measured
     parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # one rank's; {} for one process
     step: StepRecord | dict[str, Any] = field(default_factory=dict)  # the training step (trainstep.py); {}: plain
+    # what the GPU leaves to a step (devices.py): the target's, or the CUDA device's measured; {}: the CPU
+    memory: MemoryRecord | dict[str, Any] = field(default_factory=dict)
 
     @property
     def train_step(self) -> TrainStep:
@@ -181,8 +184,9 @@ class Profile:
             for key in ("later", "releases"):
                 if not p[key]:
                     del p[key]
-        if not data["step"]:
-            del data["step"]
+        for key in ("step", "memory"):
+            if not data[key]:
+                del data[key]
         return data
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -232,7 +236,19 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         target=str(data.get("target", "")),
         parallel=read_parallel(f),
         step=read_step(f),
+        memory=read_memory(f),
     )
+
+
+def read_memory(f: Fields) -> MemoryRecord | dict[str, Any]:
+    """A profile's or schedule's ``memory`` field: {} where none was recorded (the CPU, older files)."""
+    if not f.data.get("memory"):
+        return {}
+    m = f.obj("memory")
+    record = m.record(MemoryRecord, {"total_bytes": 1, "context_bytes": 0, "margin": 0.0})
+    if record["context_bytes"] >= record["total_bytes"] or record["margin"] >= 1:
+        raise FileFormatError(f"{m.where}: the context must be less than the total and the margin less than 1")
+    return record
 
 
 def read_step(f: Fields) -> StepRecord | dict[str, Any]:

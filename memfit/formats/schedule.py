@@ -8,8 +8,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from memfit.devices import MemoryRecord
 from memfit.errors import FileFormatError
-from memfit.formats.profile import ParallelLayout, read_parallel, read_step
+from memfit.formats.profile import ParallelLayout, read_memory, read_parallel, read_step
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import KINDS_HELP, read
 from memfit.trainstep import StepRecord, TrainStep
@@ -85,6 +86,10 @@ class Schedule:
     target: str = ""  # the device the profile was estimated for (devices.py); "" when measured
     parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # a plan per rank; {} for one process
     step: StepRecord | dict[str, Any] = field(default_factory=dict)  # the training step planned for; {}: the plain one
+    memory: MemoryRecord | dict[str, Any] = field(default_factory=dict)  # the profile's device memory; {}: none
+    # the budget asked for, where it was more than the device's usable memory and the plan was made
+    # for that instead (budget_bytes); None when budget_bytes is the budget asked for
+    asked_budget_bytes: int | None = None
     # loaded from a file whose policies were changed after planning: its predictions are another plan's
     edited: bool = False
 
@@ -101,8 +106,9 @@ class Schedule:
         """The fields as JSON takes them (``--json``); a plain step's empty record left out, so
         that a profile older than the step record plans to the file it planned to then."""
         data = asdict(self)
-        if not data["step"]:
-            del data["step"]
+        for key in ("step", "memory", "asked_budget_bytes"):
+            if not data[key]:
+                del data[key]
         return data
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -155,6 +161,8 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         target=str(f.data.get("target", "")),
         parallel=read_parallel(f),
         step=read_step(f),
+        memory=read_memory(f),
+        asked_budget_bytes=f.int("asked_budget_bytes", minimum=1) if "asked_budget_bytes" in f.data else None,
         edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(policies),
     )
 

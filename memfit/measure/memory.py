@@ -13,10 +13,11 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
+from memfit.devices import MemoryRecord
 from memfit.errors import MemfitError
 
 
@@ -73,13 +74,26 @@ class CpuMemoryRecorder:
         return out
 
 
+class CudaFigures(TypedDict):
+    """What the card itself said about a measured step, beside the allocated bytes memfit plans:
+    the allocator's reserved peak, and ``torch.cuda.mem_get_info`` at the step's end."""
+
+    total_bytes: int
+    free_bytes: int  # at the step's end
+    reserved_bytes: int  # at the step's end: with free_bytes, what lies outside the allocator
+    reserved_peak_bytes: int  # over the step
+
+
 class CudaMemoryRecorder:
-    """Live bytes from the CUDA caching allocator's statistics (allocated, not reserved)."""
+    """Live bytes from the CUDA caching allocator's statistics (allocated, not reserved), and
+    the reserved peak and free memory of the whole stretch (``figures``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._start = 0
         self._marks: list[Mark] = []
+        self._reserved_peak = 0
+        self.figures: CudaFigures | None = None
 
     def __enter__(self) -> CudaMemoryRecorder:
         torch.cuda.synchronize(self.device)
@@ -89,11 +103,17 @@ class CudaMemoryRecorder:
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.synchronize(self.device)
+        self._reserved_peak = max(self._reserved_peak, torch.cuda.max_memory_reserved(self.device))
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.figures = CudaFigures(total_bytes=int(total), free_bytes=int(free),
+                                   reserved_bytes=torch.cuda.memory_reserved(self.device),
+                                   reserved_peak_bytes=self._reserved_peak)
 
     def on_mark(self, label: str) -> None:
         level = torch.cuda.memory_allocated(self.device) - self._start
         peak = torch.cuda.max_memory_allocated(self.device) - self._start
         self._marks.append(Mark(label, level, peak))
+        self._reserved_peak = max(self._reserved_peak, torch.cuda.max_memory_reserved(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def marks(self) -> list[Mark]:
@@ -126,6 +146,23 @@ def _filtered_stderr() -> Iterator[None]:
             for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
                 if line.strip() and not any(n in line for n in _NOISE):
                     sys.stderr.write(line)
+
+
+def device_memory(device: torch.device) -> MemoryRecord | dict[str, Any]:
+    """What this GPU leaves to a step (devices.py): its total as CUDA reports it, and the context
+    and margin of the table's entry for its name (the defaults for a card not in the table); {}
+    on the CPU. The measured context and margin come from ``memfit validate`` on the card."""
+    from memfit.devices import CONTEXT_BYTES, MARGIN, by_title
+
+    if device.type != "cuda":
+        return {}
+    title = torch.cuda.get_device_name(device)
+    known = by_title(title)
+    return MemoryRecord(title=title, total_bytes=int(torch.cuda.mem_get_info(device)[1]),
+                        context_bytes=known.context_bytes if known else CONTEXT_BYTES,
+                        margin=known.margin if known else MARGIN,
+                        source="total: torch.cuda.mem_get_info on this GPU; context and margin: "
+                               + (f"{known.name}'s ({known.source})" if known else "memfit's defaults"))
 
 
 def memory_recorder(device: torch.device) -> CpuMemoryRecorder | CudaMemoryRecorder:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
+from memfit.devices import describe_memory
 from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import BaselineFigures, Fallback, Schedule
@@ -12,7 +13,7 @@ from memfit.planning.baselines import BASELINES, STRATEGIES, Policies, not_appli
 from memfit.planning.dp import dp_exact
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
-from memfit.planning.memory import predict
+from memfit.planning.memory import device_cap_bytes, predict
 from memfit.planning.options import PlanOptions
 from memfit.planning.roles import policies_of
 
@@ -65,15 +66,30 @@ def plan(
     options a profile made with ``granularity="fine"`` measured (a child module, an op set,
     derive). The settings are checked once, as a ``PlanOptions``. Raises
     ``InfeasibleBudgetError`` with the smallest budget that works when nothing fits.
+
+    On a GPU (the profile records its memory: a target's, or the measured card's) the budget is
+    at most what the card leaves to a step, its usable memory less any FSDP headroom
+    (``device_cap_bytes``): a larger budget is planned for that, and the schedule keeps the one
+    asked for in ``asked_budget_bytes``.
     """
     opts = PlanOptions(strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
                        granularity=granularity, time_limit=time_limit, fallbacks=fallbacks)
     fine = check_granularity(profile, granularity)
     budget_bytes = parse_bytes(budget)
+    asked = None
+    cap = device_cap_bytes(profile)
+    if cap is not None and budget_bytes > cap:
+        asked, budget_bytes = budget_bytes, cap
     if strategy != "ilp" and (why := not_applicable(profile, strategy)):
         raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
     figures = baselines(profile, budget_bytes)  # stored in the schedule, and the ILP's safety net
-    policies, strategy, used, status, seconds = _choose(profile, budget_bytes, opts, fine, figures)
+    try:
+        policies, strategy, used, status, seconds = _choose(profile, budget_bytes, opts, fine, figures)
+    except InfeasibleBudgetError as exc:
+        if asked is None:
+            raise
+        raise InfeasibleBudgetError(f"{exc} (the budget of {format_bytes(asked)} was more than the device leaves: "
+                                    f"{describe_memory(profile.memory)})", exc.min_budget_bytes) from None  # type: ignore[arg-type]
     pred = predict(profile, policies)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise InternalError(
@@ -102,6 +118,8 @@ def plan(
         target=profile.target,
         parallel=dict(profile.parallel),
         step=dict(profile.step),
+        memory=dict(profile.memory),  # type: ignore[arg-type]
+        asked_budget_bytes=asked,
     )
 
 

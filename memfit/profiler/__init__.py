@@ -12,6 +12,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.formats.profile import OptionCost, Profile
 from memfit.formats.schedule import model_fingerprint
+from memfit.measure.memory import device_memory
 from memfit.measure.meters import Meters
 from memfit.measure.step import Inputs, LossFn, StepState, default_loss, static_bytes, storage_bytes, training_step
 from memfit.measure.timing import alternate, median_ratio
@@ -210,6 +211,7 @@ def _assemble(
         chain=facts.chain,
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
         step=state.record(),
+        memory=device_memory(device),
     )
 
 

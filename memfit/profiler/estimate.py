@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from memfit.devices import Device, device_spec
 from memfit.errors import MemfitError
 from memfit.formats.profile import ParallelLayout, Profile
 from memfit.measure.fake import fake_meters
@@ -74,7 +75,7 @@ def _fused_attention(fused: bool) -> Iterator[None]:
 def estimate(
     build: Callable[[], Any],
     *,
-    target: str,
+    target: str | Device,
     units: str | list[str] = "auto",
     optimizer: str | None = "adamw",
     step: TrainStep | None = None,
@@ -101,10 +102,9 @@ def estimate(
     on the target: foreach on CUDA (a temporary per state tensor in the step), which fake CPU
     tensors would not take without being told. Autocast (``amp-*``) runs CPU autocast's op lists
     on the fake tensors; CUDA's differ in a few ops (softmax, layer_norm kept in fp32 there)."""
-    from memfit.devices import device_spec
     from memfit.profiler import profile
 
-    spec = device_spec(target)
+    spec = target if isinstance(target, Device) else device_spec(target)
     with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), _fused_attention(spec.cuda):
         built = build()
         if not (isinstance(built, tuple) and len(built) == 2):
@@ -119,7 +119,7 @@ def estimate(
         if parallel is not None:
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)
-    prof.mode, prof.target = "estimated", spec.name
+    prof.mode, prof.target, prof.memory = "estimated", spec.name, spec.memory or {}
     if spec.cuda:
         prof.device = "cuda"
         prof.rng_state_bytes = 0  # a CUDA checkpoint keeps its RNG state on the host

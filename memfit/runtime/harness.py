@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memfit.formats.schedule import Schedule
-from memfit.measure.memory import Mark, memory_recorder
+from memfit.measure.memory import CudaFigures, Mark, memory_recorder
 from memfit.measure.meters import Meters, real_meters
 from memfit.measure.step import Inputs, LossFn, StepState, default_loss, device_of, static_bytes, training_step
 from memfit.measure.timing import alternate, median_ratio, timed_step
@@ -39,6 +39,7 @@ class StepRun:
     grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
     peak_bytes: int
+    cuda: CudaFigures | None = None  # on a GPU: the reserved peak and free memory of the measured step
 
 
 class Snapshot:
@@ -150,7 +151,8 @@ class StepHarness:
         marks = recorder.marks()
         grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level)
+        return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level,
+                       getattr(recorder, "figures", None))
 
     def step_times(self, plans: list[dict[str, str]], rounds: int) -> tuple[float, list[float]]:
         """Median step time of the plain model, and the median ratio of each plan's step time to

@@ -12,6 +12,7 @@ from torch import nn
 
 from memfit.errors import EagerPlanCompiledWarning, ScheduleMismatchError
 from memfit.formats.schedule import Schedule
+from memfit.measure.memory import CudaFigures
 from memfit.measure.step import (
     Inputs,
     LossFn,
@@ -38,6 +39,24 @@ class Validation:
     buffers_equal: bool
     compile: str | None = None  # the torch.compile backend both models ran under
     edited: bool = False  # the schedule's policies were changed after planning: the predictions are not theirs
+    cuda: CudaFigures | None = None  # on a GPU: the scheduled step's reserved peak and free memory
+
+    @property
+    def context_bytes(self) -> int | None:
+        """What the process held outside the caching allocator (CUDA context, libraries' workspaces)."""
+        c = self.cuda
+        return None if c is None else c["total_bytes"] - c["free_bytes"] - c["reserved_bytes"]
+
+    @property
+    def margin(self) -> float | None:
+        """The allocator's reserved peak over the allocated peak, less one: devices.MemoryRecord's margin."""
+        return None if self.cuda is None else self.cuda["reserved_peak_bytes"] / self.measured_peak_bytes - 1
+
+    @property
+    def reserved_fits(self) -> bool:
+        """The reserved peak and the context fit the card: the step did not need more than it has."""
+        c, context = self.cuda, self.context_bytes
+        return c is None or context is None or c["reserved_peak_bytes"] + context <= c["total_bytes"]
 
     @property
     def error(self) -> float:
@@ -50,7 +69,8 @@ class Validation:
 
     @property
     def ok(self) -> bool:
-        return self.fits and self.losses_equal and self.grads_equal and self.buffers_equal and not self.edited
+        return (self.fits and self.reserved_fits and self.losses_equal and self.grads_equal and self.buffers_equal
+                and not self.edited)
 
 
 def step_times(
@@ -123,6 +143,7 @@ def validate(
         buffers_equal=all(_same(b, sched.buffers[n]) for n, b in plain.buffers.items()),
         compile=backend,
         edited=schedule.edited,
+        cuda=sched.cuda,
     )
 
 
