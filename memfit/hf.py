@@ -54,17 +54,23 @@ def llama(
 
 def bert(
     batch: int = 8, seq: int = 128, n_layer: int = 4, hidden: int = 256, n_head: int = 4, vocab: int = 30522,
-    intermediate: int | None = None, seed: int = 0,
+    intermediate: int | None = None, seed: int = 0, task: str = "mlm", attention: str = "sdpa",
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """BERT for masked-language-model pre-training (every token a label, for a loss)."""
+    """BERT for masked-language-model pre-training (every token a label, for a loss), or with
+    ``task="classify"`` for sequence classification (two labels, as ``AutoModelForSequenceClassification``
+    builds it by default). ``attention``: the config's implementation (``eager`` as in 2022)."""
     tf = _transformers()
     torch.manual_seed(seed)
     config = tf.BertConfig(
         num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=n_head, vocab_size=vocab,
         intermediate_size=intermediate or 4 * hidden, max_position_embeddings=max(seq, 512),
-        attn_implementation="sdpa",
+        attn_implementation=attention,
     )
     ids = torch.randint(0, vocab, (batch, seq))
+    if task == "classify":
+        return tf.BertForSequenceClassification(config), {"input_ids": ids, "labels": torch.randint(0, 2, (batch,))}
+    if task != "mlm":
+        raise ValueError(f"task is 'mlm' or 'classify', got {task!r}")
     return tf.BertForMaskedLM(config), {"input_ids": ids, "labels": ids.clone()}
 
 

@@ -31,7 +31,7 @@ def _builtin_dir() -> Path:
 
 
 BUILTIN_DIR = _builtin_dir()
-DEFAULT = "gpt-1b"  # does not fit 24 GB unplanned; estimated for an RTX 4090 where there is no GPU
+DEFAULT = "gpt-750m"  # amp-bf16; does not fit 24 GB unplanned; estimated for an RTX 4090 where there is no GPU
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name
 
 
@@ -46,7 +46,7 @@ class Scenario:
     units: str | list[str] = "auto"
     dtype: str = "float32"
     origin: str | None = None  # a built-in scenario's name or a TOML file's absolute path; None for --model
-    target: str | None = None  # the device to estimate for when no GPU is at hand (devices.py)
+    target: str | None = None  # the device to estimate for when no GPU is at hand: a devices.py name or a spec file
     requires: str | None = None  # a package the factory imports (transformers), not a dependency of memfit's
     # the training step (trainstep.TrainStep): micro-batches, precision (None: dtype's own), clipping
     accumulate: int = 1
@@ -54,6 +54,8 @@ class Scenario:
     clip_grad_norm: float | None = None
     zero_grad: str = "none"
     keep_output: bool = False
+    parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16 or ddp (formats.profile.PARALLEL)
+    world_size: int | None = None  # ranks for parallel (default 2)
 
     @property
     def missing(self) -> str | None:
@@ -72,6 +74,17 @@ class Scenario:
         """The training step this scenario is trained with."""
         return TrainStep(self.step_optimizer, self.accumulate, self.precision, self.clip_grad_norm, self.zero_grad,
                          self.keep_output)
+
+    def target_device(self) -> Any:
+        """The ``devices.Device`` of ``target``: a built-in name, or a device spec file beside the scenario."""
+        from memfit.devices import device_spec, load_device_spec
+
+        if self.target is None:
+            raise MemfitError(f"scenario {self.name!r} names no target device")
+        if not self.target.endswith(".toml"):
+            return device_spec(self.target)
+        here = Path(self.origin).parent if self.origin and self.origin.endswith(".toml") else Path.cwd()
+        return load_device_spec(here / self.target)
 
     def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, Any]:
         """Call the factory; move to the dtype and device; make inputs if the factory gave none."""
@@ -275,7 +288,7 @@ def load_scenario(name_or_path: str) -> Scenario:
             )
     data = _read_toml(path)
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target",
-             "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output"}
+             "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output", "parallel", "world_size"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -305,11 +318,22 @@ def load_scenario(name_or_path: str) -> Scenario:
     dtype = data.get("dtype", "float32")
     if dtype not in DTYPES:
         raise bad("dtype", f"one of {', '.join(DTYPES)}")
-    if "target" in data:
+    if "target" in data and not data["target"].endswith(".toml"):
         from memfit.devices import DEVICES
 
         if data["target"] not in DEVICES:
-            raise bad("target", f"one of {', '.join(DEVICES)}")
+            raise bad("target", f"one of {', '.join(DEVICES)}, or a device spec file (.toml) beside the scenario")
+    if "parallel" in data:
+        from memfit.formats.profile import PARALLEL
+
+        if data["parallel"] not in PARALLEL:
+            raise bad("parallel", f"one of {', '.join(PARALLEL)}")
+    world_size = data.get("world_size")
+    if world_size is not None and not (isinstance(world_size, int) and not isinstance(world_size, bool)
+                                       and world_size >= 2):
+        raise bad("world_size", "an integer of at least 2")
+    if world_size is not None and "parallel" not in data:
+        raise MemfitError(f"{path}: world_size is the number of ranks for parallel: give parallel too")
     try:
         step = TrainStep.from_fields(data)
     except MemfitError as exc:
@@ -331,4 +355,6 @@ def load_scenario(name_or_path: str) -> Scenario:
         clip_grad_norm=step.clip_grad_norm,
         zero_grad=step.zero_grad,
         keep_output=step.keep_output,
+        parallel=data.get("parallel"),
+        world_size=world_size,
     )

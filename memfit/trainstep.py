@@ -16,9 +16,10 @@ from typing import Any, TypedDict
 from memfit.errors import MemfitError
 
 # Optimizers by name. The plain name is PyTorch's default kernel choice for the parameters'
-# device (foreach on CUDA, one tensor at a time on the CPU); -foreach and -fused force one.
-OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "adam", "adam-foreach", "adam-fused", "sgd", "sgd-momentum",
-              "sgd-momentum-foreach", "adafactor", "none")
+# device (foreach on CUDA, one tensor at a time on the CPU); -foreach, -fused and -single (one
+# tensor at a time, as Hugging Face's own AdamW stepped) force one.
+OPTIMIZERS = ("adamw", "adamw-foreach", "adamw-fused", "adamw-single", "adam", "adam-foreach", "adam-fused", "sgd",
+              "sgd-momentum", "sgd-momentum-foreach", "adafactor", "none")
 # Pure dtypes (weights, gradients and optimizer state all in it) or autocast over fp32 weights.
 PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")
 AMP = ("amp-bf16", "amp-fp16")

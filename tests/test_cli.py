@@ -116,7 +116,7 @@ def test_help_and_scenarios(workdir):
     assert {"plan", "validate", "sweep", "show", "scenarios"} <= {line.split()[1] for line in top.splitlines()
                                                                  if line.startswith("  memfit ")}
     proc = run("scenarios", cwd=workdir)
-    assert "gpt-1b (default)" in proc.stdout and "hf-llama" in proc.stdout and "estimated (rtx4090)" in proc.stdout
+    assert "gpt-750m (default)" in proc.stdout and "hf-llama" in proc.stdout and "estimated (rtx4090)" in proc.stdout
     # sizes counted on the meta device: Llama-2-7B's 6,738,415,616 parameters, gpt-small's 5,853,184
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line}
     assert "6.74B bfloat16" in rows["llama2-7b"] and "5.9M float32" in rows["gpt-small"]

@@ -35,7 +35,7 @@ def test_static_bytes_count_weights_state_and_inputs_once():
 
 
 def test_optimizers_by_name_never_move_the_weights():
-    for name in ("adamw", "adamw-foreach", "adamw-fused", "adam", "adam-fused", "sgd", "sgd-momentum",
+    for name in ("adamw", "adamw-foreach", "adamw-fused", "adamw-single", "adam", "adam-fused", "sgd", "sgd-momentum",
                  "sgd-momentum-foreach", "adafactor"):
         model = nn.Linear(4, 4)
         before = [p.detach().clone() for p in model.parameters()]

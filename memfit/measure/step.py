@@ -127,7 +127,8 @@ def make_optimizer(optimizer: str | OptimizerFactory | None, params: Iterable[nn
         return built
     base = "none" if optimizer is None else optimizer.lower()
     kernels: dict[str, Any] = {"foreach": foreach_default}
-    for suffix, forced in (("-foreach", {"foreach": True}), ("-fused", {"fused": True})):
+    for suffix, forced in (("-foreach", {"foreach": True}), ("-fused", {"fused": True}),
+                           ("-single", {"foreach": False})):
         if base.endswith(suffix):
             base, kernels = base.removesuffix(suffix), forced
     if base == "adamw":
