@@ -100,7 +100,8 @@ def test_inputs_are_described_like_measured_ones():
 
 def test_default_plan_is_estimated_for_a_24gb_gpu_and_matters(tmp_path, capsys):
     """`memfit plan --budget 24GB`, the first command of the README, with no GPU here: the default
-    1.1B GPT is estimated for an RTX 4090; unplanned it would not fit, planned it does."""
+    0.73B GPT in amp-bf16 is estimated for an RTX 4090; unplanned it would not fit, planned it does,
+    within what the card leaves to a step (20.67 GiB)."""
     from memfit.cli import main
 
     out = tmp_path / "s.json"
@@ -110,6 +111,8 @@ def test_default_plan_is_estimated_for_a_24gb_gpu_and_matters(tmp_path, capsys):
     sched = memfit.load_schedule(out)
     assert sched.target == "rtx4090" and sched.device == "cuda" and sched.checkpointed
     assert sched.baselines["none"]["peak_bytes"] > 24 * 2**30 >= sched.predicted_peak_bytes
+    assert sched.predicted_peak_bytes <= sched.budget_bytes == DEVICES["rtx4090"].usable_bytes
+    assert sched.asked_budget_bytes == 24 * 2**30 and sched.step["precision"] == "amp-bf16"
     assert main(["validate", "--schedule", str(out)]) == 2
     assert "estimated for rtx4090 without one; validate it on that GPU" in capsys.readouterr().err
 

@@ -1,0 +1,138 @@
+"""Published training-memory figures of well-known configurations, reproduced in estimate mode.
+
+    python benchmarks/published.py            # every figure (about 3 minutes on 2 CPU cores)
+    python benchmarks/published.py --only bert
+
+Each figure was measured by its authors on the GPU named, with the configuration given (model
+dimensions, batch, sequence, precision, optimizer, parallelism, checkpointing). memfit estimates
+the same training step from shapes on fake tensors for that GPU (``memfit.estimate`` with the
+step as a ``memfit.TrainStep``) and predicts the allocated peak of the same checkpointing
+(``memfit.predict``). Published figures are not allocated peaks: torchtitan logs the caching
+allocator's reserved peak, nvidia-smi the process's whole use. So the allocated estimate is
+turned into the same kind of number before the two are compared: reserved = allocated x (1 +
+margin), with devices.MARGIN (the allocator margin memfit plans with); nvidia-smi = reserved +
+the CUDA context the source itself measured. The ratio is that over the published figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import memfit
+from memfit.budget import format_bytes
+from memfit.devices import MARGIN, MiB
+from memfit.profiler.estimate import estimate
+from memfit.report import table
+from memfit.scenarios import Scenario
+
+GiB = 2**30
+HF_PERF = ("huggingface.co/docs/transformers/v4.18.0/en/performance (bert-large-uncased, 1x V100-SXM2-16GB, "
+           "HF Trainer, seq 512, 'GPU memory occupied' by pynvml after training; CUDA context measured there: 1343 MB)")
+TORCHAO = ("github.com/pytorch/ao/blob/main/torchao/prototype/float8nocompile/README.md (torchtitan PR #778: "
+           "Llama 3 8B, 8x H100, FSDP2, batch 1 x 4096, bf16 eager; 'Peak memory (GB)' = torchtitan's max reserved, "
+           "GiB)")
+
+
+@dataclass(slots=True)
+class Figure:
+    key: str
+    what: str  # the configuration, in words
+    source: str
+    published_bytes: int
+    kind: str  # "reserved" (the allocator's peak) or "nvidia-smi" (reserved + the CUDA context)
+    scenario: Scenario
+    checkpoint: Callable[[list[str]], dict[str, str]]  # unit names -> the policies the source ran
+    context_bytes: int = 0  # for nvidia-smi figures: the context the source measured
+
+
+def _none(units: list[str]) -> dict[str, str]:
+    return {}
+
+
+def _full(units: list[str]) -> dict[str, str]:
+    return dict.fromkeys(units, "full")
+
+
+def _every_second(units: list[str]) -> dict[str, str]:
+    """torchtitan's selective_ac_option "2": a full checkpoint on every second block."""
+    return {u: "full" for i, u in enumerate(units) if i % 2 == 1}
+
+
+def _bert(batch: int, accumulate: int, precision: str) -> Scenario:
+    # HF Trainer of early 2022: transformers' own AdamW (one tensor at a time), max_grad_norm 1.0,
+    # model.zero_grad() (set_to_none=False in torch 1.x: the gradients stay), eager attention,
+    # dropout 0.1, AutoModelForSequenceClassification (2 labels).
+    return Scenario(name="bert-large-cls", model="memfit.hf:bert", optimizer="adamw-single", units="auto",
+                    dtype="float32", target="v100-16gb", requires="transformers",
+                    args={"batch": batch, "seq": 512, "n_layer": 24, "hidden": 1024, "n_head": 16,
+                          "intermediate": 4096, "vocab": 30522, "task": "classify", "attention": "eager"},
+                    accumulate=accumulate, precision=precision, clip_grad_norm=1.0, zero_grad="zeros")
+
+
+def _llama3_8b_fsdp() -> Scenario:
+    return Scenario(name="llama3-8b-fsdp-4k", model="memfit.hf:llama", optimizer="adamw", units="auto",
+                    dtype="float32", target="h100", requires="transformers", parallel="fsdp-bf16", world_size=8,
+                    clip_grad_norm=1.0,
+                    args={"batch": 1, "seq": 4096, "n_layer": 32, "hidden": 4096, "intermediate": 14336,
+                          "n_head": 32, "kv_heads": 8, "vocab": 128256})
+
+
+FIGURES = [
+    Figure("bert-bs4", "BERT-large cls, batch 4 x 512, fp32, AdamW", HF_PERF, 14949 * MiB, "nvidia-smi",
+           _bert(4, 1, "fp32"), _none, 1343 * MiB),
+    Figure("bert-ga4", "BERT-large cls, batch 1 x 512, 4 micro-batches, fp32", HF_PERF, 8681 * MiB, "nvidia-smi",
+           _bert(1, 4, "fp32"), _none, 1343 * MiB),
+    Figure("bert-ga4-gc", "the same, every layer checkpointed", HF_PERF, 6775 * MiB, "nvidia-smi",
+           _bert(1, 4, "fp32"), _full, 1343 * MiB),
+    Figure("bert-fp16", "BERT-large cls, batch 4 x 512, fp16 autocast + GradScaler", HF_PERF, 13939 * MiB,
+           "nvidia-smi", _bert(4, 1, "amp-fp16"), _none, 1343 * MiB),
+    Figure("llama3-8b-none", "Llama-3-8B, FSDP2 8 ranks, 1 x 4096, no checkpointing", TORCHAO,
+           round(53.12 * GiB), "reserved", _llama3_8b_fsdp(), _none),
+    Figure("llama3-8b-every2", "the same, every second layer checkpointed", TORCHAO, round(40.6 * GiB), "reserved",
+           _llama3_8b_fsdp(), _every_second),
+    Figure("llama3-8b-full", "the same, every layer checkpointed", TORCHAO, round(28.07 * GiB), "reserved",
+           _llama3_8b_fsdp(), _full),
+]
+
+
+def estimated(sc: Scenario) -> memfit.Profile:
+    return estimate(lambda: sc.build("cpu"), target=sc.target_device(), units=sc.units, step=sc.train_step,
+                    parallel=sc.parallel, world_size=sc.world_size or 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="figures whose key starts with this (bert, llama3)")
+    args = parser.parse_args()
+    profiles: dict[str, Any] = {}  # one estimate per distinct step, shared by its checkpointing variants
+    rows, ratios = [], []
+    for f in FIGURES:
+        if args.only and not f.key.startswith(args.only):
+            continue
+        key = repr(f.scenario)
+        if key not in profiles:
+            started = time.perf_counter()
+            profiles[key] = estimated(f.scenario)
+            print(f"estimated {f.key} in {time.perf_counter() - started:.0f} s", flush=True)
+        prof = profiles[key]
+        allocated = memfit.predict(prof, f.checkpoint(prof.unit_names)).peak_bytes
+        comparable = round(allocated * (1 + MARGIN)) + f.context_bytes
+        ratio = comparable / f.published_bytes
+        ratios.append(ratio)
+        rows.append([f.key, f.what, f.kind, format_bytes(f.published_bytes), format_bytes(allocated),
+                     format_bytes(comparable), f"{ratio:.3f}"])
+    print(table(["figure", "configuration", "published as", "published", "memfit allocated",
+                 "+ margin, context", "ratio"], rows, [False, False, False, True, True, True, True]))
+    print(f"\n+ margin, context: allocated x {1 + MARGIN:.2f} (the allocator margin memfit plans with), plus the "
+          "CUDA context the source measured where its figure includes it (nvidia-smi)")
+    print(f"within 10% of the published figure: {sum(abs(r - 1) <= 0.10 for r in ratios)} of {len(ratios)}")
+    for source in dict.fromkeys(f.source for f in FIGURES if not args.only or f.key.startswith(args.only)):
+        print(f"source: {source}")
+
+
+if __name__ == "__main__":
+    main()
