@@ -126,7 +126,8 @@ def profile_of(args: argparse.Namespace) -> Any:
     if args.world_size is not None and args.parallel is None and sc.parallel is None:
         raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
     parallel = args.parallel or sc.parallel
-    ranks = args.world_size or (sc.world_size if parallel == sc.parallel else None) or 2
+    ranks = args.world_size if args.world_size is not None else (
+        sc.world_size if parallel == sc.parallel and sc.world_size else 2)
     if parallel is not None and target is None:
         from memfit.measure.ranks import check_parallel
         from memfit.parallel import profile_ranks

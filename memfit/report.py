@@ -278,7 +278,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
         out.append(f"device memory: {describe_memory(memory)}")  # type: ignore[arg-type]
         usable = usable_bytes(memory)  # type: ignore[arg-type]
         if schedule.asked_budget_bytes:
-            out.append(f"warning: the budget asked for, {format_bytes(schedule.asked_budget_bytes)}, is more than "
+            out.append(f"note: the budget asked for, {format_bytes(schedule.asked_budget_bytes)}, is more than "
                        f"that: planned for {format_bytes(schedule.budget_bytes)} instead (describe the card's own "
                        "context and margin with --device-spec FILE; memfit validate on it measures them)")
         if peak + headroom > usable:

@@ -143,7 +143,7 @@ def test_the_cli_prints_usable_memory_in_every_branch(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "fits without checkpointing" in proc.stdout
     assert "device memory: 12.73 GiB usable on Tesla T4 (14.75 GiB total" in proc.stdout
-    assert "warning: the budget asked for, 100.00 GiB, is more than that" in proc.stdout
+    assert "note: the budget asked for, 100.00 GiB, is more than that" in proc.stdout
     (tmp_path / "small.toml").write_text('base = "t4"\ntitle = "Small card"\nmemory = "64MiB"\ncontext = "8MiB"\n'
                                          'margin = 0.1\n')
     proc = run("plan", "--scenario", "tiny.toml", "--device-spec", "small.toml", "--budget", "100GB", "--json",
