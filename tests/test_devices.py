@@ -133,6 +133,10 @@ def test_an_estimate_records_its_targets_memory_and_a_spec_file_can_be_the_targe
     small = estimate(tiny_gpt, target=load_device_spec(path))
     assert small.target == "small" and small.memory["title"] == "Small card"
     assert small.memory["total_bytes"] == 64 * MiB and small.units[0].options == t4.units[0].options
+    model, batch = tiny_gpt()  # applied on the CPU, a plan for a card of one's own says so by its title
+    memfit.apply(model, memfit.plan(small, memfit.predict(small, {}).peak_bytes))
+    with pytest.warns(memfit.PlanDriftWarning, match=r"estimated for Small card \(small\).*the CPU"):
+        model(**batch)
 
 
 def test_the_cli_prints_usable_memory_in_every_branch(tmp_path):

@@ -159,8 +159,8 @@ def _hf_gpt2():
     return model, {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
 
 
-@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), [
-    (o, *rest) for o in OPTIMIZERS for rest in ((1, "fp32", None), (3, "amp-bf16", 1.0))])
+@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), list(itertools.product(
+    OPTIMIZERS, (1, 3), ("fp32", "amp-bf16"), (None, 1.0))))
 def test_hf_gpt2_plans_hold_in_the_users_loop(optimizer, accumulate, precision, clip):
     check_step(_hf_gpt2, optimizer, accumulate, precision, clip)
 

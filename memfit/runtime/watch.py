@@ -204,12 +204,14 @@ class Watch:
         name = torch.cuda.get_device_name(here) if here.type == "cuda" else "the CPU"
         s = self.schedule
         if s.target:
-            from memfit.devices import device_spec
+            from memfit.devices import DEVICES
 
-            spec = device_spec(s.target)
-            if (here.type == "cuda") != spec.cuda or (here.type == "cuda" and spec.title.lower() not in name.lower()):
+            known = DEVICES.get(s.target)  # a device spec file's target is known by its memory record only
+            title = str(s.memory["title"]) if s.memory else known.title if known else s.target
+            cuda = bool(s.memory) or (known.cuda if known else True)
+            if (here.type == "cuda") != cuda or (here.type == "cuda" and title.lower() not in name.lower()):
                 warnings.warn(PlanDriftWarning(
-                    f"memfit: this schedule was estimated for {spec.title} ({s.target}), not measured, and the model "
+                    f"memfit: this schedule was estimated for {title} ({s.target}), not measured, and the model "
                     f"runs on {name}: its peak may differ; plan on this device (memfit plan without --target) or "
                     "check it with memfit validate"), stacklevel=4)
         elif torch.device(s.device).type != here.type:
