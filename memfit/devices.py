@@ -202,6 +202,13 @@ def device_spec(name: str) -> Device:
     return DEVICES[key]
 
 
+def target_title(target: str, memory: MemoryRecord | dict[str, Any]) -> str:
+    """The product a plan was estimated for: its memory record's title, else the table's for a
+    built-in target (files older than the record), else "" (a spec file's card, unrecorded)."""
+    known = DEVICES.get(target)
+    return str(memory["title"]) if memory else known.title if known else ""
+
+
 def by_title(title: str) -> Device | None:
     """The table's device whose product name torch.cuda.get_device_name gives, if any."""
     return next((d for d in DEVICES.values() if d.title.lower() == title.lower()), None)

@@ -261,7 +261,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     """What the device leaves beside the budget: an estimate's target, the usable memory after
     the CUDA context and the allocator's margin, a per-rank plan's FSDP headroom. Said with every
     plan, and when nothing needs checkpointing."""
-    from memfit.devices import DEVICES, describe_memory, usable_bytes
+    from memfit.devices import describe_memory, target_title, usable_bytes
     from memfit.planning.memory import fsdp_headroom
 
     out = []
@@ -269,8 +269,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     memory = schedule.memory
     headroom = fsdp_headroom(profile) if profile is not None else 0
     if schedule.target:
-        known = DEVICES.get(schedule.target)  # a file older than the memory record names only the target
-        title = memory["title"] if memory else known.title if known else ""
+        title = target_title(schedule.target, memory)
         title = f"{title} ({schedule.target})" if title else schedule.target
         out.append(f"estimated for {title} from shapes on fake tensors, nothing allocated: memory exact from shapes, "
                    "times a roofline; check it on the GPU with memfit validate")

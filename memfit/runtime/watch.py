@@ -204,10 +204,10 @@ class Watch:
         name = torch.cuda.get_device_name(here) if here.type == "cuda" else "the CPU"
         s = self.schedule
         if s.target:
-            from memfit.devices import DEVICES
+            from memfit.devices import DEVICES, target_title
 
+            title = target_title(s.target, s.memory) or s.target
             known = DEVICES.get(s.target)  # a device spec file's target is known by its memory record only
-            title = str(s.memory["title"]) if s.memory else known.title if known else s.target
             cuda = bool(s.memory) or (known.cuda if known else True)
             if (here.type == "cuda") != cuda or (here.type == "cuda" and title.lower() not in name.lower()):
                 warnings.warn(PlanDriftWarning(
