@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 import traceback
-from typing import NoReturn
+import warnings
+from typing import Any, NoReturn
 
 from memfit import commands
 from memfit.console import (
@@ -16,7 +17,7 @@ from memfit.console import (
     remove_outputs,
     user_code_error,
 )
-from memfit.errors import InternalError, MemfitError
+from memfit.errors import InternalError, MemfitError, MemfitWarning
 from memfit.formats.profile import PARALLEL
 from memfit.trainstep import OPTIMIZERS, PRECISIONS, ZERO_GRADS
 
@@ -52,6 +53,15 @@ def _epilog(command: str) -> str:
     return "\n".join(["examples:", *mine, *(["", *notes] if notes else [])]) + "\n"
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """memfit's own warnings as a line of their own, like its errors; others as Python prints them."""
+    if issubclass(category, MemfitWarning):
+        print(f"memfit: warning: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 def main(argv: list[str] | None = None) -> int:
     install_interrupt_handler()  # first, so that a Ctrl-C from here on always ends the run with 130
     debug, args = False, None
@@ -65,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         from memfit.measure.malloc import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()  # steadier, additive CPU step times (see its docstring)
-        code = int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe fails here, inside the try, not at exit
         check_interrupt()
         return code
@@ -173,7 +185,8 @@ def _parser() -> argparse.ArgumentParser:
                  "(needs a fine profile; profiles the model so when none is given)")
     plan.add_argument("--time-limit", type=float, metavar="SECONDS",
                       help="seconds the solver may take; then its best answer so far, or the best baseline if it "
-                      "has none (default: no limit)")
+                      "has none (default: no limit at granularity module; 60 at fine, whose solves also stop once "
+                      "within 0.1%% of the optimum)")
     plan.add_argument("-o", "--output", help="schedule file to write (default: schedule.json; when nothing needs "
                       "checkpointing, only if given)")
     plan.add_argument("--fallbacks", type=int, default=0, metavar="K",
@@ -216,14 +229,19 @@ def _parser() -> argparse.ArgumentParser:
     sw.set_defaults(func=commands.cmd_sweep)
 
     val = command("validate", "run the plain and the scheduled model: measured vs predicted peak and slowdown, "
-                  "equal gradients; exits 1 if the peak exceeds the budget or results differ")
+                  "equal gradients; exits 1 if the peak exceeds the budget, results differ or the measured slowdown "
+                  "is off the predicted by more than --time-tolerance")
     val.add_argument("--schedule", required=True, help="a schedule JSON from `memfit plan`")
     val.add_argument("--trust-source", action="store_true",
                     help="rebuild the model that the --schedule file names (imports and runs its code); without it, "
                          "only built-in scenarios are rebuilt from a file")
     _source_args(val, validate=True)
     val.add_argument("--steps", type=int, default=5,
-                     help="timed rounds, one plain and one scheduled step counted in each (default: %(default)s)")
+                     help="timed rounds, one plain and one scheduled step counted in each; 3 or more judge the "
+                     "slowdown (default: %(default)s)")
+    val.add_argument("--time-tolerance", type=float, default=5.0, metavar="POINTS",
+                     help="how many percentage points of the plain step the measured slowdown may differ from the "
+                     "predicted, on top of the measurement's own uncertainty (default: %(default)s)")
     val.add_argument("--compile", metavar="BACKEND",
                      help="run both models under torch.compile with this backend (default: the one the schedule "
                      "was planned for with plan --compile, else none)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -184,6 +185,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1 (timed rounds of the plain and the scheduled step)")
+    if not (math.isfinite(args.time_tolerance) and args.time_tolerance >= 0):
+        raise MemfitError(f"--time-tolerance is percentage points, 0 or more (5: five points); got "
+                          f"{args.time_tolerance}")
     schedule = load_schedule(args.schedule)
     if args.compile:
         from memfit.compiled import check_backend
@@ -210,7 +214,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     check_interrupt()
     step = sc.train_step
     print("measuring the plain and the scheduled step", file=sys.stderr)
-    result = validate(model, inputs, schedule, step=step, steps=args.steps, compile=args.compile)
+    result = validate(model, inputs, schedule, step=step, steps=args.steps, compile=args.compile,
+                      time_tolerance=args.time_tolerance / 100)
     check_interrupt()
     if args.timeline:
         measured = measure_levels(model, inputs, schedule, step=step)
@@ -226,7 +231,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok,
                           "context_bytes": result.context_bytes, "margin": result.margin,
-                          "reserved_fits": result.reserved_fits}, indent=2))
+                          "reserved_fits": result.reserved_fits, "time_judged": result.time_judged,
+                          "time_ok": result.time_ok}, indent=2))
     else:
         print(validation_report(result))
     return 0 if result.ok else 1

@@ -23,7 +23,7 @@ from memfit.errors import InfeasibleBudgetError, MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import CompiledPeak, Schedule
 from memfit.measure.step import LossFn
-from memfit.measure.timing import alternate, median_ratio, timed_step
+from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import StepHarness
 from memfit.trainstep import TrainStep, step_of
@@ -110,10 +110,11 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
 
 def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str], backend: str, *,
                         loss_fn: LossFn | None = None, step: TrainStep | None = None,
-                        steps: int = 5) -> tuple[float, float]:
-    """Median compiled step time of the plain model, and the median ratio of the scheduled
-    compiled step's to it, interleaved as ``alternate`` does, on two copies of ``model`` (a
-    compiled model is not switched between plans: each switch would compile again)."""
+                        steps: int = 5) -> tuple[float, float, float]:
+    """Median compiled step time of the plain model, the median ratio of the scheduled
+    compiled step's to it and that ratio's uncertainty (``ratio_uncertainty``), interleaved as
+    ``alternate`` does, on two copies of ``model`` (a compiled model is not switched between
+    plans: each switch would compile again)."""
     copies = [copy.deepcopy(model), copy.deepcopy(model)]
     set_policies(copies[1], policies)
     steps_of = [StepHarness(m, inputs, loss_fn=loss_fn, step=step) for m in copies]
@@ -132,7 +133,7 @@ def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str],
         plain, sched = alternate(timed, 2, steps)
     finally:
         torch.compiler.reset()
-    return statistics.median(plain), median_ratio(plain, sched)
+    return statistics.median(plain), median_ratio(plain, sched), ratio_uncertainty(plain, sched)
 
 
 def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, int]:

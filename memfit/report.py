@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from memfit.budget import format_bytes
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
+from memfit.measure.timing import MIN_TIMED_ROUNDS
 from memfit.planning.memory import predict
 from memfit.planning.planner import best_baseline
 from memfit.planning.roles import roles_of, unit_costs
@@ -125,6 +127,11 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         theirs = schedule.baselines[best]["recompute_s"]
         ratio = schedule.predicted_recompute_s / theirs if theirs > 0 else 1.0
         out.append(f"recompute time of this plan / best baseline ({best}): {ratio:.2f}")
+        noise = schedule.predicted_uncertainty_s + float(schedule.baselines[best].get("uncertainty_s", 0.0))
+        if noise > 0 and theirs - schedule.predicted_recompute_s <= noise:
+            out.append(f"these plans cost the same within the measurement's noise: this plan saves "
+                       f"{(theirs - schedule.predicted_recompute_s) * 1e3:.1f} ms, the costs are sure to "
+                       f"±{noise * 1e3:.1f} ms (profile with more --repeat, on a quiet machine, to tell them apart)")
     used = sum(p != "none" for p in schedule.policies.values())
     segments = len({p for p in schedule.policies.values() if is_segment(p)})
     in_segments = f" ({segments} segment{'s' if segments > 1 else ''})" if segments else ""
@@ -208,6 +215,7 @@ def validation_report(v: Validation) -> str:
         f"(max difference {v.max_grad_diff:.3g}); buffers {'equal' if v.buffers_equal else 'DIFFER'}",
         f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
         + (f", both compiled ({v.compile})" if v.compile else ""),
+        _time_check(v),
     ]
     if v.cuda is not None:
         c, context, margin = v.cuda, v.context_bytes or 0, v.margin or 0.0
@@ -222,6 +230,21 @@ def validation_report(v: Validation) -> str:
                       "not these policies'; plan again, or predict these policies from the profile "
                       "(memfit.predict(profile, schedule.policies))")
     return "\n".join([table(["", "predicted", "measured", "error"], rows), "", *checks, f"validation {verdict}"])
+
+
+def _time_check(v: Validation) -> str:
+    """The slowdown's verdict: measured against predicted, within the tolerance and its uncertainty."""
+    if not math.isfinite(v.measured_overhead):
+        return "slowdown not measured (no timed rounds)"
+    if not v.time_judged:
+        return (f"slowdown not judged: {MIN_TIMED_ROUNDS} timed rounds or more tell how sure the measurement is "
+                "(--steps 5)")
+    gap = (v.measured_overhead - v.predicted_overhead) * 100
+    limit = (v.time_tolerance + v.overhead_uncertainty) * 100
+    return (f"measured slowdown {'within' if v.time_ok else 'OFF'} the predicted by {gap:+.1f} points: tolerance "
+            f"{v.time_tolerance * 100:.1f} + this run's uncertainty {v.overhead_uncertainty * 100:.1f} = {limit:.1f}"
+            + ("" if v.time_ok else "; the plan's times are not this machine's now: profile again here, or raise "
+               "--time-tolerance if the machine is shared and busy"))
 
 
 def sweep_report(frame: pd.DataFrame) -> str:

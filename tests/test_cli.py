@@ -43,7 +43,9 @@ def test_plan_table_json_and_file(workdir):
     proc = run("plan", "--profile", "profile.json", "--budget", str(budget), "--solver", "cbc", "--json",
                "-o", "s2.json", cwd=workdir)
     data = json.loads(proc.stdout)
-    assert data["format"] == "memfit.schedule/1" and data["policies"] == sched.policies
+    # identical blocks cost the same (profiler/costs.py): the solvers may pick different plans of one cost
+    assert data["format"] == "memfit.schedule/1" and data["predicted_peak_bytes"] <= budget
+    assert data["predicted_recompute_s"] == pytest.approx(sched.predicted_recompute_s, rel=1e-3)
     proc = run("show", "s.json", cwd=workdir)
     assert proc.returncode == 0 and "h.0" in proc.stdout
     proc = run("show", "profile.json", cwd=workdir)

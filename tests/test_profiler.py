@@ -133,9 +133,10 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     # machine speed drifts by 2x between rounds; within a pair the all-checkpointed step costs 1.3x
     plain = [run([1.0 * s, 3.0 * s], [2.0 * s, 6.0 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
     full = [run([1.0 * s, 3.0 * s], [3.05 * s, 9.15 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
-    factor = _recompute_factor(plain, full)
+    factor, uncertainty = _recompute_factor(plain, full)
     step, forward = 14.0 * 1.5, 4.0 * 1.5  # medians
     assert factor * forward / step == pytest.approx(0.3)
+    assert uncertainty == pytest.approx(0.0)  # every round's ratio was the same: the drift cancels
 
     # alternate: each configuration twice in a row, the second counted; the order reverses
     order: list[int] = []

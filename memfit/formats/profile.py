@@ -49,6 +49,10 @@ class OptionCost:
     # amp: parameter casts that autocast's cache alone holds at the forward's end, freed when
     # the step leaves autocast (a ``releases`` phase), beyond what the unit kept frees there
     release_bytes: int = 0
+    # how far ``recompute_s`` is sure: the uncertainty of the step's measured overhead
+    # (measure/timing.ratio_uncertainty), split as the cost is (profiler/costs.py); 0: not measured
+    # (estimates, repeat < 3)
+    recompute_uncertainty_s: float = 0.0
 
     def backward(self, later: bool) -> tuple[int, int]:
         """(peak, end) of the backward: the first run's, or a later run's."""
@@ -177,7 +181,8 @@ class Profile:
         data = asdict(self)
         for u in data["units"]:
             for o in u["options"].values():
-                for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0)):
+                for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0),
+                                   ("recompute_uncertainty_s", 0.0)):
                     if o[key] == unset:
                         del o[key]
         for p in data["phases"]:
@@ -276,6 +281,7 @@ def _unit(u: Fields) -> UnitProfile:
             o.int("bwd_end_bytes"), o.float("recompute_s", minimum=0.0),
             *(o.int(k) if o.data.get(k) is not None else None for k in ("later_bwd_peak_bytes", "later_bwd_end_bytes")),
             o.int("release_bytes", minimum=0) if "release_bytes" in o.data else 0,
+            o.float("recompute_uncertainty_s", minimum=0.0) if "recompute_uncertainty_s" in o.data else 0.0,
         )
     return UnitProfile(
         u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),

@@ -30,6 +30,7 @@ class BaselineFigures(TypedDict, total=False):
     peak_bytes: int
     recompute_s: float
     overhead: float
+    uncertainty_s: float  # how sure recompute_s is (planning/memory.Prediction.uncertainty_s)
 
 
 class Fallback(TypedDict):
@@ -59,7 +60,7 @@ class Source(TypedDict, total=False):
     input_shape: list[int] | None
 
 
-_AT_LEAST_0 = {"peak_bytes": 0, "recompute_s": 0.0, "overhead": 0.0}
+_AT_LEAST_0 = {"peak_bytes": 0, "recompute_s": 0.0, "overhead": 0.0, "uncertainty_s": 0.0}
 Levels = dict[str, list[list[Any]]]  # "plan" / "none" -> [phase, live bytes at its start, its peak] each
 
 
@@ -90,6 +91,8 @@ class Schedule:
     # the budget asked for, where it was more than the device's usable memory and the plan was made
     # for that instead (budget_bytes); None when budget_bytes is the budget asked for
     asked_budget_bytes: int | None = None
+    # how sure predicted_recompute_s is: the measured uncertainty of its options' costs (0: not measured)
+    predicted_uncertainty_s: float = 0.0
     # loaded from a file whose policies were changed after planning: its predictions are another plan's
     edited: bool = False
 
@@ -106,7 +109,7 @@ class Schedule:
         """The fields as JSON takes them (``--json``); a plain step's empty record left out, so
         that a profile older than the step record plans to the file it planned to then."""
         data = asdict(self)
-        for key in ("step", "memory", "asked_budget_bytes"):
+        for key in ("step", "memory", "asked_budget_bytes", "predicted_uncertainty_s"):
             if not data[key]:
                 del data[key]
         return data
@@ -163,6 +166,8 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         step=read_step(f),
         memory=read_memory(f),
         asked_budget_bytes=f.int("asked_budget_bytes", minimum=1) if "asked_budget_bytes" in f.data else None,
+        predicted_uncertainty_s=(f.float("predicted_uncertainty_s", minimum=0.0)
+                                 if "predicted_uncertainty_s" in f.data else 0.0),
         edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(policies),
     )
 

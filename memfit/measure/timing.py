@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -48,6 +49,20 @@ def _without_gc(run: Callable[[int], T], k: int) -> T:
 def median_ratio(plain: list[float], other: list[float]) -> float:
     """Median over rounds of other / plain."""
     return statistics.median(b / a for a, b in zip(plain, other, strict=True))
+
+
+MIN_TIMED_ROUNDS = 3  # fewer rounds say nothing about how much the ratio varies
+
+
+def ratio_uncertainty(plain: list[float], other: list[float]) -> float:
+    """How far ``median_ratio`` is sure: two standard errors of the median of other / plain over
+    the rounds (1.253 σ/√n, σ from the interquartile range, robust to the odd round a neighbour's
+    burst spoils), so that two measurements agree within the sum of theirs. NaN below
+    ``MIN_TIMED_ROUNDS`` rounds."""
+    if len(plain) < MIN_TIMED_ROUNDS:
+        return float("nan")
+    q1, _, q3 = statistics.quantiles([b / a for a, b in zip(plain, other, strict=True)], n=4, method="inclusive")
+    return 2 * 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(plain))
 
 
 def sync(device: torch.device) -> None:

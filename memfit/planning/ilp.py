@@ -32,9 +32,11 @@ def solve(
     solver: str = "cpsat",
     minimize: str = "recompute",
     time_limit: float | None = None,
+    gap: float = 0.0,
 ) -> Solution | None:
     """Least recompute under ``budget_bytes`` (``minimize="recompute"``), or the least peak
-    (``minimize="peak"``, budget ignored). ``None`` when no choice fits."""
+    (``minimize="peak"``, budget ignored). ``None`` when no choice fits. ``gap``: stop once the
+    answer is proven within this fraction of the optimum (the status then says how close)."""
     if solver not in SOLVERS:
         raise MemfitError(f"unknown solver {solver!r}; use one of {', '.join(SOLVERS)}")
     cap = None if budget_bytes is None or minimize == "peak" else budget_bytes // model.quantum
@@ -44,7 +46,7 @@ def solve(
     if solver == "dp":
         result = solve_dp(model, cap, minimize)
     else:
-        result = _solve_mip(model, cap, minimize, time_limit, solver)
+        result = _solve_mip(model, cap, minimize, time_limit, solver, gap)
     if result is None:
         return None
     roles, status, objective = result
@@ -56,7 +58,7 @@ def _segments(model: IntModel) -> list[Role]:
 
 
 def _solve_mip(
-    model: IntModel, cap: int | None, minimize: str, time_limit: float | None, solver: str
+    model: IntModel, cap: int | None, minimize: str, time_limit: float | None, solver: str, gap: float = 0.0
 ) -> tuple[list[Role], str, int] | None:
     """CP-SAT and CBC share this formulation; ``_CpSat`` and ``_Cbc`` hide their spelling."""
     b = _CpSat() if solver == "cpsat" else _Cbc()
@@ -94,7 +96,7 @@ def _solve_mip(
         b.minimize(b.expr([(1, peak_var)]))
     else:
         b.minimize(b.expr([(model.recompute_ns[j, r], v) for j in range(model.n) for r, v in x[j].items()]))
-    outcome = b.solve(time_limit)
+    outcome = b.solve(time_limit, gap)
     if outcome is None:
         return None
     status, objective = outcome
@@ -197,22 +199,24 @@ class _CpSat:
     def minimize(self, e) -> None:  # type: ignore[no-untyped-def]
         self.m.Minimize(e)
 
-    def solve(self, time_limit: float | None) -> tuple[str, int] | None:
+    def solve(self, time_limit: float | None, gap: float) -> tuple[str, int] | None:
         p = self.s.parameters
         p.num_workers = 1  # deterministic: the same profile gives the same schedule
         p.random_seed = 0
         if time_limit is not None:
             p.max_time_in_seconds = float(time_limit)
+        if gap > 0:
+            p.relative_gap_limit = gap
         status = self.s.Solve(self.m)
         if status == self.cp.UNKNOWN:
             raise SolverTimeout("the solver found no answer within the time limit; raise --time-limit")
         if status not in (self.cp.OPTIMAL, self.cp.FEASIBLE):
             return None
         value = self.s.ObjectiveValue()
-        if status == self.cp.OPTIMAL:
-            return "optimal", round(value)
-        gap = (value - self.s.BestObjectiveBound()) / value if value else 0.0
-        return f"feasible (time limit; within {gap:.1%} of optimal)", round(value)
+        off = (value - self.s.BestObjectiveBound()) / value if value else 0.0
+        if status == self.cp.OPTIMAL:  # also where the gap limit stopped it: say how close
+            return ("optimal" if off <= 0 else f"optimal within {off:.2%} (gap limit)"), round(value)
+        return f"feasible (time limit; within {off:.1%} of optimal)", round(value)
 
     def value(self, v) -> bool:  # type: ignore[no-untyped-def]
         return bool(self.s.Value(v))
@@ -253,10 +257,10 @@ class _Cbc:
     def minimize(self, e) -> None:  # type: ignore[no-untyped-def]
         self.prob.setObjective(e)
 
-    def solve(self, time_limit: float | None) -> tuple[str, int] | None:
+    def solve(self, time_limit: float | None, gap: float) -> tuple[str, int] | None:
         pulp = self.pulp
         # threads= is left unset on purpose: CBC sometimes waits ~10 s on its thread pool with it.
-        self.prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
+        self.prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap or None))
         if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             if pulp.LpStatus[self.prob.status] == "Not Solved":
                 raise SolverTimeout("the solver found no answer within the time limit; raise --time-limit")

@@ -23,6 +23,7 @@ class Prediction:
     recompute_s: float
     overhead: float  # recompute time / un-checkpointed step time
     levels: list[tuple[str, int, int]]  # (phase, level at its start, its peak), for timelines
+    uncertainty_s: float = 0.0  # how sure recompute_s is: its options' uncertainties summed (they share rounds)
 
 
 def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
@@ -51,7 +52,7 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
             phase.unit is not None and phase.kind == "forward") else 0
     recompute = sum(c.recompute_s for c in costs)
     overhead = recompute / profile.step_s if profile.step_s > 0 else 0.0
-    return Prediction(int(peak), where, recompute, overhead, levels)
+    return Prediction(int(peak), where, recompute, overhead, levels, sum(c.uncertainty_s for c in costs))
 
 
 def fsdp_headroom(profile: Profile) -> int:

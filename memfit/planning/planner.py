@@ -18,6 +18,10 @@ from memfit.planning.options import PlanOptions
 from memfit.planning.roles import policies_of
 
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
+# Fine solves at real size (32 layers, ~10 options each) find the optimum to 0.1% in seconds and
+# then spend an hour proving it: they stop there, and at this many seconds unless told otherwise.
+FINE_TIME_LIMIT = 60.0
+FINE_GAP = 1e-3
 
 
 def check_granularity(profile: Profile, granularity: str) -> bool:
@@ -90,6 +94,8 @@ def plan(
             raise
         raise InfeasibleBudgetError(f"{exc} (the budget of {format_bytes(asked)} was more than the device leaves: "
                                     f"{describe_memory(profile.memory)})", exc.min_budget_bytes) from None  # type: ignore[arg-type]
+    if fine and strategy == "ilp":
+        policies, status = _within_noise(profile, budget_bytes, opts, figures, policies, status)
     pred = predict(profile, policies)
     if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
         raise InternalError(
@@ -120,6 +126,7 @@ def plan(
         step=dict(profile.step),
         memory=dict(profile.memory),  # type: ignore[arg-type]
         asked_budget_bytes=asked,
+        predicted_uncertainty_s=pred.uncertainty_s,
     )
 
 
@@ -139,7 +146,8 @@ def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
         raise MemfitError("the dp solver is exact only when the units run as a chain and each keeps the same "
                           "memory after the step whatever its role; these units do not: use cpsat or cbc")
     try:
-        sol = solve(model, budget_bytes, solver=solver, time_limit=opts.time_limit)
+        limit = opts.time_limit if opts.time_limit is not None or not fine else FINE_TIME_LIMIT
+        sol = solve(model, budget_bytes, solver=solver, time_limit=limit, gap=FINE_GAP if fine else 0.0)
     except SolverTimeout:
         figures = figures if figures is not None else baselines(profile, budget_bytes)
         best = _cheapest_fitting(figures)
@@ -172,6 +180,27 @@ def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
             f"is {format_bytes(least)}: try --solver cpsat")
     assert sol is not None
     return found, strategy, solver, sol.status, sol.seconds
+
+
+def _within_noise(profile: Profile, budget_bytes: int, opts: PlanOptions, figures: dict[str, BaselineFigures],
+                  policies: Policies, status: str) -> tuple[Policies, str]:
+    """The module-level plan instead of a fine one whose advantage over it is within the two
+    plans' measured uncertainties: finer options' costs are shares of a step's overhead, less sure than
+    whole units' (profiler/costs.py), and a win that noise can explain is not one."""
+    try:
+        coarse = _choose(profile, budget_bytes, opts, False, figures)[0]
+    except (InfeasibleBudgetError, SolverTimeout):
+        return policies, status
+    f, m = predict(profile, policies), predict(profile, coarse)
+    noise = f.uncertainty_s + m.uncertainty_s
+    if coarse == policies:
+        return policies, status
+    if m.recompute_s <= f.recompute_s:  # a fine solve stopped at its gap or time limit short of it
+        return coarse, f"{status}; the module-level plan is as cheap: used"
+    if noise <= 0 or m.recompute_s - f.recompute_s > noise:
+        return policies, status
+    return coarse, (f"{status}; the fine plan saved {(m.recompute_s - f.recompute_s) * 1e3:.1f} ms, within the costs' "
+                    f"noise of {noise * 1e3:.1f} ms: the module-level plan is used")
 
 
 def _fallbacks(profile: Profile, peak: int, opts: PlanOptions, fine: bool) -> list[Fallback]:
@@ -213,7 +242,8 @@ def baselines(profile: Profile, budget_bytes: int) -> dict[str, BaselineFigures]
             k = min(range(len(predictions)), key=lambda i: (predictions[i].peak_bytes, predictions[i].recompute_s))
         p = predictions[k]
         out[name] = BaselineFigures(applies=True, fits=fits, peak_bytes=p.peak_bytes, recompute_s=p.recompute_s,
-                                    overhead=p.overhead)
+                                    overhead=p.overhead,
+                                    **({"uncertainty_s": p.uncertainty_s} if p.uncertainty_s else {}))
     return out
 
 

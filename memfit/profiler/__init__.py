@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +16,11 @@ from memfit.formats.schedule import model_fingerprint
 from memfit.measure.memory import device_memory
 from memfit.measure.meters import Meters
 from memfit.measure.step import Inputs, LossFn, StepState, default_loss, static_bytes, storage_bytes, training_step
-from memfit.measure.timing import alternate, median_ratio
+from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
 from memfit.policy import COARSE, Children, read
+from memfit.profiler import costs
 from memfit.profiler import phases as timeline
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import UnitFacts, unit_facts
@@ -99,12 +101,16 @@ def profile(
         state_bytes = storage_bytes(state.state_tensors())
     measured = timeline.Runs.of(memory["none"], len(names)).count
     per_step = max(measured, state.step.accumulate)  # micro-batches past the two measured repeat the second
+    groups = costs.structures(model, names, facts)
+    if meters is None:  # fake meters time nothing: their times are estimates
+        plain = timeline.Runs.of(memory["none"], len(names))
+        costs.check_alike([[r[plain.forwards[j][0]].seconds for r in times] for j in range(len(names))], groups, names)
     prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
-                     _recompute_factor(times, full_times), measured, per_step)
+                     _recompute_factor(times, full_times), measured, per_step, groups)
     scale = per_step / measured
     for option, runs in zip(options[len(COARSE):], finer_times, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory["none"],
-                    times, runs, scale, facts.saved_casts)
+                    times, runs, scale, facts.saved_casts, groups)
     _prune(prof)
     return prof
 
@@ -177,15 +183,17 @@ def _assemble(
     facts: UnitFacts,
     baseline: int,
     state_bytes: int,
-    factor: float,
+    factor: tuple[float, float],
     measured: int,
     per_step: int,
+    groups: list[int],
 ) -> Profile:
     """The Profile of a step whose units ran ``measured`` times and run ``per_step`` times in a
-    whole step (the micro-batches past the two measured repeat the second)."""
+    whole step (the micro-batches past the two measured repeat the second); ``factor``: the
+    recompute factor and its uncertainty."""
     params = list(model.parameters())
     unit_params = [storage_bytes(list(model.get_submodule(n).parameters())) for n in names]
-    units = timeline.units(names, memory, times, facts, factor, per_step, unit_params)
+    units = timeline.units(names, memory, times, facts, *factor, per_step, unit_params, groups)
     extra = per_step - measured  # micro-batches like the last one measured
     step_s = statistics.median(_seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
@@ -207,7 +215,7 @@ def _assemble(
         fingerprint=model_fingerprint(model, names),
         measured_peak_bytes=measured,
         torch_version=torch.__version__,
-        recompute_factor=factor,
+        recompute_factor=factor[0],
         chain=facts.chain,
         rng_state_bytes=torch.get_rng_state().untyped_storage().nbytes() if device.type == "cpu" else 0,
         step=state.record(),
@@ -215,9 +223,10 @@ def _assemble(
     )
 
 
-def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> float:
+def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> tuple[float, float]:
     """Recompute time of the units over their own forward time, such that checkpointing every
-    unit costs the overhead measured for it.
+    unit costs the overhead measured for it, and its uncertainty (the overhead's, ``ratio_uncertainty``;
+    0 where too few rounds tell it).
 
     Recomputing a forward inside backward is not exactly as dear as the first forward (no
     tensors are saved, memory is reused, hooks and RNG handling add a little), so the forward
@@ -228,10 +237,12 @@ def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> 
     forward = sum(statistics.median(run[k].seconds for run in plain)
                   for k, s in enumerate(plain[0]) if s.label.startswith("fwd:"))
     if forward <= 0:
-        return 1.0
-    overhead = median_ratio([_seconds(r) for r in plain], [_seconds(r) for r in full]) - 1.0
-    step_s = statistics.median(_seconds(r) for r in plain)
-    return min(2.0, max(0.25, overhead * step_s / forward))
+        return 1.0, 0.0
+    steps, full_steps = [_seconds(r) for r in plain], [_seconds(r) for r in full]
+    overhead = median_ratio(steps, full_steps) - 1.0
+    step_s = statistics.median(steps)
+    sure = ratio_uncertainty(steps, full_steps)
+    return min(2.0, max(0.25, overhead * step_s / forward)), 0.0 if math.isnan(sure) else sure * step_s / forward
 
 
 def _seconds(run: list[Stretch]) -> float:
@@ -248,30 +259,34 @@ def _cumulative(run: list[Stretch]) -> list[Stretch]:
 
 
 def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretch], plain_memory: list[Stretch],
-                plain: list[list[Stretch]], runs: list[list[Stretch]], scale: float, saved_casts: list[int]) -> None:
+                plain: list[list[Stretch]], runs: list[list[Stretch]], scale: float, saved_casts: list[int],
+                groups: list[int]) -> None:
     """A finer option's costs, for the units that ``has`` it, from the step that ran them all so;
     ``_prune`` then drops it where another option dominates it.
 
     Its recompute time is the step's measured overhead over the plain step (interleaved, as for
-    ``full``), shared among the units by how much longer each one's forward and backward took
-    (an op set costs in the forward too, where its dispatch mode runs); ``scale``: a whole step's
-    runs of each unit over the measured ones."""
+    ``full``), shared among the units by how much longer each structure's forward and backward
+    took, in the same round (an op set costs in the forward too, where its dispatch mode runs),
+    or by the cost model where that is noise (``costs.shares``); ``scale``: a whole step's runs
+    of each unit over the measured ones."""
     index = {s.label: k for k, s in enumerate(memory)}
-    measured_s = statistics.median(_seconds(r) for r in plain)
-    extra = max(0.0, median_ratio([_seconds(r) for r in plain], [_seconds(r) for r in runs]) - 1.0) * measured_s * scale
+    steps, option_steps = [_seconds(r) for r in plain], [_seconds(r) for r in runs]
+    measured_s = statistics.median(steps)
+    extra = max(0.0, median_ratio(steps, option_steps) - 1.0) * measured_s * scale
+    sure = ratio_uncertainty(steps, option_steps)
+    uncertainty_s = 0.0 if math.isnan(sure) else sure * measured_s * scale
     where = timeline.Runs.of(memory, len(prof.units))
     released = timeline.releases(plain_memory, memory, has, saved_casts)
 
-    def longer(k: int) -> float:
-        return statistics.median(r[k].seconds for r in runs) - statistics.median(r[k].seconds for r in plain)
+    def longer(j: int) -> list[float]:  # per round: this option's forward and backward less the plain ones
+        ks = (index[f"fwd:{j}"], index[f"bwd:{j}"])
+        return [sum(r[k].seconds for k in ks) - sum(p[k].seconds for k in ks) for r, p in zip(runs, plain, strict=True)]
 
     units = [j for j in range(len(prof.units)) if has[j]]
-    raw = {j: max(0.0, longer(index[f"fwd:{j}"]) + longer(index[f"bwd:{j}"])) for j in units}
-    total = sum(raw.values())
+    share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
     for j in units:
-        share = raw[j] / total if total > 0 else 1 / len(units)
-        prof.units[j].options[option] = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share,
-                                                             released[j])
+        prof.units[j].options[option] = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share[j],
+                                                             released[j], uncertainty_s * share[j])
     prof.measured_peak_bytes[option] = prof.baseline_bytes + max(0, max(s.peak for s in _cumulative(memory)))
 
 

@@ -8,12 +8,12 @@ into them (``OptionCost.later_*``). Marks name the run (``fwd:3@2``, runtime/mar
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 from memfit.formats.profile import OptionCost, Phase, UnitProfile
 from memfit.policy import COARSE
+from memfit.profiler import costs
 from memfit.profiler.saved import UnitFacts
 from memfit.runtime.marks import Stretch
 
@@ -57,24 +57,29 @@ class Runs:
 
 
 def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[Stretch]], facts: UnitFacts,
-          factor: float, runs_per_step: int, param_bytes: list[int]) -> list[UnitProfile]:
+          factor: float, sure: float, runs_per_step: int, param_bytes: list[int],
+          groups: list[int]) -> list[UnitProfile]:
     """Each unit's times and its coarse options' memory figures. A checkpointed unit runs its
     forward once more inside each backward, at the cost measured for all units together
-    (``factor``), ``runs_per_step`` times a step."""
+    (``factor``, sure within ``sure`` of it), ``runs_per_step`` times a step. Units of one
+    structure (``groups``: profiler/costs.py) share their times' samples."""
     runs = Runs.of(memory["none"], len(names))
     every = [True] * len(names)
     released = {o: releases(memory["none"], memory[o], every, facts.saved_casts) for o in COARSE}
-    out: list[UnitProfile] = []
     for i, name in enumerate(names):
         if not runs.forwards[i] or not runs.backwards[i]:
             raise MemfitError(
                 f"unit {name!r} did not take part in the backward pass (no gradient reached its "
                 "output); choose units whose outputs the loss depends on"
             )
-        fwd_s = statistics.median(r[runs.forwards[i][0]].seconds for r in times)
-        bwd_s = statistics.median(r[runs.backwards[i][0]].seconds for r in times)
+    fwd = costs.pooled([[r[runs.forwards[i][0]].seconds for r in times] for i in range(len(names))], groups)
+    bwd = costs.pooled([[r[runs.backwards[i][0]].seconds for r in times] for i in range(len(names))], groups)
+    out: list[UnitProfile] = []
+    for i, name in enumerate(names):
+        fwd_s, bwd_s = fwd[i], bwd[i]
         options = {o: option_cost(memory[o], runs, i, name, 0.0 if o == "none" else fwd_s * factor * runs_per_step,
-                                  released[o][i]) for o in COARSE}
+                                  released[o][i], 0.0 if o == "none" else fwd_s * sure * runs_per_step)
+                   for o in COARSE}
         out.append(UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], param_bytes[i], options,
                                facts.outputs[i]))
     _share_outputs(out, facts)
@@ -82,7 +87,7 @@ def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[S
 
 
 def option_cost(run: list[Stretch], runs: Runs, i: int, name: str, recompute_s: float,
-                release: int = 0) -> OptionCost:
+                release: int = 0, uncertainty_s: float = 0.0) -> OptionCost:
     """Unit ``i``'s figures in a step where it ran one option, every run checked against the first
     of its kind (a unit whose runs differ, as with inputs of other sizes, cannot be planned so)."""
     fwd, bwd = [run[k] for k in runs.forwards[i]], [run[k] for k in runs.backwards[i]]
@@ -93,7 +98,7 @@ def option_cost(run: list[Stretch], runs: Runs, i: int, name: str, recompute_s: 
                     f"unit {name!r} ran its {what} at different sizes within one step ({series[0].peak:,} and "
                     f"{s.peak:,} bytes at the peak): memfit plans steps whose runs of a unit see the same shapes")
     later = (bwd[1].peak, bwd[1].end) if len(bwd) > 1 else (None, None)
-    return OptionCost(fwd[0].peak, fwd[0].end, bwd[0].peak, bwd[0].end, recompute_s, *later, release)
+    return OptionCost(fwd[0].peak, fwd[0].end, bwd[0].peak, bwd[0].end, recompute_s, *later, release, uncertainty_s)
 
 
 def releases(plain: list[Stretch], run: list[Stretch], has: list[bool], weights: list[int]) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import EagerPlanCompiledWarning, ScheduleMismatchError
+from memfit.errors import EagerPlanCompiledWarning, MemfitError, ScheduleMismatchError
 from memfit.formats.schedule import Schedule
 from memfit.measure.memory import CudaFigures
 from memfit.measure.step import (
@@ -21,6 +22,8 @@ from memfit.measure.step import (
 from memfit.measure.userstep import StepFn
 from memfit.runtime.harness import StepHarness
 from memfit.trainstep import OptimizerFactory, TrainStep, step_difference, step_of
+
+TIME_TOLERANCE = 0.05  # of the plain step: 5 slowdown points
 
 
 @dataclass(slots=True)
@@ -40,6 +43,21 @@ class Validation:
     compile: str | None = None  # the torch.compile backend both models ran under
     edited: bool = False  # the schedule's policies were changed after planning: the predictions are not theirs
     cuda: CudaFigures | None = None  # on a GPU: the scheduled step's reserved peak and free memory
+    overhead_uncertainty: float = float("nan")  # measured_overhead's (``ratio_uncertainty``; NaN: too few rounds)
+    time_tolerance: float = TIME_TOLERANCE  # slowdown points the measurement may differ from the plan by
+
+    @property
+    def time_judged(self) -> bool:
+        """Enough timed rounds to say how sure the measurement itself is (``ratio_uncertainty``)."""
+        return math.isfinite(self.measured_overhead) and math.isfinite(self.overhead_uncertainty)
+
+    @property
+    def time_ok(self) -> bool:
+        """The measured slowdown is the predicted one within the tolerance, widened by the
+        measurement's own uncertainty (a difference below it is not one this run can show); true
+        when time was not judged."""
+        gap = abs(self.measured_overhead - self.predicted_overhead)
+        return not self.time_judged or gap <= self.time_tolerance + self.overhead_uncertainty
 
     @property
     def context_bytes(self) -> int | None:
@@ -70,7 +88,7 @@ class Validation:
     @property
     def ok(self) -> bool:
         return (self.fits and self.reserved_fits and self.losses_equal and self.grads_equal and self.buffers_equal
-                and not self.edited)
+                and not self.edited and self.time_ok)
 
 
 def step_times(
@@ -81,13 +99,14 @@ def step_times(
     median ratio to it in the same round. ``model`` is left as it was."""
     harness = StepHarness(model, inputs, loss_fn=loss_fn, step=step_of(step, optimizer))
     with harness.restoring():
-        return harness.step_times(schedules, steps)
+        plain, ratios, _ = harness.step_times(schedules, steps)
+    return plain, ratios
 
 
 def validate(
     model: nn.Module, inputs: Any, schedule: Schedule, *, loss_fn: LossFn | None = None,
     optimizer: str | OptimizerFactory | None = "schedule", step: TrainStep | None = None, steps: int = 5,
-    compile: str | None = None, step_fn: StepFn | None = None,
+    compile: str | None = None, step_fn: StepFn | None = None, time_tolerance: float = TIME_TOLERANCE,
 ) -> Validation:
     """Measure the plain model and the scheduled model on the same state and RNG, and compare
     peak memory, losses, gradients and buffers; time ``steps`` rounds of the two in alternation
@@ -102,7 +121,11 @@ def validate(
 
     ``compile`` (a ``torch.compile`` backend; by default the one the schedule was planned for,
     see ``plan_compiled``) runs both models compiled and compares with the compiled peak
-    measured at planning."""
+    measured at planning.
+
+    Time is judged too, from ``MIN_TIMED_ROUNDS`` (3) rounds on: the validation fails when the
+    measured slowdown differs from the predicted one by more than ``time_tolerance`` (a
+    fraction of the plain step) plus the measurement's own uncertainty."""
     from memfit.compiled import compiled_step_times, with_backend
 
     backend, predicted_peak = with_backend(schedule, compile)
@@ -110,7 +133,10 @@ def validate(
         "function") else _planned_step(schedule, step, optimizer)
     _check_inputs(schedule, inputs)
     harness = StepHarness(model, inputs, loss_fn=loss_fn, step=train_step, step_fn=step_fn)
-    plain_s, ratio = float("nan"), float("nan")
+    if not (math.isfinite(time_tolerance) and time_tolerance >= 0):
+        raise MemfitError(f"time_tolerance is a fraction of the plain step, 0 or more (0.05: 5 points); got "
+                          f"{time_tolerance}")
+    plain_s, ratio, sure = float("nan"), float("nan"), float("nan")
     with harness.restoring() as found:  # each run from the state the model came in
         plain = harness.run(compile=backend)
         found.restore()
@@ -119,10 +145,10 @@ def validate(
             sched = harness.run(compile=backend)
         found.restore()
         if steps > 0 and backend is not None:
-            plain_s, ratio = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
+            plain_s, ratio, sure = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
                                                  step=train_step, steps=steps)
         elif steps > 0:
-            plain_s, (ratio,) = harness.step_times([schedule.policies], steps)
+            plain_s, (ratio,), (sure,) = harness.step_times([schedule.policies], steps)
     # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute, and
     # inductor's fused reductions may sum in another order: there, equal means within 1e-5.
     exact = device_of(model).type == "cpu" and backend in (None, "eager", "aot_eager")
@@ -144,6 +170,8 @@ def validate(
         compile=backend,
         edited=schedule.edited,
         cuda=sched.cuda,
+        overhead_uncertainty=sure,
+        time_tolerance=time_tolerance,
     )
 
 
@@ -232,7 +260,7 @@ def measure_plans(
             found.restore()
             if progress is not None:
                 progress()
-        _, ratios = harness.step_times(plans, steps)
+        _, ratios, _ = harness.step_times(plans, steps)
     return peaks, [r - 1.0 for r in ratios]
 
 

@@ -1,0 +1,108 @@
+"""Option times that hold on a shared machine.
+
+A step's overhead is measured well (whole steps, interleaved: measure/timing.py); how it splits
+among the units is not: one unit's forward and backward run a few milliseconds longer, and on a
+shared 2-core machine the difference is mostly noise (one option was priced 0.0 to 9.6 ms over
+eight blocks of the same shape). So:
+
+- units of one **structure** (class, parameter shapes and dtypes, input, saved and output bytes)
+  pool their samples: every member, every round, one median, one cost each;
+- a structure whose measured difference is within its own noise is priced by a model
+  **calibrated** on the structures above it: its share is its forward time times the
+  measured overhead per forward second of those (all of them by forward time if none is);
+- every cost keeps its **uncertainty** (``OptionCost.recompute_uncertainty_s``): that of the
+  step's measured overhead (``timing.ratio_uncertainty``), split as the cost is.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from collections.abc import Sequence
+
+from torch import nn
+
+from memfit.errors import MemfitWarning
+from memfit.profiler.saved import UnitFacts
+
+CLEAR = 2.0  # a difference counts when it is this many standard errors above zero
+STRAY = 0.3  # identical units whose plain times scatter by more than this fraction are warned of
+
+
+class NoisyTimesWarning(MemfitWarning):
+    """Units of one structure ran at clearly different speeds in the plain step: the machine was
+    busy, and the profile's times are less sure than its uncertainties say."""
+
+
+def structures(model: nn.Module, names: list[str], facts: UnitFacts) -> list[int]:
+    """Each unit's structure, numbered in order of first appearance: units of one class, parameter
+    shapes and dtypes, and input, saved and output bytes do the same work."""
+    keys: dict[tuple[object, ...], int] = {}
+    out = []
+    for j, name in enumerate(names):
+        unit = model.get_submodule(name)
+        key = (type(unit), *((n, tuple(p.shape), p.dtype) for n, p in unit.named_parameters()),
+               facts.inputs[j], facts.saved[j], facts.outputs[j])
+        out.append(keys.setdefault(key, len(keys)))
+    return out
+
+
+def pooled(samples: Sequence[Sequence[float]], groups: list[int]) -> list[float]:
+    """Per unit: the median of its structure's samples (``samples[j]``: unit j's, one per round)."""
+    by: dict[int, list[float]] = {}
+    for j, g in enumerate(groups):
+        by.setdefault(g, []).extend(samples[j])
+    return [statistics.median(by[g]) for g in groups]
+
+
+def check_alike(samples: Sequence[Sequence[float]], groups: list[int], names: list[str]) -> None:
+    """Warn when the plain forward times of units that do the same work scatter from round to
+    round (the typical member's interquartile range above ``STRAY`` of its median): the machine
+    was busy, and even the pooled costs are unsure. A steady difference of one member (the first
+    unit's stretch carries some of the step's own work) is not scatter: pooling sets it aside."""
+    by: dict[int, list[int]] = {}
+    for j, g in enumerate(groups):
+        by.setdefault(g, []).append(j)
+    for members in by.values():
+        if len(members) < 2 or len(samples[members[0]]) < 3:  # one round cannot tell noise from a difference
+            continue
+        scatter = statistics.median(_relative_iqr(samples[j]) for j in members)
+        if scatter > STRAY:
+            xs = [x for j in members for x in samples[j]]
+            warnings.warn(NoisyTimesWarning(
+                f"{', '.join(names[j] for j in members[:3])}{' ...' if len(members) > 3 else ''} do the same work, "
+                f"but their forwards took {min(xs) * 1e3:.2f} to {max(xs) * 1e3:.2f} ms, each scattering by "
+                f"{scatter:.0%} over the rounds: the machine was busy while profiling; their costs are pooled, but "
+                "profile again on a quiet machine, or with more --repeat, for times to rely on"), stacklevel=3)
+
+
+def _relative_iqr(xs: Sequence[float]) -> float:
+    q1, mid, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return (q3 - q1) / mid if mid > 0 else 0.0
+
+
+def shares(longer: dict[int, list[float]], forward_s: dict[int, float], groups: list[int]) -> dict[int, float]:
+    """Each unit's fraction of an option's measured overhead. ``longer[j]``: per round, how much
+    longer unit j's forward and backward ran with the option than without; ``forward_s``: its
+    plain forward time (the cost model's size)."""
+    by: dict[int, list[int]] = {}
+    for j in longer:
+        by.setdefault(groups[j], []).append(j)
+    measured: dict[int, float] = {}  # structure -> per-member difference, where clear of the noise
+    for g, members in by.items():
+        xs = [x for j in members for x in longer[j]]
+        mid = statistics.median(xs)
+        if len(xs) < 3:  # nothing tells the noise: take the measurement as it is
+            measured[g] = max(0.0, mid)
+            continue
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+        if mid > CLEAR * (q3 - q1) / math.sqrt(len(xs)):
+            measured[g] = mid
+    fwd = {g: statistics.median(forward_s[j] for j in members) for g, members in by.items()}
+    known = [g for g in measured if fwd[g] > 0]
+    per_second = (sum(measured[g] * len(by[g]) for g in known) / sum(fwd[g] * len(by[g]) for g in known)
+                  if known and any(measured[g] > 0 for g in known) else 1.0)
+    weight = {j: measured.get(groups[j], fwd[groups[j]] * per_second) for j in longer}
+    total = sum(weight.values())
+    return {j: w / total if total > 0 else 1 / len(weight) for j, w in weight.items()}

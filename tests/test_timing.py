@@ -1,0 +1,102 @@
+"""Time figures that hold: validate judges the slowdown; option costs agree between profiles and
+between identical units, within the uncertainty the profile records."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+import memfit
+from memfit import zoo
+from memfit.cli import main
+from memfit.formats.schedule import load_schedule
+from memfit.measure.timing import ratio_uncertainty
+from memfit.report import validation_report
+
+from .conftest import TINY, tiny_gpt
+
+
+def test_ratio_uncertainty_is_two_standard_errors_of_the_median_from_the_interquartile_range():
+    plain = [1.0, 1.0, 1.0, 1.0, 1.0]
+    other = [1.1, 1.2, 1.3, 1.4, 5.0]  # one spoiled round does not widen it
+    assert ratio_uncertainty(plain, other) == pytest.approx(2 * 1.2533 * 0.2 / 1.349 / math.sqrt(5))
+    assert math.isnan(ratio_uncertainty(plain[:2], other[:2]))  # two rounds say nothing of the noise
+
+
+def test_validate_fails_when_the_measured_slowdown_is_off_the_predicted():
+    model, inputs = tiny_gpt()
+    prof = memfit.profile(model, inputs, repeat=1)
+    sched = memfit.plan(prof, memfit.predict(prof, dict.fromkeys(prof.unit_names, "full")).peak_bytes)
+    # The plan claims 500 points more slowdown than checkpointing costs: an error no noise explains.
+    wrong = dataclasses.replace(sched, predicted_overhead=sched.predicted_overhead + 5.0)
+    bad = memfit.validate(model, inputs, wrong, steps=5)
+    assert bad.time_judged and not bad.time_ok and not bad.ok
+    assert bad.fits and bad.grads_equal  # only time failed
+    assert 0 <= bad.overhead_uncertainty < 5.0
+    assert "OFF the predicted" in validation_report(bad) and "uncertainty" in validation_report(bad)
+    loose = memfit.validate(model, inputs, wrong, steps=3, time_tolerance=100.0)
+    assert loose.time_ok and loose.ok
+    once = memfit.validate(model, inputs, wrong, steps=1)  # one round tells no uncertainty: time not judged
+    assert not once.time_judged and once.time_ok and "not judged" in validation_report(once)
+
+
+def test_cli_validate_exits_1_on_a_slowdown_error_above_its_tolerance(tmp_path, capsys):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    out = tmp_path / "s.json"
+    assert main(["plan", "--scenario", str(tmp_path / "tiny.toml"), "--budget", "100GB", "--strategy", "full",
+                 "--repeat", "1", "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    data["predicted_overhead"] += 5.0  # injected: the plan's time is 500 points off
+    out.write_text(json.dumps(data))
+    assert load_schedule(out).predicted_overhead == data["predicted_overhead"]
+    capsys.readouterr()
+    assert main(["validate", "--schedule", str(out), "--steps", "5", "--trust-source"]) == 1
+    text = capsys.readouterr().out
+    assert "OFF the predicted" in text and "validation FAILED" in text
+    assert main(["validate", "--schedule", str(out), "--steps", "5", "--trust-source", "--time-tolerance", "100000",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["time_judged"] and result["time_ok"] and result["ok"]
+    assert main(["validate", "--schedule", str(out), "--time-tolerance", "-1"]) == 2
+
+
+def six_blocks():
+    return zoo.gpt(batch=2, seq=32, vocab=128, d_model=64, n_head=2, n_layer=6, dropout=0.0)
+
+
+def test_identical_blocks_get_one_cost_per_option():
+    model, inputs = six_blocks()
+    prof = memfit.profile(model, inputs, repeat=3, granularity="fine")
+    assert len({u.fwd_s for u in prof.units}) == 1 and len({u.bwd_s for u in prof.units}) == 1
+    options = set(prof.units[0].options)
+    assert len(options) > 3  # finer options were measured
+    for o in options:
+        assert len({u.options[o].recompute_s for u in prof.units}) == 1, o
+        assert len({u.options[o].recompute_uncertainty_s for u in prof.units}) == 1, o
+        assert o == "none" or prof.units[0].options[o].recompute_uncertainty_s > 0, o
+
+
+def test_two_profiles_agree_within_their_recorded_uncertainty():
+    model, inputs = six_blocks()
+    a, b = (memfit.profile(model, inputs, repeat=9, granularity="fine") for _ in range(2))
+    for ua, ub in zip(a.units, b.units, strict=True):
+        for o in set(ua.options) & set(ub.options):
+            ca, cb = ua.options[o], ub.options[o]
+            assert abs(ca.recompute_s - cb.recompute_s) <= ca.recompute_uncertainty_s + cb.recompute_uncertainty_s, o
+
+
+def test_scattered_times_of_identical_units_are_warned_of_and_a_steady_outlier_is_not():
+    import warnings
+
+    from memfit.profiler.costs import NoisyTimesWarning, check_alike
+
+    names = [f"h.{j}" for j in range(4)]
+    steady = [[0.8, 0.8, 0.8], [0.3, 0.31, 0.3], [0.3, 0.3, 0.29], [0.3, 0.3, 0.31]]  # the first unit's stretch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_alike(steady, [0, 0, 0, 0], names)
+        check_alike([[0.3, 9.0, 0.3]] * 4, [0, 1, 2, 3], names)  # units unlike each other: nothing to compare
+    busy = [[0.3, 0.9, 0.3], [0.8, 0.3, 0.3], [0.3, 0.3, 1.1], [0.7, 0.3, 0.9]]
+    with pytest.warns(NoisyTimesWarning, match="the machine was busy"):
+        check_alike(busy, [0, 0, 0, 0], names)
