@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from memfit.budget import format_bytes
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
-from memfit.measure.timing import MIN_TIMED_ROUNDS
 from memfit.planning.memory import predict
 from memfit.planning.planner import best_baseline
 from memfit.planning.roles import roles_of, unit_costs
@@ -234,6 +233,8 @@ def validation_report(v: Validation) -> str:
 
 def _time_check(v: Validation) -> str:
     """The slowdown's verdict: measured against predicted, within the tolerance and its uncertainty."""
+    from memfit.measure.timing import MIN_TIMED_ROUNDS  # here: timing imports torch, which a table needs not
+
     if not math.isfinite(v.measured_overhead):
         return "slowdown not measured (no timed rounds)"
     if not v.time_judged:
