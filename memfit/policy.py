@@ -87,7 +87,8 @@ class Selective:
         return f"selective:{self.ops}" + (f"@{self.child}" if self.child else "")
 
     def describe(self) -> str:
-        what = f"all but {self.ops} outputs" if self.ops == "gemm" else f"op set {self.ops}"
+        what = {"gemm": "all but gemm outputs", "weights": "all but weight-product outputs (core attention)"}.get(
+            self.ops, f"op set {self.ops}")
         return f"{self.child}: {what}" if self.child else what
 
 

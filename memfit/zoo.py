@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -126,3 +128,85 @@ def cnn(
     model.add_module("blocks", nn.Sequential(*blocks))
     model.add_module("head", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)))
     return model, (torch.randn(batch, 3, image, image),)
+
+
+class WrittenOutAttention(nn.Module):
+    """nanoGPT's attention without flash: q.k^T, a causal mask buffer, softmax, dropout, .v,
+    each an op of its own whose sequence-squared output autograd keeps."""
+
+    def __init__(self, d_model: int, n_head: int, seq: int, dropout: float) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.register_buffer("bias", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, d_model: int, dropout: float) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d_model: int, n_head: int, seq: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = WrittenOutAttention(d_model, n_head, seq, dropout)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = NanoMLP(d_model, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """A nanoGPT/minGPT-style decoder (``transformer.h``), laid out as people copy it, with the
+    attention written out: a model memfit's options were not built around."""
+
+    def __init__(self, vocab: int, seq: int, d_model: int, n_head: int, n_layer: int, dropout: float) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, d_model), wpe=nn.Embedding(seq, d_model), drop=nn.Dropout(dropout),
+            h=nn.ModuleList(NanoBlock(d_model, n_head, seq, dropout) for _ in range(n_layer)),
+            ln_f=nn.LayerNorm(d_model)))
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        tr = self.transformer
+        x = tr.drop(tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        for block in tr.h:
+            x = block(x)
+        logits = self.lm_head(tr.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def nanogpt(
+    batch: int = 8, seq: int = 256, vocab: int = 4096, d_model: int = 256, n_head: int = 4,
+    n_layer: int = 6, dropout: float = 0.0, seed: int = 0,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """NanoGPT and a batch of random tokens; it returns the loss itself, as nanoGPT's does."""
+    torch.manual_seed(seed)
+    model = NanoGPT(vocab, seq, d_model, n_head, n_layer, dropout)
+    idx = torch.randint(0, vocab, (batch, seq + 1))
+    return model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode  # private: the one way to watch aten ops
 
 from memfit.errors import MemfitError
 from memfit.measure.step import Inputs, LossFn, storage_key
 from memfit.policy import DERIVE, Children, PolicyError, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
-from memfit.runtime.regions import GEMM
+from memfit.runtime.regions import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
 
 MIN_SHARE = 0.1  # of the unit's saved bytes
 MAX_CHILDREN = 3  # child options per unit class, the largest savers first
@@ -62,10 +63,48 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             chosen[key] += [str(Selective(GEMM, c)) for c in inner if _has_products(unit.get_submodule(c))]
             if not inner and _has_products(unit):
                 chosen[key].append(str(Selective(GEMM)))
+            # written-out attention: its activation products' inputs and outputs recomputed, the
+            # weight products kept (Megatron's core attention); where none runs this is gemm's twin
+            between = _activation_products(model, name, inputs, loss_fn)
+            chosen[key] += [str(Selective(WEIGHTS, c)) for c in (inner or [""]) if c in between]
             if unit_saved[j] > 0 and _derivable(model, name, inputs, loss_fn) >= MIN_SHARE * unit_saved[j]:
                 chosen[key].append(str(DERIVE))
         out[name] = list(chosen[key])
     return out
+
+
+def _activation_products(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> set[str]:
+    """The unit's children (and "" for the unit itself) inside which a product of two
+    activations runs (``ACTIVATION_PRODUCTS``: q.k^T, probabilities.v), from one forward."""
+    unit = model.get_submodule(name)
+    stack: list[str] = []
+    found: set[str] = set()
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in ACTIVATION_PRODUCTS and stack:
+                found.update({"", stack[-1]} if len(stack) > 1 else {""})
+            return func(*args, **(kwargs or {}))
+
+    def push(rel: str) -> Any:
+        def hook(_m: nn.Module, _args: Any) -> None:
+            stack.append(rel if len(stack) < 2 else stack[-1])  # the unit's own child, however deep
+        return hook
+
+    def pop(_m: nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()
+
+    handles = [unit.register_forward_pre_hook(push("")), unit.register_forward_hook(pop)]
+    for rel, m in unit.named_modules():
+        if rel:
+            handles += [m.register_forward_pre_hook(push(rel.split(".")[0])), m.register_forward_hook(pop)]
+    try:
+        with torch.no_grad(), Watch():
+            model(*inputs.args, **inputs.kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return found
 
 
 def _derivable(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> int:

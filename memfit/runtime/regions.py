@@ -390,10 +390,17 @@ def _ops(*names: str) -> frozenset[Any]:
 
 # Op sets for selective checkpointing: the outputs each keeps (MUST_SAVE); everything else in the unit is recomputed.
 GEMM = "gemm"
+WEIGHTS = "weights"
+ACTIVATION_PRODUCTS = _ops("bmm", "baddbmm")  # written-out attention's q.k^T and probabilities.v
 OP_SETS: dict[str, frozenset[Any]] = {
     # matrix products, convolutions and attention kernels: the dear ops; the cheap elementwise
     # ones between them (norms, activations, dropout, softmax) come back in the backward
     GEMM: _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                  "_scaled_dot_product_cudnn_attention"),
+    # the products with a weight only (linear layers lower to mm/addmm, convolutions): what
+    # written-out attention computes between activations (q.k^T, masking, softmax, .v, whose
+    # sequence-squared outputs autograd keeps) comes back in the backward, as Megatron-LM's
+    # core-attention recompute and the compilers' partitioners do
+    WEIGHTS: _ops("mm", "addmm", "convolution"),
 }
