@@ -1,7 +1,8 @@
-"""memfit's plans against torch.compile's own activation memory budget, on the default scenario.
+"""memfit's plans against torch.compile's own activation memory budget, on a built-in scenario.
 
-    python benchmarks/vs_compile_budget.py                       # budgets 0.1 ... 0.9, 9 rounds (~12 min)
+    python benchmarks/vs_compile_budget.py                       # gpt-small, budgets 0.1 ... 0.9, 9 rounds (~12 min)
     python benchmarks/vs_compile_budget.py --budgets 0.3 0.6 --rounds 9 --plot frontier.png
+    python benchmarks/vs_compile_budget.py --scenario nanogpt --budgets 0.6 0.3 0.1   # attention written out
 
 For each ``torch._functorch.config.activation_memory_budget`` the model is compiled (backend
 aot_eager, whose partitioner then recomputes what its runtime estimates say is cheapest) and its
@@ -49,12 +50,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=float, nargs="+", default=[round(0.1 * k, 1) for k in range(1, 10)])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--scenario", default="gpt-small", help="a built-in scenario the CPU can run")
     parser.add_argument("--plot", help="draw both frontiers (memory, slowdown) to this .png/.svg")
     args = parser.parse_args()
     for name in ("cache_size_limit", "recompile_limit"):  # one entry per budget: keep every one compiled
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    sc = load_scenario("gpt-small")
+    sc = load_scenario(args.scenario)
     model, raw_inputs = sc.build("cpu")
     inputs = Inputs.of(raw_inputs)
     prof = memfit.profile(model, raw_inputs, units=sc.units, optimizer=sc.step_optimizer, repeat=5, granularity="fine")
@@ -128,7 +130,7 @@ def main() -> None:
             ax.plot([p for p, _ in pts], [s for _, s in pts], style, label=name)
         ax.set_xlabel("measured peak (MiB)")
         ax.set_ylabel("slowdown vs plain eager step (%)")
-        ax.set_title("gpt-small on the CPU: memory vs time")
+        ax.set_title(f"{args.scenario} on the CPU: memory vs time")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode  # private: the one way to watch aten ops
 
 from memfit.errors import MemfitError
 from memfit.measure.step import Inputs, LossFn, storage_key
@@ -29,6 +28,7 @@ from memfit.policy import DERIVE, Children, PolicyError, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
 from memfit.runtime.regions import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
+from memfit.torch_private import TorchDispatchMode
 
 MIN_SHARE = 0.1  # of the unit's saved bytes
 MAX_CHILDREN = 3  # child options per unit class, the largest savers first
