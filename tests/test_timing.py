@@ -100,3 +100,28 @@ def test_scattered_times_of_identical_units_are_warned_of_and_a_steady_outlier_i
     busy = [[0.3, 0.9, 0.3], [0.8, 0.3, 0.3], [0.3, 0.3, 1.1], [0.7, 0.3, 0.9]]
     with pytest.warns(NoisyTimesWarning, match="the machine was busy"):
         check_alike(busy, [0, 0, 0, 0], names)
+
+
+def test_a_gain_within_the_costs_uncertainty_is_said_and_a_fine_one_not_taken():
+    from memfit.report import schedule_report
+
+    model, inputs = tiny_gpt()
+    prof = memfit.profile(model, inputs, repeat=3, granularity="fine")
+    lo, hi = memfit.min_budget_bytes(prof, fine=True), memfit.predict(prof, {}).peak_bytes
+    budgets = [int(lo + f * (hi - lo)) for f in (0.2, 0.4, 0.6, 0.8)]
+    assert memfit.plan(prof, budgets[1], granularity="fine").predicted_uncertainty_s > 0
+
+    def unsure(seconds: float) -> None:  # every cost's uncertainty set, as a quiet or a very busy machine
+        for u in prof.units:
+            for o in u.options.values():
+                o.recompute_uncertainty_s = 0.0 if o is u.options["none"] else seconds
+
+    unsure(0.0)
+    differs = [b for b in budgets if memfit.plan(prof, b, granularity="fine").policies != memfit.plan(prof, b).policies]
+    assert differs  # somewhere the fine options win, when the costs are taken as sure
+    unsure(1.0)
+    for b in differs:
+        sched = memfit.plan(prof, b, granularity="fine")
+        assert sched.policies == memfit.plan(prof, b).policies and "module-level plan is used" in sched.solver_status
+        assert "cost the same within the measurement's noise" in schedule_report(sched)
+    assert "within the measurement's noise" not in schedule_report(memfit.plan(prof, hi))  # nothing to gain
