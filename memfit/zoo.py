@@ -85,8 +85,13 @@ def gpt(
     """The default scenario's model and a batch of random tokens with next-token targets."""
     torch.manual_seed(seed)
     model = GPT(vocab, seq, d_model, n_head, n_layer, dropout)
+    return model, _next_tokens(batch, seq, vocab)
+
+
+def _next_tokens(batch: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Random tokens and, shifted by one, the next-token targets."""
     idx = torch.randint(0, vocab, (batch, seq + 1))
-    return model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
+    return {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -208,5 +213,4 @@ def nanogpt(
     """NanoGPT and a batch of random tokens; it returns the loss itself, as nanoGPT's does."""
     torch.manual_seed(seed)
     model = NanoGPT(vocab, seq, d_model, n_head, n_layer, dropout)
-    idx = torch.randint(0, vocab, (batch, seq + 1))
-    return model, {"idx": idx[:, :-1].contiguous(), "targets": idx[:, 1:].contiguous()}
+    return model, _next_tokens(batch, seq, vocab)

@@ -61,8 +61,13 @@ def ratio_uncertainty(plain: list[float], other: list[float]) -> float:
     ``MIN_TIMED_ROUNDS`` rounds."""
     if len(plain) < MIN_TIMED_ROUNDS:
         return float("nan")
-    q1, _, q3 = statistics.quantiles([b / a for a, b in zip(plain, other, strict=True)], n=4, method="inclusive")
-    return 2 * 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(plain))
+    return 2 * 1.2533 * iqr([b / a for a, b in zip(plain, other, strict=True)]) / 1.349 / math.sqrt(len(plain))
+
+
+def iqr(xs: list[float]) -> float:
+    """The interquartile range (inclusive quartiles: defined from 2 samples on)."""
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q3 - q1
 
 
 def sync(device: torch.device) -> None:

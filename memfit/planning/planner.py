@@ -191,10 +191,10 @@ def _within_noise(profile: Profile, budget_bytes: int, opts: PlanOptions, figure
         coarse = _choose(profile, budget_bytes, opts, False, figures)[0]
     except (InfeasibleBudgetError, SolverTimeout):
         return policies, status
-    f, m = predict(profile, policies), predict(profile, coarse)
-    noise = f.uncertainty_s + m.uncertainty_s
     if coarse == policies:
         return policies, status
+    f, m = predict(profile, policies), predict(profile, coarse)
+    noise = f.uncertainty_s + m.uncertainty_s
     if m.recompute_s <= f.recompute_s:  # a fine solve stopped at its gap or time limit short of it
         return coarse, f"{status}; the module-level plan is as cheap: used"
     if noise <= 0 or m.recompute_s - f.recompute_s > noise:

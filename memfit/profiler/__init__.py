@@ -103,8 +103,8 @@ def profile(
     per_step = max(measured, state.step.accumulate)  # micro-batches past the two measured repeat the second
     groups = costs.structures(model, names, facts)
     if meters is None:  # fake meters time nothing: their times are estimates
-        plain = timeline.Runs.of(memory["none"], len(names))
-        costs.check_alike([[r[plain.forwards[j][0]].seconds for r in times] for j in range(len(names))], groups, names)
+        costs.check_alike(timeline.first_runs(times, timeline.Runs.of(memory["none"], len(names)).forwards), groups,
+                          names)
     prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
                      _recompute_factor(times, full_times), measured, per_step, groups)
     scale = per_step / measured

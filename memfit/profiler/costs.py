@@ -19,14 +19,15 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 from memfit.errors import MemfitWarning
+from memfit.measure.timing import iqr
 from memfit.profiler.saved import UnitFacts
 
-CLEAR = 2.0  # a difference counts when it is this many standard errors above zero
+CLEAR = 2.0  # a difference counts when its median exceeds this many IQR / sqrt(samples) (~2 standard errors)
 STRAY = 0.3  # identical units whose plain times scatter by more than this fraction are warned of
 
 
@@ -61,10 +62,7 @@ def check_alike(samples: Sequence[Sequence[float]], groups: list[int], names: li
     round (the typical member's interquartile range above ``STRAY`` of its median): the machine
     was busy, and even the pooled costs are unsure. A steady difference of one member (the first
     unit's stretch carries some of the step's own work) is not scatter: pooling sets it aside."""
-    by: dict[int, list[int]] = {}
-    for j, g in enumerate(groups):
-        by.setdefault(g, []).append(j)
-    for members in by.values():
+    for members in _members(groups, range(len(groups))).values():
         if len(members) < 2 or len(samples[members[0]]) < 3:  # one round cannot tell noise from a difference
             continue
         scatter = statistics.median(_relative_iqr(samples[j]) for j in members)
@@ -78,17 +76,23 @@ def check_alike(samples: Sequence[Sequence[float]], groups: list[int], names: li
 
 
 def _relative_iqr(xs: Sequence[float]) -> float:
-    q1, mid, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return (q3 - q1) / mid if mid > 0 else 0.0
+    mid = statistics.median(xs)
+    return iqr(list(xs)) / mid if mid > 0 else 0.0
+
+
+def _members(groups: list[int], units: Iterable[int]) -> dict[int, list[int]]:
+    """Structure -> those of ``units`` that have it, in order."""
+    by: dict[int, list[int]] = {}
+    for j in units:
+        by.setdefault(groups[j], []).append(j)
+    return by
 
 
 def shares(longer: dict[int, list[float]], forward_s: dict[int, float], groups: list[int]) -> dict[int, float]:
     """Each unit's fraction of an option's measured overhead. ``longer[j]``: per round, how much
     longer unit j's forward and backward ran with the option than without; ``forward_s``: its
     plain forward time (the cost model's size)."""
-    by: dict[int, list[int]] = {}
-    for j in longer:
-        by.setdefault(groups[j], []).append(j)
+    by = _members(groups, longer)
     measured: dict[int, float] = {}  # structure -> per-member difference, where clear of the noise
     for g, members in by.items():
         xs = [x for j in members for x in longer[j]]
@@ -96,8 +100,7 @@ def shares(longer: dict[int, list[float]], forward_s: dict[int, float], groups: 
         if len(xs) < 3:  # nothing tells the noise: take the measurement as it is
             measured[g] = max(0.0, mid)
             continue
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-        if mid > CLEAR * (q3 - q1) / math.sqrt(len(xs)):
+        if mid > CLEAR * iqr(xs) / math.sqrt(len(xs)):
             measured[g] = mid
     fwd = {g: statistics.median(forward_s[j] for j in members) for g, members in by.items()}
     known = [g for g in measured if fwd[g] > 0]

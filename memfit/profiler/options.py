@@ -65,7 +65,7 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
                 chosen[key].append(str(Selective(GEMM)))
             # written-out attention: its activation products' inputs and outputs recomputed, the
             # weight products kept (Megatron's core attention); where none runs this is gemm's twin
-            between = _activation_products(model, name, inputs, loss_fn)
+            between = _activation_products(model, name, inputs)
             chosen[key] += [str(Selective(WEIGHTS, c)) for c in (inner or [""]) if c in between]
             if unit_saved[j] > 0 and _derivable(model, name, inputs, loss_fn) >= MIN_SHARE * unit_saved[j]:
                 chosen[key].append(str(DERIVE))
@@ -73,7 +73,7 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
     return out
 
 
-def _activation_products(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> set[str]:
+def _activation_products(model: nn.Module, name: str, inputs: Inputs) -> set[str]:
     """The unit's children (and "" for the unit itself) inside which a product of two
     activations runs (``ACTIVATION_PRODUCTS``: q.k^T, probabilities.v), from one forward."""
     unit = model.get_submodule(name)
@@ -82,13 +82,13 @@ def _activation_products(model: nn.Module, name: str, inputs: Inputs, loss_fn: L
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func in ACTIVATION_PRODUCTS and stack:
-                found.update({"", stack[-1]} if len(stack) > 1 else {""})
+            if func in ACTIVATION_PRODUCTS and stack:  # stack[0] is the unit (""), the rest its child's name
+                found.update({"", stack[-1]})
             return func(*args, **(kwargs or {}))
 
     def push(rel: str) -> Any:
         def hook(_m: nn.Module, _args: Any) -> None:
-            stack.append(rel if len(stack) < 2 else stack[-1])  # the unit's own child, however deep
+            stack.append(rel)
         return hook
 
     def pop(_m: nn.Module, _args: Any, _out: Any) -> None:
@@ -97,7 +97,8 @@ def _activation_products(model: nn.Module, name: str, inputs: Inputs, loss_fn: L
     handles = [unit.register_forward_pre_hook(push("")), unit.register_forward_hook(pop)]
     for rel, m in unit.named_modules():
         if rel:
-            handles += [m.register_forward_pre_hook(push(rel.split(".")[0])), m.register_forward_hook(pop)]
+            handles += [m.register_forward_pre_hook(push(rel.split(".")[0])),  # the unit's own child, however deep
+                        m.register_forward_hook(pop)]
     try:
         with torch.no_grad(), Watch():
             model(*inputs.args, **inputs.kwargs)

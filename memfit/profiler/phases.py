@@ -72,8 +72,8 @@ def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[S
                 f"unit {name!r} did not take part in the backward pass (no gradient reached its "
                 "output); choose units whose outputs the loss depends on"
             )
-    fwd = costs.pooled([[r[runs.forwards[i][0]].seconds for r in times] for i in range(len(names))], groups)
-    bwd = costs.pooled([[r[runs.backwards[i][0]].seconds for r in times] for i in range(len(names))], groups)
+    fwd = costs.pooled(first_runs(times, runs.forwards), groups)
+    bwd = costs.pooled(first_runs(times, runs.backwards), groups)
     out: list[UnitProfile] = []
     for i, name in enumerate(names):
         fwd_s, bwd_s = fwd[i], bwd[i]
@@ -84,6 +84,12 @@ def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[S
                                facts.outputs[i]))
     _share_outputs(out, facts)
     return out
+
+
+def first_runs(times: list[list[Stretch]], where: list[list[int]]) -> list[list[float]]:
+    """Per unit, the seconds of its first run's stretch (``where``: ``Runs.forwards`` or
+    ``Runs.backwards``) in each timed round."""
+    return [[r[ks[0]].seconds for r in times] for ks in where]
 
 
 def option_cost(run: list[Stretch], runs: Runs, i: int, name: str, recompute_s: float,
