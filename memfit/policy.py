@@ -9,7 +9,7 @@ chain checkpointed as one region, planned from their measured ``none`` and ``ful
 *policy* in a schedule is one of its options or its membership of a segment; ``str(policy)``
 is its JSON spelling (the one schedules and profiles have always used) and ``parse`` its inverse.
 
-    none  full  derive
+    none  full  derive  derive:products
     child:<region>[+<region>...]      a region is a module, or a chain a>b (a feeds b), by relative name
     selective:<op set>[@<child>]      the unit, or only that child of it, under the op set
     segment:<first unit>..<last unit> every unit from first to last says the same
@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass
 
 SEGMENT_HELP = "segment:<first>..<last>"
-KINDS_HELP = f"none, full, child:<children>, selective:<op set>, derive or {SEGMENT_HELP}"
+KINDS_HELP = f"none, full, child:<children>, selective:<op set>, derive, derive:products or {SEGMENT_HELP}"
 
 
 class PolicyError(ValueError):
@@ -94,12 +94,18 @@ class Selective:
 
 @dataclass(frozen=True, slots=True)
 class Derive:
-    """No checkpoint: saved tensors that cheap ops can re-derive are dropped (runtime/derive.py)."""
+    """No checkpoint: saved tensors that cheap ops can re-derive are dropped (runtime/derive.py);
+    with ``products``, also those that a product of two activations and a softmax re-derive
+    (written-out attention's probabilities from the q and k kept for its first product)."""
+
+    products: bool = False
 
     def __str__(self) -> str:
-        return "derive"
+        return "derive:products" if self.products else "derive"
 
     def describe(self) -> str:
+        if self.products:
+            return "cheap ops and attention's q.k^T, softmax: their saved outputs re-derived"
         return "cheap ops whose saved outputs it re-derives (norms, activations, dropout)"
 
 
@@ -119,9 +125,9 @@ class Segment:
 
 Policy = Keep | Full | Children | Selective | Derive | Segment
 Option = Keep | Full | Children | Selective | Derive  # what a profile measures
-KEEP, FULL, DERIVE = Keep(), Full(), Derive()
+KEEP, FULL, DERIVE, DERIVE_PRODUCTS = Keep(), Full(), Derive(), Derive(products=True)
 COARSE = (str(KEEP), str(FULL))  # the options measured for every unit
-_PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE)}
+_PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE, DERIVE_PRODUCTS)}
 
 
 @functools.lru_cache(maxsize=4096)

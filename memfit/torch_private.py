@@ -14,13 +14,19 @@ from torch import nn
 # Fake tensors: estimate mode builds and runs the model without memory. Since torch 2.0.
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
+# A weak reference to a storage, which outlives every tensor object that views it: derive
+# (runtime/derive.py) asks whether a storage an op made is still the live one at its address.
+# torch.multiprocessing's own; the same ``_weak_ref``/``_expired`` pair FakeTensor's converter
+# uses. Since torch 1.x.
+from torch.multiprocessing.reductions import StorageWeakRef
+
 # The base of every dispatch-level observer: FlopCounterMode and selective checkpointing are
 # built on it. memfit's meters (measure/fake.py), saved-tensor attribution (profiler/saved.py)
 # and derive (runtime/derive.py) see each op with its real arguments through it. Since torch 1.13.
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 # pytree flattening of op arguments, as SAC and torch.compile use it. Since torch 1.10.
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 # The generator form of non-reentrant checkpointing (what torch.distributed._composable.checkpoint
 # builds on): opened and closed around several module calls, a segment of units. Since torch 2.1.
@@ -30,9 +36,10 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as ch
 # a recompute (runtime/regions.py). Since torch 1.0.
 BatchNorm = nn.modules.batchnorm._BatchNorm
 
-__all__ = ["BatchNorm", "FakeTensorMode", "TorchDispatchMode", "allow_in_compiled_graph", "amp_unscale_",
-           "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors", "inner_tensors", "is_fake",
-           "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map"]
+__all__ = ["BatchNorm", "FakeTensorMode", "StorageWeakRef", "TorchDispatchMode", "allow_in_compiled_graph",
+           "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors",
+           "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map",
+           "tree_unflatten"]
 
 
 def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:

@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 import memfit
+from memfit import zoo
 from memfit.runtime.apply import clear_policies, set_policies
 from memfit.runtime.derive import Derive
 from memfit.runtime.harness import measure_steps
+from memfit.units import find_units
 
 from .conftest import tiny_gpt
 from .test_apply import _assert_identical, _run
@@ -95,3 +97,68 @@ def test_derive_steps_aside_under_compile():
     plain, sched = compiled_steps({"h.0": "derive", "h.1": "derive"})
     assert sched.peak_bytes == plain.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
+
+
+def _tiny_nanogpt() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """nanoGPT with its attention written out (q.k^T, mask, softmax, .v), no dropout."""
+    return zoo.nanogpt(batch=2, seq=32, vocab=128, d_model=32, n_head=4, n_layer=3)
+
+
+def _tiny_vit() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Hugging Face's ViT with its eager attention (matmul, softmax in float32, dropout, matmul)."""
+    pytest.importorskip("transformers")
+    from memfit import hf
+
+    return hf.vit(batch=2, image=32, patch=8, n_layer=3, hidden=32, n_head=4, classes=10, attention="eager")
+
+
+@pytest.mark.parametrize(("build", "tokens"), [(_tiny_nanogpt, 32), (_tiny_vit, 17)])
+def test_derive_products_re_derives_written_out_attention_probabilities(build, tokens):
+    """``derive:products`` also sheds the probabilities (batch x heads x T x T), re-derived from
+    the q and k the first product keeps; P.v, which makes less than it takes, is not run again.
+    Two models written by different hands: memfit's nanoGPT and Hugging Face's ViT."""
+    model, batch = build()
+    names = find_units(model, "auto")
+    assert len(names) == 3
+
+    def loss(out: object) -> torch.Tensor:
+        return out if isinstance(out, torch.Tensor) else out.loss  # type: ignore[attr-defined]
+
+    shed = {}
+    for products in (False, True):
+        d = Derive(model.get_submodule(names[0]), products)
+        loss(model(**batch)).backward()
+        d.remove()
+        shed[products] = d.derived_bytes
+    assert shed[True] - shed[False] == 4 * 2 * 4 * tokens * tokens  # the probabilities, float32
+    prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
+    assert "derive:products" in prof.units[0].options
+    none, deep = prof.units[0].options["none"], prof.units[0].options["derive:products"]
+    assert none.stored_bytes - deep.stored_bytes == shed[True]
+    plain = measure_steps(copy.deepcopy(model), batch)
+    for policies in (dict.fromkeys(names, "derive:products"),
+                     {names[0]: "derive:products", names[1]: "full", names[2]: "derive"}):
+        twin = copy.deepcopy(model)
+        set_policies(twin, policies)
+        run = measure_steps(twin, batch)
+        assert run.peak_bytes == memfit.predict(prof, policies).peak_bytes < plain.peak_bytes
+        assert all(torch.equal(g, plain.grads[n]) for n, g in run.grads.items())  # bit for bit
+        assert run.losses == plain.losses
+
+
+def test_derive_products_recomputes_one_product_per_block():
+    """The backward runs q.k^T once more per block (the probabilities are made once, for both
+    the softmax's backward and the product with V), and nothing else that multiplies matrices."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch = _tiny_nanogpt()
+    flops = {}
+    for policy in ("none", "derive:products"):
+        twin = copy.deepcopy(model)
+        set_policies(twin, {f"transformer.h.{i}": policy for i in range(3)})
+        counter = FlopCounterMode(display=False)
+        with counter:
+            twin(**batch).backward()
+        flops[policy] = counter.get_total_flops()
+    qk = 2 * (2 * 4) * 32 * 32 * 8  # batch x heads, T x T scores, head dim 8
+    assert flops["derive:products"] - flops["none"] == 3 * qk

@@ -8,6 +8,7 @@ import pytest
 
 from memfit.policy import (
     DERIVE,
+    DERIVE_PRODUCTS,
     FULL,
     KEEP,
     KINDS_HELP,
@@ -28,6 +29,7 @@ RELEASE = Path(__file__).parent / "fixtures" / "release"
     ("none", KEEP),
     ("full", FULL),
     ("derive", DERIVE),
+    ("derive:products", DERIVE_PRODUCTS),
     ("child:mlp", Children((("mlp",),))),
     ("child:ln_2>mlp+ln_1>attn.qkv", Children((("ln_2", "mlp"), ("ln_1", "attn.qkv")))),
     ("child:a+b>c>d", Children((("a",), ("b", "c", "d")))),

@@ -24,7 +24,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.measure.step import Inputs, LossFn, storage_key
-from memfit.policy import DERIVE, Children, PolicyError, Selective
+from memfit.policy import DERIVE, DERIVE_PRODUCTS, Children, PolicyError, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
 from memfit.runtime.regions import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
@@ -37,7 +37,7 @@ MAX_CHILDREN = 3  # child options per unit class, the largest savers first
 def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: LossFn,
                  unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[str]]:
     """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
-    ``selective:gemm[@<name>]``, ``derive``), in a fixed order.
+    ``selective:gemm[@<name>]``, ``derive``, ``derive:products``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
     out: dict[str, list[str]] = {}
@@ -67,8 +67,7 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             # weight products kept (Megatron's core attention); where none runs this is gemm's twin
             between = _activation_products(model, name, inputs)
             chosen[key] += [str(Selective(WEIGHTS, c)) for c in (inner or [""]) if c in between]
-            if unit_saved[j] > 0 and _derivable(model, name, inputs, loss_fn) >= MIN_SHARE * unit_saved[j]:
-                chosen[key].append(str(DERIVE))
+            chosen[key] += _derive_options(model, name, inputs, loss_fn, unit_saved[j])
         out[name] = list(chosen[key])
     return out
 
@@ -108,9 +107,23 @@ def _activation_products(model: nn.Module, name: str, inputs: Inputs) -> set[str
     return found
 
 
-def _derivable(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> int:
+def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, saved: int) -> list[str]:
+    """``derive`` where it sheds ``MIN_SHARE`` of the unit's saved bytes, and ``derive:products``
+    where going through products and softmax sheds that much more again (written-out attention)."""
+    if saved <= 0:
+        return []
+    out, shed = [], 0
+    for policy in (DERIVE, DERIVE_PRODUCTS):
+        more = _derivable(model, name, inputs, loss_fn, policy.products)
+        if more - shed >= MIN_SHARE * saved:
+            out.append(str(policy))
+            shed = more
+    return out
+
+
+def _derivable(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, products: bool) -> int:
     """Bytes the unit's saved tensors would shed under ``derive`` (one forward, not kept)."""
-    derive = Derive(model.get_submodule(name))
+    derive = Derive(model.get_submodule(name), products)
     try:
         loss_fn(model(*inputs.args, **inputs.kwargs))
     finally:

@@ -11,7 +11,8 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
 from memfit.formats.schedule import Schedule, fingerprint_difference, model_fingerprint
-from memfit.policy import DERIVE, KEEP, KINDS_HELP, Children, Full, Segment, Selective, read
+from memfit.policy import KEEP, KINDS_HELP, Children, Full, Segment, Selective, read
+from memfit.policy import Derive as DerivePolicy
 from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
 from memfit.runtime.regions import OP_SETS, Region, guard
@@ -111,7 +112,7 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
     _refuse_shared(modules)
     plan = _region_plan(policies)
-    derived = [n for n, p in policies.items() if read(p) == DERIVE]
+    derived = {n: d for n, p in policies.items() if isinstance(d := read(p), DerivePolicy)}
     for name in derived:
         _refuse_checkpointed(name, modules[name])
     for members, _, _ in plan:
@@ -124,7 +125,7 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
                                                 ) from None
             _refuse_checkpointed(name, modules[name])
     for name in derived:
-        modules[name].__dict__["_memfit_derive"] = Derive(modules[name])
+        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].products)
     regions = [Region([modules[n] for n in members], op_set, chain=chain) for members, op_set, chain in plan]
     model.__dict__["_memfit_guard"] = (guard(model, regions) if regions else []) + cache_off(model)
 
@@ -152,7 +153,7 @@ def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool]]:
                                   f"{policies[unit]!r}")
             plan.append((names[j - 1 : k + 1], "", False))
             j = k + 1
-        elif policy not in (KEEP, DERIVE):
+        elif policy != KEEP and not isinstance(policy, DerivePolicy):
             raise MemfitError(f"unit {unit!r} has the policy {policies[unit]!r}; use {KINDS_HELP} "
                               "naming this unit first and a later unit last")
     return plan
