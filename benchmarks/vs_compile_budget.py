@@ -50,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=float, nargs="+", default=[round(0.1 * k, 1) for k in range(1, 10)])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds of the fine profile")
     parser.add_argument("--scenario", default="gpt-small", help="a built-in scenario the CPU can run")
     parser.add_argument("--plot", help="draw both frontiers (memory, slowdown) to this .png/.svg")
     args = parser.parse_args()
@@ -59,7 +60,8 @@ def main() -> None:
     sc = load_scenario(args.scenario)
     model, raw_inputs = sc.build("cpu")
     inputs = Inputs.of(raw_inputs)
-    prof = memfit.profile(model, raw_inputs, units=sc.units, optimizer=sc.step_optimizer, repeat=5, granularity="fine")
+    prof = memfit.profile(model, raw_inputs, units=sc.units, optimizer=sc.step_optimizer, repeat=args.repeat,
+                          granularity="fine")
 
     def config(label: str, policies: dict[str, str] | None = None, budget: float | None = None) -> Config:
         m = copy.deepcopy(model)

@@ -272,7 +272,7 @@ def _granularity(p: argparse.ArgumentParser, fine: str) -> None:
 
 def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     title = ("model (default: the one the schedule was made for)" if validate
-             else "model (default: the built-in gpt-1b scenario)")
+             else "model (default: the built-in gpt-750m scenario)")
     g = p.add_argument_group(title)
     g.add_argument("--scenario", help="a built-in scenario name or a scenario .toml file")
     g.add_argument("--model", help="your own model: module:factory returning a model or (model, inputs)")

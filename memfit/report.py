@@ -126,7 +126,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
         theirs = schedule.baselines[best]["recompute_s"]
         ratio = schedule.predicted_recompute_s / theirs if theirs > 0 else 1.0
         out.append(f"recompute time of this plan / best baseline ({best}): {ratio:.2f}")
-        noise = schedule.predicted_uncertainty_s + float(schedule.baselines[best].get("uncertainty_s", 0.0))
+        noise = math.hypot(schedule.predicted_uncertainty_s, float(schedule.baselines[best].get("uncertainty_s", 0.0)))
         if noise > 0 and theirs - schedule.predicted_recompute_s <= noise:
             out.append(f"these plans cost the same within the measurement's noise: this plan saves "
                        f"{(theirs - schedule.predicted_recompute_s) * 1e3:.1f} ms, the costs are sure to "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
@@ -184,8 +185,9 @@ def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
 
 def _within_noise(profile: Profile, budget_bytes: int, opts: PlanOptions, figures: dict[str, BaselineFigures],
                   policies: Policies, status: str) -> tuple[Policies, str]:
-    """The module-level plan instead of a fine one whose advantage over it is within the two
-    plans' measured uncertainties: finer options' costs are shares of a step's overhead, less sure than
+    """The module-level plan instead of a fine one whose advantage over it is within the
+    uncertainty of that difference (the two plans' uncertainties in quadrature, as of two
+    independent measurements): finer options' costs are shares of a step's overhead, less sure than
     whole units' (profiler/costs.py), and a win that noise can explain is not one."""
     try:
         coarse = _choose(profile, budget_bytes, opts, False, figures)[0]
@@ -194,7 +196,7 @@ def _within_noise(profile: Profile, budget_bytes: int, opts: PlanOptions, figure
     if coarse == policies:
         return policies, status
     f, m = predict(profile, policies), predict(profile, coarse)
-    noise = f.uncertainty_s + m.uncertainty_s
+    noise = math.hypot(f.uncertainty_s, m.uncertainty_s)  # two standard errors of the difference
     if m.recompute_s <= f.recompute_s:  # a fine solve stopped at its gap or time limit short of it
         return coarse, f"{status}; the module-level plan is as cheap: used"
     if noise <= 0 or m.recompute_s - f.recompute_s > noise:
