@@ -76,15 +76,16 @@ def bert(
 
 def vit(
     batch: int = 8, image: int = 224, patch: int = 16, n_layer: int = 4, hidden: int = 256, n_head: int = 4,
-    intermediate: int | None = None, classes: int = 1000, seed: int = 0,
+    intermediate: int | None = None, classes: int = 1000, seed: int = 0, attention: str = "sdpa",
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A Vision Transformer classifier on random images."""
+    """A Vision Transformer classifier on random images; ``attention``: the config's
+    implementation (``eager`` writes it out: q.k^T, softmax, dropout, .v)."""
     tf = _transformers()
     torch.manual_seed(seed)
     config = tf.ViTConfig(
         num_hidden_layers=n_layer, hidden_size=hidden, num_attention_heads=n_head, image_size=image,
         patch_size=patch, intermediate_size=intermediate or 4 * hidden, num_labels=classes,
-        attn_implementation="sdpa",
+        attn_implementation=attention,
     )
     try:
         model = tf.ViTForImageClassification(config)
