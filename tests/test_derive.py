@@ -162,3 +162,21 @@ def test_derive_products_recomputes_one_product_per_block():
         flops[policy] = counter.get_total_flops()
     qk = 2 * (2 * 4) * 32 * 32 * 8  # batch x heads, T x T scores, head dim 8
     assert flops["derive:products"] - flops["none"] == 3 * qk
+
+
+def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_results():
+    """SDPA with dropout on the CPU takes its math path (q.k^T, a causal mask from ones, tril and
+    where, safe softmax, a random mask): the probabilities are re-derived, the random mask is kept,
+    and loss, gradients and buffers equal the plain model's."""
+    model, batch = zoo.gpt(batch=2, seq=64, vocab=128, d_model=32, n_head=4, n_layer=2, dropout=0.1)
+    shed = {}
+    for products in (False, True):
+        d = Derive(model.h[0], products)
+        model(**batch)["loss"].backward()
+        d.remove()
+        shed[products] = d.derived_bytes
+    assert shed[True] - shed[False] == 4 * 2 * 4 * 64 * 64  # the softmax output, float32
+    twin = copy.deepcopy(model)
+    expected = _run(model, batch)
+    set_policies(twin, {"h.0": "derive:products", "h.1": "derive:products"})
+    _assert_identical(expected, _run(twin, batch))

@@ -66,8 +66,11 @@ _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group
           if hasattr(_aten, n)}
 # the deeper level: written-out attention's scores and probabilities from the q, k (and v) that
 # autograd keeps for the products anyway (Megatron's core-attention recompute, without a checkpoint)
-_ROWWISE = {_aten._softmax.default, _aten._log_softmax.default}
+_ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
 _PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
+# what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
+_MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
+          _aten.tril.default, _aten.triu.default}
 MAX_DEPTH = 8  # ops one re-derived tensor may chain back through
 
 
@@ -241,7 +244,7 @@ def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...]]
     if kind is None:
         writes = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments)
                        if a.alias_info is not None and a.alias_info.is_write)
-        ok = cheap(func) or (products and (func in _ROWWISE or func in _PRODUCTS))
+        ok = cheap(func) or (products and (func in _ROWWISE or func in _PRODUCTS or func in _MASKS))
         kind = _KINDS[(func, products)] = (ok, writes)
     return kind
 
