@@ -121,7 +121,7 @@ def test_units_off_the_gradient_path_are_refused():
 def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     """The recompute times add up so that predicting 'every unit checkpointed' gives the median
     ratio of adjacent plain and all-checkpointed steps, and units share it by forward time."""
-    from memfit.measure.timing import alternate
+    from memfit.measure.timing import alternate, ratio_uncertainty
     from memfit.profiler import _recompute_factor
     from memfit.runtime.marks import Stretch
 
@@ -133,7 +133,8 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     # machine speed drifts by 2x between rounds; within a pair the all-checkpointed step costs 1.3x
     plain = [run([1.0 * s, 3.0 * s], [2.0 * s, 6.0 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
     full = [run([1.0 * s, 3.0 * s], [3.05 * s, 9.15 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
-    factor, uncertainty = _recompute_factor(plain, full)
+    steps = [[sum(s.seconds for s in r) for r in runs] for runs in (plain, full)]
+    factor, uncertainty = _recompute_factor(plain, full, ratio_uncertainty(*steps))
     step, forward = 14.0 * 1.5, 4.0 * 1.5  # medians
     assert factor * forward / step == pytest.approx(0.3)
     assert uncertainty == pytest.approx(0.0)  # every round's ratio was the same: the drift cancels

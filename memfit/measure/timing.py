@@ -64,6 +64,23 @@ def ratio_uncertainty(plain: list[float], other: list[float]) -> float:
     return 2 * 1.2533 * iqr([b / a for a, b in zip(plain, other, strict=True)]) / 1.349 / math.sqrt(len(plain))
 
 
+def ratio_uncertainties(plain: list[float], others: list[list[float]]) -> list[float]:
+    """``ratio_uncertainty`` of each of ``others`` against ``plain`` (one interleaved series),
+    never below that of all of them pooled (each one's ratios about its own median). With a
+    handful of rounds one interquartile range comes out narrow by chance (an option's recorded
+    uncertainty 7 times below a second profile's of the same option, which then disagreed beyond
+    both), while the machine's noise is common to every configuration of one series."""
+    if len(plain) < MIN_TIMED_ROUNDS:
+        return [float("nan")] * len(others)
+    deviations: list[float] = []
+    for other in others:
+        ratios = [b / a for a, b in zip(plain, other, strict=True)]
+        mid = statistics.median(ratios)
+        deviations += [r - mid for r in ratios]
+    pooled = 2 * 1.2533 * iqr(deviations) / 1.349 / math.sqrt(len(plain))
+    return [max(ratio_uncertainty(plain, other), pooled) for other in others]
+
+
 def iqr(xs: list[float]) -> float:
     """The interquartile range (inclusive quartiles: defined from 2 samples on)."""
     q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")

@@ -16,7 +16,7 @@ from memfit.formats.schedule import model_fingerprint
 from memfit.measure.memory import device_memory
 from memfit.measure.meters import Meters
 from memfit.measure.step import Inputs, LossFn, StepState, default_loss, static_bytes, storage_bytes, training_step
-from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty
+from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
 from memfit.policy import COARSE, Children, read
@@ -105,12 +105,14 @@ def profile(
     if meters is None:  # fake meters time nothing: their times are estimates
         costs.check_alike(timeline.first_runs(times, timeline.Runs.of(memory["none"], len(names)).forwards), groups,
                           names)
+    full_sure, *finer_sure = ratio_uncertainties([_seconds(r) for r in times],
+                                                 [[_seconds(r) for r in runs] for runs in (full_times, *finer_times)])
     prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
-                     _recompute_factor(times, full_times), measured, per_step, groups)
+                     _recompute_factor(times, full_times, full_sure), measured, per_step, groups)
     scale = per_step / measured
-    for option, runs in zip(options[len(COARSE):], finer_times, strict=True):
+    for option, runs, sure in zip(options[len(COARSE):], finer_times, finer_sure, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory["none"],
-                    times, runs, scale, facts.saved_casts, groups)
+                    times, runs, scale, facts.saved_casts, groups, sure)
     _prune(prof)
     return prof
 
@@ -223,10 +225,10 @@ def _assemble(
     )
 
 
-def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> tuple[float, float]:
+def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]], sure: float) -> tuple[float, float]:
     """Recompute time of the units over their own forward time, such that checkpointing every
-    unit costs the overhead measured for it, and its uncertainty (the overhead's, ``ratio_uncertainty``;
-    0 where too few rounds tell it).
+    unit costs the overhead measured for it, and its uncertainty (the overhead's, ``sure``, from
+    ``ratio_uncertainties``; 0 where too few rounds tell it).
 
     Recomputing a forward inside backward is not exactly as dear as the first forward (no
     tensors are saved, memory is reused, hooks and RNG handling add a little), so the forward
@@ -241,7 +243,6 @@ def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]]) -> 
     steps, full_steps = [_seconds(r) for r in plain], [_seconds(r) for r in full]
     overhead = median_ratio(steps, full_steps) - 1.0
     step_s = statistics.median(steps)
-    sure = ratio_uncertainty(steps, full_steps)
     return min(2.0, max(0.25, overhead * step_s / forward)), 0.0 if math.isnan(sure) else sure * step_s / forward
 
 
@@ -260,7 +261,7 @@ def _cumulative(run: list[Stretch]) -> list[Stretch]:
 
 def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretch], plain_memory: list[Stretch],
                 plain: list[list[Stretch]], runs: list[list[Stretch]], scale: float, saved_casts: list[int],
-                groups: list[int]) -> None:
+                groups: list[int], sure: float) -> None:
     """A finer option's costs, for the units that ``has`` it, from the step that ran them all so;
     ``_prune`` then drops it where another option dominates it.
 
@@ -268,12 +269,12 @@ def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretc
     ``full``), shared among the units by how much longer each structure's forward and backward
     took, in the same round (an op set costs in the forward too, where its dispatch mode runs),
     or by the cost model where that is noise (``costs.shares``); ``scale``: a whole step's runs
-    of each unit over the measured ones."""
+    of each unit over the measured ones; ``sure``: the overhead's uncertainty, a ratio to the
+    plain step (``timing.ratio_uncertainties``)."""
     index = {s.label: k for k, s in enumerate(memory)}
     steps, option_steps = [_seconds(r) for r in plain], [_seconds(r) for r in runs]
     measured_s = statistics.median(steps)
     extra = max(0.0, median_ratio(steps, option_steps) - 1.0) * measured_s * scale
-    sure = ratio_uncertainty(steps, option_steps)
     uncertainty_s = 0.0 if math.isnan(sure) else sure * measured_s * scale
     where = timeline.Runs.of(memory, len(prof.units))
     released = timeline.releases(plain_memory, memory, has, saved_casts)

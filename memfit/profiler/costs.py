@@ -11,7 +11,8 @@ eight blocks of the same shape). So:
   **calibrated** on the structures above it: its share is its forward time times the
   measured overhead per forward second of those (all of them by forward time if none is);
 - every cost keeps its **uncertainty** (``OptionCost.recompute_uncertainty_s``): that of the
-  step's measured overhead (``timing.ratio_uncertainty``), split as the cost is.
+  step's measured overhead (``timing.ratio_uncertainties``: its own, never below that of all the
+  options timed in the same rounds pooled), split as the cost is.
 """
 
 from __future__ import annotations

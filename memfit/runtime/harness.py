@@ -24,7 +24,7 @@ from memfit.formats.schedule import Schedule
 from memfit.measure.memory import CudaFigures, Mark, memory_recorder
 from memfit.measure.meters import Meters, real_meters
 from memfit.measure.step import Inputs, LossFn, StepState, default_loss, device_of, static_bytes, training_step
-from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
+from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, timed_step
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.runtime.marks import recorded_step, stretches
@@ -157,7 +157,7 @@ class StepHarness:
     def step_times(self, plans: list[dict[str, str]], rounds: int) -> tuple[float, list[float], list[float]]:
         """Median step time of the plain model, the median ratio of each plan's step time to
         the plain step's in the same round (``alternate``), and each ratio's uncertainty
-        (``ratio_uncertainty``): one series for all plans, so that they share the plain steps and the
+        (``ratio_uncertainties``): one series for all plans, so that they share the plain steps and the
         machine's drift."""
         state = self.new_state()
         self.model.train()
@@ -169,7 +169,7 @@ class StepHarness:
 
         plain, *others = alternate(timed, len(configs), rounds)
         return (statistics.median(plain), [median_ratio(plain, t) for t in others],
-                [ratio_uncertainty(plain, t) for t in others])
+                ratio_uncertainties(plain, others))
 
     def marked_step(self, state: StepState | UserStepState, unit_names: list[str], what: str,
                     meters: Meters | None = None) -> list[Mark]:
