@@ -70,7 +70,7 @@ def ratio_uncertainties(plain: list[float], others: list[list[float]]) -> list[f
     handful of rounds one interquartile range comes out narrow by chance (an option's recorded
     uncertainty 7 times below a second profile's of the same option, which then disagreed beyond
     both), while the machine's noise is common to every configuration of one series."""
-    if len(plain) < MIN_TIMED_ROUNDS:
+    if len(plain) < MIN_TIMED_ROUNDS or not others:
         return [float("nan")] * len(others)
     deviations: list[float] = []
     for other in others:
