@@ -61,7 +61,13 @@ def ratio_uncertainty(plain: list[float], other: list[float]) -> float:
     ``MIN_TIMED_ROUNDS`` rounds."""
     if len(plain) < MIN_TIMED_ROUNDS:
         return float("nan")
-    return 2 * 1.2533 * iqr([b / a for a, b in zip(plain, other, strict=True)]) / 1.349 / math.sqrt(len(plain))
+    return _two_errors([b / a for a, b in zip(plain, other, strict=True)], len(plain))
+
+
+def _two_errors(spread: list[float], rounds: int) -> float:
+    """Two standard errors of a median over ``rounds`` (1.253 σ/√n), σ from the interquartile
+    range of ``spread``."""
+    return 2 * 1.2533 * iqr(spread) / 1.349 / math.sqrt(rounds)
 
 
 def ratio_uncertainties(plain: list[float], others: list[list[float]]) -> list[float]:
@@ -73,12 +79,14 @@ def ratio_uncertainties(plain: list[float], others: list[list[float]]) -> list[f
     if len(plain) < MIN_TIMED_ROUNDS or not others:
         return [float("nan")] * len(others)
     deviations: list[float] = []
+    own: list[float] = []
     for other in others:
         ratios = [b / a for a, b in zip(plain, other, strict=True)]
         mid = statistics.median(ratios)
         deviations += [r - mid for r in ratios]
-    pooled = 2 * 1.2533 * iqr(deviations) / 1.349 / math.sqrt(len(plain))
-    return [max(ratio_uncertainty(plain, other), pooled) for other in others]
+        own.append(_two_errors(ratios, len(plain)))
+    pooled = _two_errors(deviations, len(plain))
+    return [max(u, pooled) for u in own]
 
 
 def iqr(xs: list[float]) -> float:

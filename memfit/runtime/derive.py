@@ -178,7 +178,7 @@ class _Watch(TorchDispatchMode):
     def __init__(self, products: bool, params: set[int]) -> None:
         super().__init__()
         self.products = products
-        self.params = params
+        self.params = params  # the unit's parameters' and buffers' storages
         self.made: dict[int, _Made] = {}
         self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
         self.seq = 0
@@ -293,7 +293,7 @@ class Derive(PerThread):
             made = watch.entry(key)
             # an op's first output only: a norm's statistics are small, and its backward would run it again
             if made is not None and key not in kept and watch.clean(key, made.seq + 1):
-                recipe = _resolve(made, watch, kept, params, 0)
+                recipe = _resolve(made, watch, kept, 0)
                 if recipe is not None:
                     if key not in derived:
                         derived.add(key)
@@ -314,7 +314,7 @@ class Derive(PerThread):
             self._open.pop().__exit__(None, None, None)
 
 
-def _resolve(made: _Made, watch: _Watch, kept: set[int], params: set[int], depth: int) -> _Recipe | None:
+def _resolve(made: _Made, watch: _Watch, kept: set[int], depth: int) -> _Recipe | None:
     """The recipe for ``made``'s storage, or None: every tensor input is kept by autograd (or a
     parameter, a buffer, a scalar) and unchanged since, or is re-derivable itself (its storage
     made by a recorded op, never written in place, at most ``MAX_DEPTH`` ops back)."""
@@ -328,10 +328,10 @@ def _resolve(made: _Made, watch: _Watch, kept: set[int], params: set[int], depth
     args = []
     for a in leaves:
         if isinstance(a, _Arg):
-            x = _input(a, made, watch, kept, params, depth)
+            x = _input(a, made, watch, kept, depth)
             if x is None:
                 return None
-            if isinstance(x, torch.Tensor) and a.key not in params:
+            if isinstance(x, torch.Tensor) and a.key not in watch.params:
                 versions.append((x, a.version))  # as the op found it
             a = x
         args.append(a)
@@ -339,8 +339,7 @@ def _resolve(made: _Made, watch: _Watch, kept: set[int], params: set[int], depth
     return made.recipe
 
 
-def _input(a: _Arg, made: _Made, watch: _Watch, kept: set[int], params: set[int],
-           depth: int) -> torch.Tensor | _Derived | None:
+def _input(a: _Arg, made: _Made, watch: _Watch, kept: set[int], depth: int) -> torch.Tensor | _Derived | None:
     """An input of ``made``'s op as a recipe takes it: the tensor where autograd keeps it (or it
     is a parameter, a buffer, a scalar) and nothing wrote into it since; else its own recipe."""
     t = a.pinned if a.pinned is not None else a.ref()
@@ -349,7 +348,7 @@ def _input(a: _Arg, made: _Made, watch: _Watch, kept: set[int], params: set[int]
     sub = a.made
     if sub is None or sub.seq >= made.seq or not watch.clean(sub.key, sub.seq + 1):
         return None
-    recipe = _resolve(sub, watch, kept, params, depth + 1)
+    recipe = _resolve(sub, watch, kept, depth + 1)
     if recipe is None:
         return None
     size, stride, offset = a.geometry
