@@ -144,6 +144,11 @@ def test_derive_products_re_derives_written_out_attention_probabilities(build, t
         assert run.peak_bytes == memfit.predict(prof, policies).peak_bytes < plain.peak_bytes
         assert all(torch.equal(g, plain.grads[n]) for n, g in run.grads.items())  # bit for bit
         assert run.losses == plain.losses
+    # and in a loop written here as a user writes it (SGD with momentum, two steps): the same
+    # losses, outputs, gradients and buffers as a plain copy trained alike
+    twin = copy.deepcopy(model)
+    set_policies(twin, dict.fromkeys(names, "derive:products"))
+    _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
 
 
 def test_derive_products_recomputes_one_product_per_block():
