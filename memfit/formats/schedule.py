@@ -95,6 +95,10 @@ class Schedule:
     predicted_uncertainty_s: float = 0.0
     # loaded from a file whose policies were changed after planning: its predictions are another plan's
     edited: bool = False
+    # planned for several input shapes (plan([profile, ...])): one plan per shape, smallest first,
+    # each a Schedule of its own; the fields above are then the largest shape's (the worst case)
+    shapes: list[Schedule] = field(default_factory=list)
+    share: float | None = None  # a shape's fraction of the steps, from a length histogram; None: not given
 
     @property
     def train_step(self) -> TrainStep:
@@ -105,13 +109,30 @@ class Schedule:
     def checkpointed(self) -> list[str]:
         return [name for name, policy in self.policies.items() if policy != "none"]
 
+    @property
+    def plans(self) -> list[Schedule]:
+        """One schedule per planned input shape, smallest first: ``shapes``, or this one alone."""
+        return self.shapes or [self]
+
+    @property
+    def expected_overhead(self) -> float:
+        """The slowdown a run sees on average: each shape's weighted by its share of the steps
+        (equal shares where none were given)."""
+        plans = self.plans
+        shares = [p.share if p.share is not None else 1.0 for p in plans]
+        return sum(s * p.predicted_overhead for s, p in zip(shares, plans, strict=True)) / (sum(shares) or 1.0)
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON takes them (``--json``); a plain step's empty record left out, so
         that a profile older than the step record plans to the file it planned to then."""
         data = asdict(self)
-        for key in ("step", "memory", "asked_budget_bytes", "predicted_uncertainty_s"):
+        for key in ("step", "memory", "asked_budget_bytes", "predicted_uncertainty_s", "shapes"):
             if not data[key]:
                 del data[key]
+        if data.get("share") is None:
+            del data["share"]
+        if self.shapes:  # each shape keeps only what is its own; a reader merges it with the rest
+            data["shapes"] = [{k: v for k, v in shape.to_dict().items() if k in PER_SHAPE} for shape in self.shapes]
         return data
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -120,7 +141,15 @@ class Schedule:
         data = self.to_dict()
         del data["solve_s"], data["edited"]
         data["policies_sha256"] = policies_digest(self.policies)  # an edit by hand shows on load
+        for shape in data.get("shapes", []):
+            shape["policies_sha256"] = policies_digest(shape["policies"])
         write_json_atomic(path, {"format": SCHEDULE_FORMAT, **data})
+
+
+# what differs between the plans of one schedule's input shapes
+PER_SHAPE = ("policies", "predicted_peak_bytes", "predicted_recompute_s", "predicted_overhead", "strategy", "solver",
+             "solver_status", "input_shapes", "baselines", "source", "levels", "fallbacks", "predicted_uncertainty_s",
+             "share", "policies_sha256")
 
 
 def policies_digest(policies: dict[str, str]) -> str:
@@ -130,7 +159,23 @@ def policies_digest(policies: dict[str, str]) -> str:
 
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     """Read a schedule written by ``Schedule.save`` / ``memfit plan -o``, checking every field."""
-    f = Fields(read_json(path, SCHEDULE_FORMAT), str(path))
+    data = read_json(path, SCHEDULE_FORMAT)
+    f = Fields(data, str(path))
+    shapes = []
+    for k, entry in enumerate(f.items("shapes") if "shapes" in data else []):
+        unknown = set(entry.data) - set(PER_SHAPE)
+        if unknown:
+            raise FileFormatError(f"{path}: shapes[{k}] has fields a shape's plan does not: {sorted(unknown)}")
+        merged = {key: v for key, v in data.items() if key not in PER_SHAPE and key != "shapes"} | entry.data
+        shapes.append(_schedule(Fields(merged, f"{path}: shapes[{k}]"), f"{path}: shapes[{k}]"))
+    if shapes and list(shapes[-1].policies) != list(_policies(f.obj("policies"))):
+        raise FileFormatError(f"{path}: the units of its shapes' plans differ from its own")
+    schedule = _schedule(f, str(path))
+    schedule.shapes = shapes
+    return schedule
+
+
+def _schedule(f: Fields, path: str) -> Schedule:
     policies = _policies(f.obj("policies"))
     baselines = f.obj("baselines") if "baselines" in f.data else Fields({}, str(path))
     for name, figures in baselines.data.items():
@@ -169,6 +214,7 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         predicted_uncertainty_s=(f.float("predicted_uncertainty_s", minimum=0.0)
                                  if "predicted_uncertainty_s" in f.data else 0.0),
         edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(policies),
+        share=f.float("share", minimum=0.0) if f.data.get("share") is not None else None,
     )
 
 

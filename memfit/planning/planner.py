@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
@@ -47,7 +49,7 @@ def min_budget_bytes(
 
 
 def plan(
-    profile: Profile,
+    profile: Profile | Sequence[Profile],
     budget: str | int,
     *,
     strategy: str = "ilp",
@@ -57,8 +59,15 @@ def plan(
     max_segment: int = 8,
     time_limit: float | None = None,
     fallbacks: int = 0,
+    shares: Sequence[float] | None = None,
 ) -> Schedule:
     """The schedule with the least recompute time whose predicted peak fits ``budget``.
+
+    Given profiles of one model at several input shapes (``[memfit.profile(model, x) for x in
+    batches]``), one schedule with a plan per shape (``Schedule.shapes``, smallest first), each
+    the cheapest that fits ``budget`` at its shape; ``apply`` runs each forward under its shape's
+    plan. ``shares`` weigh the shapes (how often each occurs: a length histogram) for
+    ``Schedule.expected_overhead``.
 
     ``fallbacks`` tighter plans are solved too (budgets evenly spaced from this plan's peak down
     to the smallest feasible one) and stored in the schedule, for ``memfit.tighten`` to step
@@ -79,6 +88,10 @@ def plan(
     """
     opts = PlanOptions(strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
                        granularity=granularity, time_limit=time_limit, fallbacks=fallbacks)
+    if not isinstance(profile, Profile):
+        return _plan_shapes(list(profile), budget, opts, shares)
+    if shares is not None:
+        raise MemfitError("shares weigh the input shapes of several profiles; one profile has one shape")
     fine = check_granularity(profile, granularity)
     budget_bytes = parse_bytes(budget)
     asked = None
@@ -129,6 +142,55 @@ def plan(
         asked_budget_bytes=asked,
         predicted_uncertainty_s=pred.uncertainty_s,
     )
+
+
+def _plan_shapes(profiles: list[Profile], budget: str | int, opts: PlanOptions,
+                 shares: Sequence[float] | None) -> Schedule:
+    """One plan per input shape, smallest (by the unplanned peak) first; the schedule's own fields
+    are the largest shape's, so that a reader that knows one shape sees the worst case."""
+    check_shapes(profiles)
+    if shares is not None and (len(shares) != len(profiles) or not all(math.isfinite(w) and w >= 0 for w in shares)
+                               or not sum(shares)):
+        raise MemfitError(f"shares: {len(profiles)} non-negative numbers, one per profile, not all 0; got {shares}")
+    plans: list[Schedule] = []
+    short: list[tuple[Profile, InfeasibleBudgetError]] = []
+    for prof in profiles:
+        try:
+            plans.append(plan(prof, budget, **dataclasses.asdict(opts)))
+        except InfeasibleBudgetError as exc:
+            short.append((prof, exc))
+    if short:
+        least = max(exc.min_budget_bytes or 0 for _, exc in short)
+        raise InfeasibleBudgetError(
+            f"no schedule fits {format_bytes(parse_bytes(budget))} for inputs "
+            f"{' and '.join(p.input_shapes for p, _ in short)}: the smallest budget that works for every planned "
+            f"shape is {format_bytes(least)} ({least} bytes); raise the budget, or plan for shorter inputs", least)
+    for k, sched in enumerate(plans):
+        sched.share = None if shares is None else shares[k] / sum(shares)
+    order = sorted(range(len(plans)), key=lambda k: (predict(profiles[k], {}).peak_bytes, k))
+    ordered = [plans[k] for k in order]
+    return dataclasses.replace(ordered[-1], shapes=ordered)
+
+
+def check_shapes(profiles: list[Profile]) -> None:
+    """Profiles one schedule can hold: one model, one step, one device, each input shape once."""
+    if not profiles:
+        raise MemfitError("plan() needs a profile, or a list of profiles of one model at several input shapes")
+    first = profiles[0]
+    for prof in profiles[1:]:
+        if any(prof.fingerprint.get(k) != first.fingerprint.get(k)
+               for k in ("model_class", "units", "params_sha256", "hparams_sha256")):
+            raise MemfitError("the profiles are of different models (their fingerprints differ): a schedule with "
+                              "several input shapes is for one model; profile that model at each shape")
+        setup = ("optimizer", "step", "device", "target", "parallel", "memory")
+        if (differ := [k for k in setup if getattr(prof, k) != getattr(first, k)]):
+            raise MemfitError(f"the profiles differ in {', '.join(differ)}, not only in input shape: profile each "
+                              "shape with the same training step on the same device")
+    seen: set[str] = set()
+    for prof in profiles:
+        if prof.input_shapes in seen:
+            raise MemfitError(f"two profiles have the same inputs ({prof.input_shapes}); give each shape once")
+        seen.add(prof.input_shapes)
 
 
 def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,

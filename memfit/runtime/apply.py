@@ -51,9 +51,13 @@ def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
             "memfit: this schedule's policies were edited after planning: its predicted peak and slowdown are the old "
             "plan's, so the budget is not checked for these policies; plan again (memfit plan --profile FILE), or "
             "check them with memfit.predict(profile, schedule.policies) or memfit validate"), stacklevel=2)
-    set_policies(model, schedule.policies)
-    watch = Watch(model, schedule)
-    model.__dict__["_memfit_applied"] = _Applied(schedule, 0, model.register_forward_pre_hook(watch, with_kwargs=True))
+    # A schedule for several input shapes starts with its largest shape's plan (the one that fits
+    # any planned input); each training forward's inputs pick theirs (watch.Watch, use_shape).
+    last = len(schedule.plans) - 1
+    set_policies(model, schedule.plans[last].policies)
+    watch = Watch(model, schedule, use_shape)
+    model.__dict__["_memfit_applied"] = _Applied(schedule, last, {}, schedule.plans[last].policies,
+                                                 model.register_forward_pre_hook(watch, with_kwargs=True))
     return model
 
 
@@ -68,13 +72,16 @@ def _has_module(model: nn.Module, name: str) -> bool:
 @dataclass(slots=True)
 class _Applied:
     schedule: Schedule
-    level: int  # 0: the plan itself; k: its k-th fallback
+    shape: int  # the plan in use: an index into schedule.plans
+    levels: dict[int, int]  # per shape, 0 (or absent): its plan itself; k: its k-th fallback
+    policies: dict[str, str]  # what runs now
     drift_hook: RemovableHandle
 
 
 def tighten(model: nn.Module) -> bool:
     """Switch a model with an applied schedule to its next tighter plan (``plan(...,
-    fallbacks=k)``); False when none is left. For a training loop that still runs out of memory::
+    fallbacks=k)``) for the input shape it runs now; False when none is left. For a training loop
+    that still runs out of memory::
 
         except torch.OutOfMemoryError:
             if not memfit.tighten(model):
@@ -83,12 +90,33 @@ def tighten(model: nn.Module) -> bool:
     applied = model.__dict__.get("_memfit_applied")
     if applied is None:
         raise MemfitError("no schedule is applied to this model: memfit.apply(model, schedule) first")
-    if applied.level >= len(applied.schedule.fallbacks):
+    level = applied.levels.get(applied.shape, 0)
+    if level >= len(applied.schedule.plans[applied.shape].fallbacks):
         return False
-    clear_policies(model)
-    set_policies(model, applied.schedule.fallbacks[applied.level]["policies"])
-    applied.level += 1
+    applied.levels[applied.shape] = level + 1
+    _run(model, applied, applied.shape)
     return True
+
+
+def use_shape(model: nn.Module, index: int) -> None:
+    """Run the plan of the schedule's input shape ``index`` (at its fallback level, if
+    ``tighten`` stepped down there). Called by the drift watch at the start of a forward, before
+    anything of it is saved, when its inputs call for another shape's plan: only hooks change
+    (no allocation), and only where the two plans differ."""
+    applied: _Applied = model.__dict__["_memfit_applied"]
+    if index != applied.shape:
+        _run(model, applied, index)
+
+
+def _run(model: nn.Module, applied: _Applied, index: int) -> None:
+    plan = applied.schedule.plans[index]
+    level = applied.levels.get(index, 0)
+    policies = plan.fallbacks[level - 1]["policies"] if level else plan.policies
+    if policies != applied.policies:
+        clear_policies(model)
+        set_policies(model, policies)
+        applied.policies = policies
+    applied.shape = index
 
 
 def remove(model: nn.Module) -> nn.Module:

@@ -10,6 +10,12 @@ dimension longer, a wider dtype, or a tensor the plan did not have) and than eve
 about before: once per new largest input, so a run with dynamic padding warns a few times, not
 once per batch length. Smaller inputs fit the plan and are quiet.
 
+A schedule planned for several input shapes (``plan([profile, ...])``) holds a plan per shape:
+each training forward runs the plan of its inputs' shape, or of the smallest planned shape that
+covers them (every tensor as large or larger, dtype as wide), and the largest one's, with the
+warning above, when none covers them. The choice is made once per input signature (a dict
+lookup afterwards) and switched to at the forward's start, before anything of it is saved.
+
 A model compiled with ``torch.compile`` whose schedule was planned for the eager step is warned
 about once: the compiled step keeps what AOTAutograd's partitioner chooses, not what the plan
 counted (issue 21 reported a GPT-style model 7% over its budget so).
@@ -20,6 +26,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,11 +133,14 @@ def _numel(shape: tuple[int, ...]) -> int:
 class Watch:
     """The forward pre-hook ``apply`` puts on the model (with kwargs)."""
 
-    def __init__(self, model: nn.Module, schedule: Schedule) -> None:
+    def __init__(self, model: nn.Module, schedule: Schedule,
+                 use_shape: Callable[[nn.Module, int], None] | None = None) -> None:
         self.schedule = schedule
-        self.planned = by_name(signature(schedule.input_shapes), model.forward)
+        self.shapes = [by_name(signature(p.input_shapes), model.forward) for p in schedule.plans]
+        self.planned = self.shapes[-1]  # the largest
         self.warned = self.planned  # the plan, grown by every input warned about
-        self.seen = {schedule.input_shapes}
+        self.chosen = {p.input_shapes: k for k, p in enumerate(schedule.plans)}  # inputs described -> their plan
+        self.use_shape = use_shape  # runs plan k (runtime/apply.use_shape); called with the model
         self.device_checked = False
         # Hugging Face modules that can turn on their own checkpointing (gradient_checkpointing_enable)
         self.hf_layers = [Weak(m) for m in model.modules() if hasattr(m, "gradient_checkpointing")]
@@ -166,19 +176,31 @@ class Watch:
                 "so the step is slower than planned; turn it off (model.gradient_checkpointing_disable(), "
                 "gradient_checkpointing=False) to run memfit's plan"), stacklevel=3)
         now = inputs.describe()
-        if now in self.seen:
-            return
-        self.seen.add(now)
+        k = self.chosen.get(now)
+        if k is None:
+            k = self.chosen[now] = self._choose(model, now)
+        if self.use_shape is not None:
+            self.use_shape(model, k)
+
+    def _choose(self, model: nn.Module, now: str) -> int:
+        """The plan for inputs ``now``: the smallest planned shape covering them, else the largest
+        (warning once per new largest input)."""
         sig = by_name(signature(now), model.forward)
+        covering = next((k for k, planned in enumerate(self.shapes) if planned and not larger(sig, planned)), None)
+        if covering is not None:
+            return covering
         grown = larger(sig, self.planned)
         if grown and self.planned and larger(sig, self.warned):
             self.warned = ceiling(self.warned, sig)
             s = self.schedule
             warnings.warn(PlanDriftWarning(
-                f"memfit: this model's schedule was planned for inputs {s.input_shapes}, and this forward's are "
+                f"memfit: this model's schedule was planned for inputs {s.input_shapes}"
+                + (f" (the largest of its {len(self.shapes)} input shapes)" if len(self.shapes) > 1 else "")
+                + ", and this forward's are "
                 f"larger: {'; '.join(grown)}; its peak may exceed the planned {format_bytes(s.predicted_peak_bytes)} "
                 f"(budget {format_bytes(s.budget_bytes)}); {self._redo({p: self.warned[p] for p in sig})}"
-            ), stacklevel=3)
+            ), stacklevel=4)
+        return len(self.shapes) - 1
 
     def _redo(self, largest: Signature) -> str:
         """How to plan again for inputs as large as ``largest``: a command to run, last."""

@@ -1,0 +1,163 @@
+"""One schedule for several input shapes (issue 25): profiles of one model at three sequence
+lengths (or two image sizes) planned at one budget; a user's loop written here alternates
+batches of every shape, and each step's peak, measured with the exact CPU meter, is compared with
+its shape's predicted peak and the budget; losses and gradients with a plain copy's."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+import memfit
+from memfit.errors import InfeasibleBudgetError, MemfitError, PlanDriftWarning
+from memfit.formats.schedule import load_schedule
+from memfit.measure.memory import memory_recorder
+from memfit.zoo import gpt
+
+from .test_train_step import UserLoop, _bytes
+
+LENGTHS = (64, 128, 256)
+
+
+def _at(batch: dict, length: int) -> dict:
+    """The batch cut to ``length`` along the sequence (what a bucketing collator gives)."""
+    return {k: v[:, :length].contiguous() if torch.is_tensor(v) and v.dim() > 1 else v for k, v in batch.items()}
+
+
+def _applied(model) -> int:
+    return model.__dict__["_memfit_applied"].shape  # the plan the last forward ran
+
+
+def _measured_step(loop: UserLoop) -> tuple[torch.Tensor, int]:
+    """One step of the loop and its peak: what lives across steps (counted) plus the highest rise
+    the exact CPU meter sees during it. Gradients are left for the caller to compare."""
+    loop.opt.zero_grad(set_to_none=True)
+    state = [v for s in loop.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    static = _bytes([*loop.model.parameters(), *loop.model.buffers(), *state,
+                     *(v for v in loop.batch.values() if torch.is_tensor(v))])
+    recorder = memory_recorder(torch.device("cpu"))
+    with recorder:
+        recorder.on_mark("start")
+        loss = loop.step()
+        recorder.on_mark("end")
+    marks = recorder.marks()
+    return loss, static + max(m.peak for m in marks) - marks[0].level
+
+
+def _train_alternating(model, batches: list[dict], schedule, rounds: int = 2):
+    """A plain copy and the scheduled model, each trained by its own loop on the same batches in
+    turn; yields (batch index, the scheduled step's measured peak, the model) after checking that
+    both models' losses and gradients agree, for every step but the first."""
+    plain, scheduled = copy.deepcopy(model), memfit.apply(copy.deepcopy(model), schedule)
+    for m in (plain, scheduled):
+        m.train()
+    loops = [UserLoop(m, batches[0], "adamw", 1, "fp32", None) for m in (plain, scheduled)]
+    for r in range(rounds):
+        for k, batch in enumerate(batches):
+            loops[0].batch = loops[1].batch = batch
+            torch.manual_seed(10 * r + k)  # the same dropout in both
+            loss = loops[0].step()
+            torch.manual_seed(10 * r + k)
+            scheduled_loss, peak = _measured_step(loops[1])
+            assert torch.equal(loss, scheduled_loss), (r, k)
+            for (n, p), q in zip(plain.named_parameters(), scheduled.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), (r, k, n)
+            if r or k:  # the first step creates AdamW's state: the plans are for the steps after
+                yield k, peak, scheduled
+
+
+@pytest.fixture(scope="module")
+def gpt_shapes():
+    model, batch = gpt(batch=4, seq=320, vocab=256, d_model=64, n_head=2, n_layer=4)  # positions up to 320
+    profiles = [memfit.profile(model, _at(batch, n), repeat=1) for n in LENGTHS]
+    return model, batch, profiles
+
+
+def test_each_length_runs_its_own_plan_within_the_budget(gpt_shapes, tmp_path):
+    model, batch, profiles = gpt_shapes
+    plain_peaks = [memfit.predict(p, {}).peak_bytes for p in profiles]
+    budget = int(0.9 * plain_peaks[1])  # 64 fits unplanned, 128 needs a little, 256 much
+    schedule = memfit.plan(profiles, budget)
+    schedule.save(tmp_path / "s.json")
+    schedule = load_schedule(tmp_path / "s.json")  # as a training script loads it
+    plans = schedule.plans
+    assert [p.input_shapes for p in plans] == [p.input_shapes for p in profiles]  # smallest first
+    assert schedule.policies == plans[-1].policies and schedule.predicted_peak_bytes == plans[-1].predicted_peak_bytes
+    assert not plans[0].checkpointed and plans[1].checkpointed
+    assert plans[2].predicted_overhead > plans[1].predicted_overhead  # the longest recomputes the most
+    assert all(p.predicted_peak_bytes <= budget for p in plans)
+    order = [2, 0, 1, 2, 1, 0]  # every switch, both ways
+    batches = [_at(batch, LENGTHS[k]) for k in order]
+    for k, peak, scheduled in _train_alternating(model, batches, schedule):
+        predicted = plans[order[k]].predicted_peak_bytes
+        assert _applied(scheduled) == order[k]
+        assert peak <= budget, (LENGTHS[order[k]], peak, budget)
+        assert abs(peak - predicted) <= 0.01 * predicted, (LENGTHS[order[k]], peak, predicted)
+    assert json.loads((tmp_path / "s.json").read_text())["shapes"][0]["input_shapes"] == profiles[0].input_shapes
+
+
+def test_an_unseen_length_takes_the_plan_that_covers_it_and_a_longer_one_warns_once(gpt_shapes):
+    model, batch, profiles = gpt_shapes
+    budget = int(0.9 * memfit.predict(profiles[1], {}).peak_bytes)
+    schedule = memfit.plan(profiles, budget)
+    plan_128 = schedule.plans[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanDriftWarning)  # between planned lengths: covered, quiet
+        for _, peak, scheduled in _train_alternating(model, [_at(batch, 96)], schedule, rounds=2):
+            assert _applied(scheduled) == 1  # 128 covers 96; 64 does not
+            assert peak <= plan_128.predicted_peak_bytes <= budget
+    scheduled = memfit.apply(copy.deepcopy(model), schedule)
+    with pytest.warns(PlanDriftWarning, match=r"the largest of its 3 input shapes.*int64\[4,320\]") as said:
+        for _ in range(3):
+            scheduled(**batch)["loss"].backward()
+    assert len([w for w in said if issubclass(w.category, PlanDriftWarning)]) == 1
+    assert _applied(scheduled) == 2  # the largest plan, the most recompute
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanDriftWarning)
+        scheduled(**_at(batch, 64))["loss"].backward()  # back to a planned one: its plan, quiet
+    assert _applied(scheduled) == 0
+
+
+def test_tighten_steps_down_the_ladder_of_the_shape_that_runs(gpt_shapes):
+    model, batch, profiles = gpt_shapes
+    schedule = memfit.plan(profiles, memfit.predict(profiles[2], {}).peak_bytes, fallbacks=2)
+    scheduled = memfit.apply(copy.deepcopy(model), schedule)
+    scheduled(**_at(batch, 256))["loss"].backward()
+    assert memfit.tighten(scheduled)
+    ladder = schedule.plans[2].fallbacks
+    assert {n for n, p in ladder[0]["policies"].items() if p != "none"} == {
+        n for n in ladder[0]["policies"] if memfit.runtime.apply.is_checkpointed(scheduled.get_submodule(n))}
+    scheduled(**_at(batch, 64))["loss"].backward()  # the short shape's own plan, untightened
+    assert not any(memfit.runtime.apply.is_checkpointed(b) for b in scheduled.h)
+
+
+def test_plan_refuses_profiles_of_other_models_or_steps_and_names_the_budget_every_shape_needs(gpt_shapes):
+    model, batch, profiles = gpt_shapes
+    other, other_batch = gpt(batch=4, seq=320, vocab=256, d_model=64, n_head=2, n_layer=3)
+    with pytest.raises(MemfitError, match="different models"):
+        memfit.plan([profiles[0], memfit.profile(other, _at(other_batch, 64), repeat=1)], "1GB")
+    with pytest.raises(MemfitError, match="same inputs"):
+        memfit.plan([profiles[0], profiles[0]], "1GB")
+    with pytest.raises(MemfitError, match="differ in optimizer"):
+        memfit.plan([profiles[0], memfit.profile(model, _at(batch, 128), repeat=1, step=memfit.TrainStep("sgd"))],
+                    "1GB")
+    least = [memfit.min_budget_bytes(p) for p in profiles]
+    with pytest.raises(InfeasibleBudgetError, match=r"int64\[4,256\]") as exc:
+        memfit.plan(profiles, (least[1] + least[2]) // 2)
+    assert exc.value.min_budget_bytes == least[2]
+    with pytest.raises(MemfitError, match="shares"):
+        memfit.plan(profiles, "1GB", shares=[1, 2])
+
+
+def test_expected_overhead_weighs_each_shape_by_its_share(gpt_shapes):
+    _, _, profiles = gpt_shapes
+    budget = int(0.9 * memfit.predict(profiles[1], {}).peak_bytes)
+    schedule = memfit.plan(profiles, budget, shares=[6, 3, 1])
+    overheads = [p.predicted_overhead for p in schedule.plans]
+    assert [p.share for p in schedule.plans] == [0.6, 0.3, 0.1]
+    assert schedule.expected_overhead == pytest.approx(0.6 * overheads[0] + 0.3 * overheads[1] + 0.1 * overheads[2])
+    assert schedule.expected_overhead < schedule.predicted_overhead  # the worst case is the longest's
