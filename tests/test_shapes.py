@@ -161,3 +161,52 @@ def test_expected_overhead_weighs_each_shape_by_its_share(gpt_shapes):
     assert [p.share for p in schedule.plans] == [0.6, 0.3, 0.1]
     assert schedule.expected_overhead == pytest.approx(0.6 * overheads[0] + 0.3 * overheads[1] + 0.1 * overheads[2])
     assert schedule.expected_overhead < schedule.predicted_overhead  # the worst case is the longest's
+
+
+def _padded(ids: torch.Tensor) -> dict:
+    mask = torch.ones_like(ids)
+    mask[0, ids.shape[1] * 3 // 4:] = 0  # padded on the right, as a collator pads
+    mask[1, :3] = 0  # and on the left
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_hugging_face_gpt2_with_padded_attention_masks_at_three_lengths(attn):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=256, n_positions=128,
+                                     attn_implementation=attn)  # use_cache=True, its default
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 256, (4, 128))
+    lengths = (32, 64, 128)
+    profiles = [memfit.profile(model, _padded(ids[:, :n]), repeat=1) for n in lengths]
+    budget = int(0.95 * memfit.predict(profiles[1], {}).peak_bytes)
+    schedule = memfit.plan(profiles, budget)
+    plans = schedule.plans
+    assert not plans[0].checkpointed and plans[2].predicted_overhead > plans[1].predicted_overhead > 0
+    order = [2, 0, 1, 0, 2, 1]
+    for k, peak, scheduled in _train_alternating(model, [_padded(ids[:, :lengths[j]]) for j in order], schedule):
+        predicted = plans[order[k]].predicted_peak_bytes
+        assert _applied(scheduled) == order[k]
+        assert peak <= budget and abs(peak - predicted) <= 0.01 * predicted, (lengths[order[k]], peak, predicted)
+
+
+def test_a_vit_at_two_resolutions():
+    pytest.importorskip("transformers")
+    from memfit.hf import vit
+
+    model, batch = vit(batch=4, image=64, patch=8, n_layer=3, hidden=64, n_head=2, classes=10)
+    small = {"pixel_values": torch.nn.functional.interpolate(batch["pixel_values"], size=32), "labels": batch["labels"],
+             "interpolate_pos_encoding": True}  # a ViT fine-tuned at another resolution, as HF does it
+    large = {**batch, "interpolate_pos_encoding": True}
+    profiles = [memfit.profile(model, b, repeat=1) for b in (large, small)]  # in any order
+    budget = int(0.8 * memfit.predict(profiles[0], {}).peak_bytes)
+    schedule = memfit.plan(profiles, budget)
+    plans = schedule.plans
+    assert [p.input_shapes for p in plans] == [profiles[1].input_shapes, profiles[0].input_shapes]
+    assert not plans[0].checkpointed and plans[1].checkpointed
+    order = [1, 0, 0, 1]
+    for k, peak, scheduled in _train_alternating(model, [(small, large)[j] for j in order], schedule):
+        predicted = plans[order[k]].predicted_peak_bytes
+        assert _applied(scheduled) == order[k]
+        assert peak <= budget and abs(peak - predicted) <= 0.01 * predicted, (order[k], peak, predicted)

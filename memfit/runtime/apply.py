@@ -113,8 +113,7 @@ def _run(model: nn.Module, applied: _Applied, index: int) -> None:
     level = applied.levels.get(index, 0)
     policies = plan.fallbacks[level - 1]["policies"] if level else plan.policies
     if policies != applied.policies:
-        clear_policies(model)
-        set_policies(model, policies)
+        _switch(model, policies)
         applied.policies = policies
     applied.shape = index
 
@@ -132,6 +131,19 @@ def remove(model: nn.Module) -> nn.Module:
 def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     """Run each unit as its policy (memfit/policy.py) says. Every name must be a submodule, and
     a segment's units must all say so, in order."""
+    regions = _set_units(model, policies)
+    model.__dict__["_memfit_regions"] = regions  # the guard's own list: a switch of plans refills it
+    model.__dict__["_memfit_guard"] = guard(model, regions) + cache_off(model)
+
+
+def _switch(model: nn.Module, policies: dict[str, str]) -> None:
+    """Other policies from the next forward on, the model's own hooks (the guard, the cache's)
+    kept: a switch runs inside the model's forward pre-hooks, whose list PyTorch took before."""
+    _units_off(model)
+    model.__dict__["_memfit_regions"][:] = _set_units(model, policies)
+
+
+def _set_units(model: nn.Module, policies: dict[str, str]) -> list[Region]:
     modules: dict[str, nn.Module] = {}
     for name in policies:
         try:
@@ -154,8 +166,7 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
             _refuse_checkpointed(name, modules[name])
     for name in derived:
         modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].products)
-    regions = [Region([modules[n] for n in members], op_set, chain=chain) for members, op_set, chain in plan]
-    model.__dict__["_memfit_guard"] = (guard(model, regions) if regions else []) + cache_off(model)
+    return [Region([modules[n] for n in members], op_set, chain=chain) for members, op_set, chain in plan]
 
 
 def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool]]:
@@ -189,14 +200,19 @@ def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool]]:
 
 def clear_policies(model: nn.Module) -> None:
     """Undo ``set_policies`` on every submodule: its hooks and attributes go."""
+    _units_off(model)
+    for handle in model.__dict__.pop("_memfit_guard", []):
+        handle.remove()
+    model.__dict__.pop("_memfit_regions", None)
+
+
+def _units_off(model: nn.Module) -> None:
     regions = {id(r): r for m in model.modules() if (r := m.__dict__.get("_memfit_region")) is not None}
     for region in regions.values():
         region.remove()
     for m in model.modules():
         if (d := m.__dict__.pop("_memfit_derive", None)) is not None:
             d.remove()
-    for handle in model.__dict__.pop("_memfit_guard", []):
-        handle.remove()
 
 
 def _refuse_shared(modules: dict[str, nn.Module]) -> None:
