@@ -9,7 +9,7 @@ import traceback
 import warnings
 from typing import Any, NoReturn
 
-from memfit import commands
+from memfit import commands, validatecmd
 from memfit.console import (
     check_interrupt,
     install_interrupt_handler,
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if where is None or debug:
             raise  # memfit's own bug, or --debug: the whole traceback
         shape = getattr(args, "input_shape", None)
+        shape = " --input-shape ".join(shape) if isinstance(shape, list) else shape
         hint = f"; does --input-shape {shape} fit the model?" if shape else ""
         print(f"memfit: error: {where}{hint} (run again with --debug for the traceback)", file=sys.stderr)
         return 2
@@ -189,6 +190,9 @@ def _parser() -> argparse.ArgumentParser:
                       "within 0.1%% of the optimum)")
     plan.add_argument("-o", "--output", help="schedule file to write (default: schedule.json; when nothing needs "
                       "checkpointing, only if given)")
+    plan.add_argument("--seq-hist", metavar="FILE",
+                      help="a CSV of length,count rows (your data's sequence lengths) to weigh each planned length's "
+                      "slowdown by how often batches need it: the expected slowdown of a run")
     plan.add_argument("--fallbacks", type=int, default=0, metavar="K",
                       help="also store K tighter plans, for memfit.tighten(model) after an out-of-memory error")
     plan.add_argument("--compile", metavar="BACKEND",
@@ -251,7 +255,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="on a GPU: write the card's measured CUDA context and allocator margin as a device spec "
                      "(.toml) for plan --device-spec FILE")
     val.add_argument("--json", action="store_true", help="print the result as JSON")
-    val.set_defaults(func=commands.cmd_validate)
+    val.set_defaults(func=validatecmd.cmd_validate)
 
     show = command("show", "print a schedule or profile JSON as tables")
     show.add_argument("file", help="schedule.json or profile.json")
@@ -276,7 +280,19 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     g = p.add_argument_group(title)
     g.add_argument("--scenario", help="a built-in scenario name or a scenario .toml file")
     g.add_argument("--model", help="your own model: module:factory returning a model or (model, inputs)")
-    g.add_argument("--input-shape", help="random input shape when the factory returns only a model, e.g. 8x3x224x224")
+    if validate:
+        g.add_argument("--input-shape", help="random input shape when the factory returns only a model, e.g. "
+                       "8x3x224x224")
+    else:
+        g.add_argument("--input-shape", action="append",
+                       help="random input shape when the factory returns only a model, e.g. 8x3x224x224; give it "
+                       "several times for one schedule with a plan per shape (224 and 384 pixels: --input-shape "
+                       "8x3x224x224 --input-shape 8x3x384x384)")
+        g.add_argument("--seq-lens", metavar="N,N,...",
+                       help="plan for these sequence lengths, one schedule with a plan each, e.g. 512,1024,2048: the "
+                       "factory builds the model at the longest (its seq argument) and each length's inputs are "
+                       "its inputs cut to it; at run time each batch runs the plan of the shortest planned length "
+                       "that covers it (default: the scenario's seq_lens, else its one shape)")
     g.add_argument("--units", nargs="+", help="unit module names or globs (default: the repeated blocks)")
     s = p.add_argument_group("training step (default: the scenario's, else adamw, one micro-batch, its dtype)"
                              + (": by default the one planned for" if validate else ""))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -18,26 +17,29 @@ from memfit.planning.options import PlanOptionError, PlanOptions, check_strategi
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from memfit.formats.profile import PROFILE_FORMAT, PROFILES_FORMAT, save_profiles
     from memfit.jsonio import check_replaceable
     from memfit.report import profile_report
 
     check_replaceable(args.output, "profile file")  # before minutes of profiling, not after
-    prof = modelflags.profile_of(args)
-    write_output(prof.save, args.output)
+    profs = modelflags.profiles_of(args)
+    write_output(lambda path: save_profiles(profs, path), args.output)
     if args.json:
-        print(json.dumps({"format": "memfit.profile/1", **prof.to_dict()}, indent=2))
+        print(json.dumps({"format": PROFILE_FORMAT, **profs[0].to_dict()} if len(profs) == 1 else
+                         {"format": PROFILES_FORMAT, "profiles": [p.to_dict() for p in profs]}, indent=2))
     else:
-        print(profile_report(prof))
-        print(f"\nwrote {args.output}")
+        print("\n\n".join(profile_report(p) for p in profs))
+        print(f"\nwrote {args.output}" + (f" ({len(profs)} input shapes: memfit plan --profile {args.output} plans "
+                                          "them all)" if len(profs) > 1 else ""))
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.budget import parse_bytes
-    from memfit.formats.profile import Profile
+    from memfit.formats.profile import load_profiles
     from memfit.planning.planner import plan
     from memfit.plots import check_plot_path, timeline
-    from memfit.report import schedule_report
+    from memfit.report import schedule_report, shapes_report
 
     budget = parse_bytes(args.budget)  # fail on a bad budget before minutes of profiling
     settings = _plan_options(args)
@@ -54,14 +56,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_outputs(args, {"-o": (output, "schedule file")})
     if args.timeline:
         check_plot_path(args.timeline)
-    prof = Profile.load(args.profile) if args.profile else modelflags.profile_of(args)
+    several = len(modelflags.input_shapes(args)) > 1 or args.seq_lens
+    if args.seq_hist and not Path(args.seq_hist).is_file():
+        raise MemfitError(f"--seq-hist {args.seq_hist}: no such file (a CSV of length,count rows)")
+    profs = load_profiles(args.profile) if args.profile else modelflags.profiles_of(args)
+    if args.compile and (several or len(profs) > 1):
+        raise MemfitError("--compile plans one input shape (each shape compiles to a graph of its own, measured "
+                          "apart): plan each shape with --compile on its own")
+    shares = modelflags.shares_of(args, profs)
+    prof = profs[-1]
     if args.compile:
         options = {k: v for k, v in asdict(settings).items() if k not in ("segments", "fallbacks")}
         schedule = _plan_compiled(args, prof, budget, options)
     else:
-        schedule = plan(prof, budget, **asdict(settings))
+        schedule = plan(profs if len(profs) > 1 else prof, budget, **asdict(settings), shares=shares)
+        prof = next(p for p in profs if p.input_shapes == schedule.input_shapes)  # the largest shape's
     check_interrupt()
-    idle = not schedule.checkpointed
+    idle = not any(p.checkpointed for p in schedule.plans)
     write = args.output is not None or not idle
     if write:
         write_output(schedule.save, output)
@@ -74,20 +85,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"format": "memfit.schedule/1", **schedule.to_dict()}, indent=2))
         return 0
     if idle and args.strategy in ("ilp", "none"):
-        _say_nothing_to_do(args, prof, schedule, schedule.budget_bytes, output, write)
+        _say_nothing_to_do(args, profs, schedule, schedule.budget_bytes, output, write)
         return 0
-    print(schedule_report(schedule, prof))
+    print(shapes_report(schedule, profs) if schedule.shapes else schedule_report(schedule, prof))
     print(f"\nwrote {output}; in train.py:\n"
           f'    model = memfit.apply(model, memfit.load_schedule("{output}"))')
     return 0
 
 
-def _say_nothing_to_do(args: argparse.Namespace, prof: Any, schedule: Any, budget: int, output: str,
+def _say_nothing_to_do(args: argparse.Namespace, profs: list[Any], schedule: Any, budget: int, output: str,
                        write: bool) -> None:
-    """The budget fits the plain step: say so, where checkpointing would matter, and keep the profile."""
+    """The budget fits the plain step (of every shape planned): say so, where checkpointing would
+    matter, and keep the profiles."""
     from memfit.budget import format_bytes
+    from memfit.formats.profile import save_profiles
     from memfit.planning.planner import min_budget_bytes
     from memfit.report import device_notes
+
+    prof = next(p for p in profs if p.input_shapes == schedule.input_shapes)  # the largest shape's
 
     per_rank = (f" on each of {schedule.parallel['world_size']} {schedule.parallel['kind']} ranks"
                 if schedule.parallel else "")
@@ -109,7 +124,7 @@ def _say_nothing_to_do(args: argparse.Namespace, prof: Any, schedule: Any, budge
             print(f"to plan again without profiling, save the profile: memfit profile … -o FILE, then "
                   f"memfit plan --profile FILE ({kept} exists, so it was not written)")
         else:
-            write_output(prof.save, str(kept))
+            write_output(lambda path: save_profiles(profs, path), str(kept))
             print(f"wrote {kept}: plan at another budget without profiling again: memfit plan --profile "
                   f"{kept} --budget SIZE")
 
@@ -177,81 +192,6 @@ def _title(made: Any, what: str) -> str:
             else source.get("model") or made.fingerprint.get("model_class", "model"))
     dtype = f" - {source['dtype']}" if source.get("dtype") else ""
     return f"{name}: {what}\ninputs {made.input_shapes}{dtype} - {made.device}, optimizer {made.optimizer}"
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    from memfit.formats.schedule import load_schedule
-    from memfit.plots import check_plot_path, timeline
-
-    if args.steps < 1:
-        raise MemfitError("--steps must be at least 1 (timed rounds of the plain and the scheduled step)")
-    if not (math.isfinite(args.time_tolerance) and args.time_tolerance >= 0):
-        raise MemfitError(f"--time-tolerance is percentage points, 0 or more (5: five points); got "
-                          f"{args.time_tolerance}")
-    schedule = load_schedule(args.schedule)
-    if args.compile:
-        from memfit.compiled import check_backend
-
-        check_backend(args.compile)
-    if args.timeline:
-        if args.compile or schedule.compile:
-            raise MemfitError("--timeline draws the eager step's marks, which a compiled step does not have")
-        check_plot_path(args.timeline)
-        if not schedule.levels:
-            raise MemfitError("this schedule holds no predicted timeline (made by an older memfit): plan it again "
-                              "to draw --timeline")
-    sc, device = modelflags.validation_setup(args, schedule)
-    if args.save_device_spec:
-        if not device.startswith("cuda"):
-            raise MemfitError(f"--save-device-spec writes what a GPU run measures; this schedule runs on {device}")
-        from memfit.jsonio import check_writable
-
-        check_writable(args.save_device_spec)
-    from memfit.report import validation_report
-    from memfit.runtime.validate import measure_levels, validate
-
-    model, inputs = modelflags.build_model(sc, device)
-    check_interrupt()
-    step = sc.train_step
-    print("measuring the plain and the scheduled step", file=sys.stderr)
-    result = validate(model, inputs, schedule, step=step, steps=args.steps, compile=args.compile,
-                      time_tolerance=args.time_tolerance / 100)
-    check_interrupt()
-    if args.timeline:
-        measured = measure_levels(model, inputs, schedule, step=step)
-        levels = {**schedule.levels, "measured": measured}
-        if len(measured) != len(schedule.levels["plan"]):
-            raise MemfitError("the measured step has other marks than the planned one; cannot draw them side by side")
-        write_output(lambda path: timeline(levels, path, title=_title(schedule, "predicted and measured"),
-                                           budget=schedule.budget_bytes, checkpointed=schedule.checkpointed),
-                     args.timeline)
-        print(f"wrote {args.timeline}", file=sys.stderr)
-    if args.save_device_spec and result.cuda is not None:
-        _save_device_spec(args.save_device_spec, args.schedule, result)
-    if args.json:
-        print(json.dumps({**asdict(result), "error": result.error, "fits": result.fits, "ok": result.ok,
-                          "context_bytes": result.context_bytes, "margin": result.margin,
-                          "reserved_fits": result.reserved_fits, "time_judged": result.time_judged,
-                          "time_ok": result.time_ok}, indent=2))
-    else:
-        print(validation_report(result))
-    return 0 if result.ok else 1
-
-
-def _save_device_spec(path: str, schedule_path: str, result: Any) -> None:
-    """The card's measured context and margin as a device spec (devices.load_device_spec reads it)."""
-    import torch
-
-    from memfit.devices import by_title, spec_toml
-    from memfit.jsonio import write_atomic
-
-    title = torch.cuda.get_device_name()
-    known = by_title(title)
-    text = spec_toml(name=Path(path).stem, title=title, base=known.name if known else None,
-                     total=result.cuda["total_bytes"], context=result.context_bytes, margin=max(0.0, result.margin),
-                     source=f"memfit validate --schedule {schedule_path} on this card, torch {torch.__version__}")
-    write_output(lambda p: write_atomic(p, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")), path)
-    print(f"wrote {path}: plan against this card's context and margin with --device-spec {path}", file=sys.stderr)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -12,8 +12,8 @@ from memfit.console import check_interrupt
 from memfit.errors import MemfitError
 
 STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output")
-MODEL_FLAGS = ("scenario", "model", "input_shape", "units", *STEP_FLAGS, "device", "repeat", "children", "target",
-               "parallel", "world_size")
+MODEL_FLAGS = ("scenario", "model", "input_shape", "seq_lens", "units", *STEP_FLAGS, "device", "repeat", "children",
+               "target", "parallel", "world_size")
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...] = MODEL_FLAGS) -> list[str]:
@@ -26,13 +26,13 @@ def scenario_of(args: argparse.Namespace) -> Any:
 
     if args.scenario and args.model:
         raise MemfitError("give either --scenario or --model, not both")
+    shapes = input_shapes(args)
     if args.model:
-        shape = parse_shape(args.input_shape) if args.input_shape else None
-        sc = Scenario(name=args.model, model=args.model, input_shape=shape)
+        sc = Scenario(name=args.model, model=args.model, input_shape=shapes[0] if shapes else None)
     else:
         sc = load_scenario(args.scenario or DEFAULT)
-        if args.input_shape:
-            sc.input_shape = parse_shape(args.input_shape)
+        if shapes:
+            sc.input_shape = shapes[0]
     if args.units:
         sc.units = args.units
     for flag in STEP_FLAGS:
@@ -45,6 +45,60 @@ def scenario_of(args: argparse.Namespace) -> Any:
 
 
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # amp-*: float32
+
+
+def input_shapes(args: argparse.Namespace) -> list[list[int]]:
+    """Every --input-shape given (plan, profile and sweep take several; validate one)."""
+    given = getattr(args, "input_shape", None)
+    return [parse_shape(t) for t in ([given] if isinstance(given, str) else given or [])]
+
+
+def scenarios_of(args: argparse.Namespace) -> list[Any]:
+    """The scenario once per input shape to plan for: each --input-shape, each of --seq-lens (or
+    the scenario's seq_lens), or the one."""
+    import dataclasses
+
+    from memfit.lengths import parse_lengths
+
+    sc = scenario_of(args)
+    shapes = input_shapes(args)
+    if getattr(args, "seq_lens", None):
+        if len(shapes) > 1:
+            raise MemfitError("give either --seq-lens or several --input-shape, not both")
+        sc.seq_lens = parse_lengths(args.seq_lens)
+    if len(shapes) > 1:
+        if len({tuple(s) for s in shapes}) != len(shapes):
+            raise MemfitError("the same --input-shape is given twice; give each shape once")
+        return [dataclasses.replace(sc, input_shape=s) for s in shapes]
+    return sc.shapes()
+
+
+def profiles_of(args: argparse.Namespace) -> list[Any]:
+    """A profile per input shape the flags ask for (``scenarios_of``), each measured or estimated
+    as ``profile_of`` does."""
+    variants = scenarios_of(args)
+    out = []
+    for k, sc in enumerate(variants):
+        if len(variants) > 1:
+            what = f"sequence length {sc.seq_len}" if sc.seq_len is not None else f"input shape {sc.input_shape}"
+            print(f"shape {k + 1} of {len(variants)}: {what}", file=sys.stderr)
+        out.append(profile_of(args, sc))
+    return out
+
+
+def shares_of(args: argparse.Namespace, profiles: list[Any]) -> list[float] | None:
+    """Each profile's share of the steps from --seq-hist (None without it): the profiles must be
+    of sequence lengths (--seq-lens)."""
+    from memfit.lengths import read_histogram
+
+    if not getattr(args, "seq_hist", None):
+        return None
+    lengths = [p.source.get("seq_len") for p in profiles]
+    if len(profiles) < 2 or None in lengths:
+        raise MemfitError("--seq-hist weighs the sequence lengths of a plan for several: give --seq-lens (or a "
+                          "profile made with it)")
+    counts = dict(zip(sorted(lengths), read_histogram(args.seq_hist, sorted(lengths)), strict=True))
+    return [counts[n] for n in lengths]
 
 
 def parse_shape(text: str) -> list[int]:
@@ -106,8 +160,9 @@ def build_model(sc: Any, device: str) -> tuple[Any, Any]:
     return sc.build(device)
 
 
-def profile_of(args: argparse.Namespace) -> Any:
-    """The profile the flags ask for: estimated for a target, or measured here."""
+def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
+    """The profile the flags ask for (of ``sc``, one of ``scenarios_of``; by default the
+    flags' one shape): estimated for a target, or measured here."""
     import torch
 
     from memfit.devices import DEVICES
@@ -117,7 +172,7 @@ def profile_of(args: argparse.Namespace) -> Any:
         raise MemfitError("--repeat must be at least 1")
     if args.children and args.granularity != "fine":
         raise MemfitError("--children names finer options to measure: give --granularity fine with it")
-    sc = scenario_of(args)
+    sc = scenario_of(args) if sc is None else sc
     target = target_of(args, sc)
     if target is not None and getattr(args, "compile", None):
         raise MemfitError(f"--compile measures the compiled step, which needs the device; {sc.name} would be estimated "
@@ -232,7 +287,7 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
             if mine != theirs:
                 raise MemfitError(f"{made_for}, not {flag} {args.scenario or args.model}; drop the model flags to "
                                   "validate what it was made for")
-        if args.input_shape is not None and parse_shape(args.input_shape) != source.get("input_shape"):
+        if args.input_shape is not None and input_shapes(args)[0] != source.get("input_shape"):
             planned = "x".join(map(str, source.get("input_shape") or [])) or "the factory's own inputs"
             raise MemfitError(f"{made_for} with input shape {planned}, not --input-shape {args.input_shape}")
         if args.units is not None and args.units != source.get("units"):

@@ -165,6 +165,36 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     return "\n".join(out)
 
 
+def shapes_report(schedule: Schedule, profiles: Sequence[Profile] = ()) -> str:
+    """A schedule for several input shapes: each shape's plan as ``schedule_report`` prints it,
+    then a row per shape and the slowdown a run sees over the shapes' shares."""
+    by_shape = {p.input_shapes: p for p in profiles}
+    plans = schedule.plans
+    out = []
+    for k, shape in enumerate(plans):
+        out += [f"== shape {k + 1} of {len(plans)}: {shape_name(shape)} ==",
+                schedule_report(shape, by_shape.get(shape.input_shapes)), ""]
+    shared = schedule.shapes and schedule.shapes[0].share is not None
+    rows = [[shape_name(p), format_bytes(p.predicted_peak_bytes), f"{len(p.checkpointed)} of {len(p.policies)}",
+             _pct(p.predicted_overhead), f"{p.share:.0%}" if p.share is not None else "-"] for p in plans]
+    out.append(table(["inputs", "predicted peak", "checkpointed", "slowdown", "share"], rows,
+                     [False, True, True, True, True]))
+    worst = max(plans, key=lambda p: p.predicted_peak_bytes)
+    out.append(f"budget {format_bytes(schedule.budget_bytes)}: every planned shape fits, the highest at "
+               f"{format_bytes(worst.predicted_peak_bytes)} ({shape_name(worst)}); a batch runs the plan of the "
+               "smallest planned shape that covers it, and one larger than all the largest's, with a warning")
+    out.append(f"expected slowdown over the length histogram: {_pct(schedule.expected_overhead)}" if shared else
+               f"expected slowdown with each shape equally often: {_pct(schedule.expected_overhead)} (--seq-hist FILE "
+               "weighs them by your data's lengths)")
+    return "\n".join(out)
+
+
+def shape_name(schedule: Schedule) -> str:
+    """A shape's plan by its sequence length where it was planned for one, else by its inputs."""
+    length = schedule.source.get("seq_len")
+    return f"length {length}" if length is not None else f"inputs {schedule.input_shapes}"
+
+
 def recomputes(policy: str) -> str:
     """What a unit's policy recomputes in the backward, in words."""
     parsed = read(policy)
@@ -229,6 +259,22 @@ def validation_report(v: Validation) -> str:
                       "not these policies'; plan again, or predict these policies from the profile "
                       "(memfit.predict(profile, schedule.policies))")
     return "\n".join([table(["", "predicted", "measured", "error"], rows), "", *checks, f"validation {verdict}"])
+
+
+def shapes_validation_report(schedule: Schedule, results: Sequence[Validation]) -> str:
+    """A validation per planned input shape: each one's report, then a row per shape."""
+    out = []
+    for k, (shape, v) in enumerate(zip(schedule.plans, results, strict=True)):
+        out += [f"== shape {k + 1} of {len(results)}: {shape_name(shape)} ==", validation_report(v), ""]
+    rows = [[shape_name(p), format_bytes(v.predicted_peak_bytes), format_bytes(v.measured_peak_bytes),
+             f"{v.error * 100:+.2f}%", "yes" if v.fits else "NO", _pct(v.predicted_overhead), _pct(v.measured_overhead),
+             "yes" if v.losses_equal and v.grads_equal and v.buffers_equal else "NO", "OK" if v.ok else "FAILED"]
+            for p, v in zip(schedule.plans, results, strict=True)]
+    out.append(table(["inputs", "predicted peak", "measured peak", "error", "fits", "slowdown", "measured",
+                      "results equal", ""], rows, [False, True, True, True, False, True, True, False, False]))
+    failed = sum(not v.ok for v in results)
+    out.append(f"validation {'OK' if not failed else 'FAILED'}: {len(results) - failed} of {len(results)} shapes")
+    return "\n".join(out)
 
 
 def _time_check(v: Validation) -> str:

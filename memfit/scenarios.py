@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections.abc import Iterator
@@ -56,6 +57,10 @@ class Scenario:
     keep_output: bool = False
     parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16 or ddp (formats.profile.PARALLEL)
     world_size: int | None = None  # ranks for parallel (default 2)
+    # sequence lengths to plan for (one schedule, a plan each): the factory is called with its
+    # ``seq`` argument at the longest, and each length's inputs are its inputs cut to that length
+    seq_lens: list[int] | None = None
+    seq_len: int | None = None  # the one length this scenario's inputs are cut to (one of seq_lens)
 
     @property
     def missing(self) -> str | None:
@@ -96,11 +101,14 @@ class Scenario:
         if not callable(factory):
             raise MemfitError(f"{self.model} is not a function or class that builds a model")
         dtype = getattr(torch, self.dtype)
+        args = dict(self.args)
+        if self.seq_lens and "seq" in args:  # position tables and masks for the longest
+            args["seq"] = max(self.seq_lens)
         try:
             # Built in the dtype, not cast after: half the memory while building, and fake
             # parameters (estimate mode) cannot be cast.
             with _default_dtype(dtype):
-                made = factory(**self.args)
+                made = factory(**args)
         except TypeError as exc:
             if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
                 raise  # raised inside the factory: the user's own error, reported with its place
@@ -128,6 +136,10 @@ class Scenario:
             model = model.to(dtype)
         if dtype != torch.float32:
             inputs = _cast(inputs, dtype)
+        if self.seq_len is not None:
+            from memfit.lengths import cut_to_length
+
+            inputs = cut_to_length(inputs, self.seq_len, self.name)
         device = torch.device(device)
         if device.type != "cpu":
             model = model.to(device)
@@ -146,7 +158,14 @@ class Scenario:
     def source(self) -> dict[str, Any]:
         """What rebuilds this model and its inputs, as a schedule records it."""
         made_by: dict[str, Any] = {"scenario": self.origin} if self.origin else {"model": self.model}
-        return {**made_by, "input_shape": self.input_shape, "units": self.units, "dtype": self.dtype}
+        lengths = {"seq_lens": self.seq_lens, "seq_len": self.seq_len} if self.seq_len is not None else {}
+        return {**made_by, "input_shape": self.input_shape, "units": self.units, "dtype": self.dtype, **lengths}
+
+    def shapes(self) -> list[Scenario]:
+        """This scenario once per sequence length it plans for (``seq_lens``), or itself."""
+        if not self.seq_lens:
+            return [self]
+        return [dataclasses.replace(self, seq_len=n) for n in sorted(self.seq_lens)]
 
 
 def scenario_from_source(source: dict[str, Any], *, trusted: bool) -> Scenario:
@@ -168,6 +187,8 @@ def scenario_from_source(source: dict[str, Any], *, trusted: bool) -> Scenario:
     else:
         raise MemfitError("the schedule does not say which model it was made for; give --scenario or --model")
     sc.input_shape = source.get("input_shape") or sc.input_shape
+    if source.get("seq_len") is not None:
+        sc.seq_lens, sc.seq_len = list(source.get("seq_lens") or [source["seq_len"]]), int(source["seq_len"])
     sc.units = source.get("units", sc.units)
     sc.dtype = str(source.get("dtype", sc.dtype))
     if sc.dtype not in DTYPES:
@@ -288,7 +309,8 @@ def load_scenario(name_or_path: str) -> Scenario:
             )
     data = _read_toml(path)
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target",
-             "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output", "parallel", "world_size"}
+             "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output", "parallel", "world_size",
+             "seq_lens"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -332,6 +354,14 @@ def load_scenario(name_or_path: str) -> Scenario:
     if world_size is not None and not (isinstance(world_size, int) and not isinstance(world_size, bool)
                                        and world_size >= 2):
         raise bad("world_size", "an integer of at least 2")
+    seq_lens = data.get("seq_lens")
+    if seq_lens is not None:
+        from memfit.lengths import parse_lengths
+
+        try:
+            seq_lens = parse_lengths(seq_lens)
+        except MemfitError:
+            raise bad("seq_lens", "a list of distinct positive integers, e.g. [512, 1024, 2048]") from None
     if world_size is not None and "parallel" not in data:
         raise MemfitError(f"{path}: world_size is the number of ranks for parallel: give parallel too")
     try:
@@ -357,4 +387,6 @@ def load_scenario(name_or_path: str) -> Scenario:
         keep_output=step.keep_output,
         parallel=data.get("parallel"),
         world_size=world_size,
+        seq_lens=seq_lens,
     )
+

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PROFILE_FORMAT = "memfit.profile/1"
+PROFILES_FORMAT = "memfit.profiles/1"  # one model's profiles at several input shapes
 # per-rank profiles: FSDP2 (fully_shard per unit and the root; fsdp-bf16 with a MixedPrecisionPolicy
 # of bf16 parameters and fp32 gradient reduction) or DDP
 PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
@@ -200,6 +201,29 @@ class Profile:
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Profile:
         return profile_from_dict(read_json(path, PROFILE_FORMAT), str(path))
+
+
+def save_profiles(profiles: list[Profile], path: str | os.PathLike[str]) -> None:
+    """One profile as ``Profile.save`` writes it; several (one model at several input shapes) in
+    one file of format ``memfit.profiles/1``, atomically."""
+    if len(profiles) == 1:
+        profiles[0].save(path)
+    else:
+        write_json_atomic(path, {"format": PROFILES_FORMAT, "profiles": [p.to_dict() for p in profiles]})
+
+
+def load_profiles(path: str | os.PathLike[str]) -> list[Profile]:
+    """The profiles in a file ``save_profiles`` wrote: one, or one per input shape."""
+    data = read_json(path, None)
+    if data["format"] == PROFILE_FORMAT:
+        return [profile_from_dict(data, str(path))]
+    if data["format"] != PROFILES_FORMAT:
+        raise FileFormatError(f"{path}: field 'format' is {data['format']!r}; expected {PROFILE_FORMAT} or "
+                              f"{PROFILES_FORMAT}")
+    items = Fields(data, str(path)).items("profiles")
+    if not items:
+        raise FileFormatError(f"{path}: field 'profiles' is empty")
+    return [profile_from_dict(f.data, f.where) for f in items]
 
 
 def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:

@@ -58,6 +58,8 @@ class Source(TypedDict, total=False):
     dtype: str | None
     units: str | list[str] | None
     input_shape: list[int] | None
+    seq_lens: list[int] | None  # the lengths planned for (scenarios.Scenario.seq_lens), and this plan's
+    seq_len: int | None
 
 
 _AT_LEAST_0 = {"peak_bytes": 0, "recompute_s": 0.0, "overhead": 0.0, "uncertainty_s": 0.0}

@@ -114,7 +114,8 @@ def validate(
 
     The step run is the one the schedule was planned for (its optimizer, micro-batches,
     precision, clipping), unless ``step`` (or ``optimizer``) is given, as it must be for a
-    callable optimizer; another step, or inputs of other shapes than the plan's, raise
+    callable optimizer; another step, or inputs of other shapes than the plan's (of a schedule
+    for several shapes, than one of its plans', which is then the one validated), raise
     ``ScheduleMismatchError``: the measured peak would then be another step's and prove
     nothing about the plan. A plan made for a step function of your own needs it again
     (``step_fn``), and runs it.
@@ -131,7 +132,7 @@ def validate(
     backend, predicted_peak = with_backend(schedule, compile)
     train_step = _user_step(schedule, step_fn, step, optimizer) if step_fn is not None or schedule.step.get(
         "function") else _planned_step(schedule, step, optimizer)
-    _check_inputs(schedule, inputs)
+    schedule = _plan_for(schedule, inputs)
     harness = StepHarness(model, inputs, loss_fn=loss_fn, step=train_step, step_fn=step_fn)
     if not (math.isfinite(time_tolerance) and time_tolerance >= 0):
         raise MemfitError(f"time_tolerance is a fraction of the plain step, 0 or more (0.05: 5 points); got "
@@ -204,13 +205,16 @@ def _planned_step(schedule: Schedule, step: TrainStep | None, optimizer: Any) ->
     return given
 
 
-def _check_inputs(schedule: Schedule, inputs: Any) -> None:
+def _plan_for(schedule: Schedule, inputs: Any) -> Schedule:
+    """The schedule's plan for these inputs (of a schedule for several shapes, that shape's)."""
     shapes = Inputs.of(inputs).describe()
-    if schedule.input_shapes and shapes != schedule.input_shapes:
-        raise ScheduleMismatchError(
-            f"the schedule was planned for inputs {schedule.input_shapes}, these are {shapes}: activation memory "
-            "grows with batch size and sequence length; validate with the planned inputs, or plan again"
-        )
+    found = next((p for p in schedule.plans if p.input_shapes == shapes), None)
+    if found is not None or not schedule.input_shapes:
+        return found or schedule
+    planned = " or ".join(p.input_shapes for p in schedule.plans)
+    raise ScheduleMismatchError(
+        f"the schedule was planned for inputs {planned}, these are {shapes}: activation memory grows with batch "
+        "size and sequence length; validate with the planned inputs, or plan again")
 
 
 def _compare_grads(plain: dict[str, torch.Tensor | None], sched: dict[str, torch.Tensor | None],
