@@ -3,6 +3,10 @@
     memfit plan --scenario gpt-small --budget 300MB --fallbacks 2 -o schedule.json
     python examples/train.py --schedule schedule.json --steps 20
 
+A schedule planned for several sequence lengths (``memfit plan --seq-lens 64,128,256``) is
+trained on batches of each length in turn, as a bucketing data loader gives them: each forward
+runs its length's plan.
+
 The model comes from the same scenario the schedule was planned for; in your own script it is
 simply your model: ``model = memfit.apply(model, memfit.load_schedule("schedule.json"))``. The
 loop runs the step the schedule was planned for (``memfit plan --accumulate 4 --precision
@@ -16,6 +20,7 @@ import argparse
 import torch
 
 import memfit
+from memfit.lengths import cut_to_length
 from memfit.scenarios import load_scenario
 
 
@@ -28,8 +33,12 @@ def main() -> None:
     args = parser.parse_args()
     memfit.keep_freed_cpu_memory()  # CPU training: reuse freed memory instead of faulting it in every step
 
-    model, batch = load_scenario(args.scenario).build()
     schedule = memfit.load_schedule(args.schedule)
+    lengths = [p.source["seq_len"] for p in schedule.shapes if p.source.get("seq_len") is not None]
+    scenario = load_scenario(args.scenario)
+    scenario.seq_lens = lengths or None  # the model built for the longest, as it was planned
+    model, batch = scenario.build()
+    batches = [cut_to_length(batch, n) for n in lengths] or [batch]
     model = memfit.apply(model, schedule)
     planned = schedule.train_step  # the step the plan's peak is for
     print("checkpointed units:", ", ".join(schedule.checkpointed) or "none", f"({planned.describe()})")
@@ -40,6 +49,7 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device, enabled=planned.precision == "amp-fp16")
     model.train()
     for step in range(args.steps):
+        batch = batches[step % len(batches)]
         while True:
             try:
                 optimizer.zero_grad(set_to_none=True)
@@ -59,7 +69,8 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), planned.clip_grad_norm)
         scaler.step(optimizer)
         scaler.update()
-        print(f"step {step}: loss {loss.item():.4f}", flush=True)
+        length = f" (length {lengths[step % len(lengths)]})" if lengths else ""
+        print(f"step {step}: loss {loss.item():.4f}{length}", flush=True)
 
 
 if __name__ == "__main__":

@@ -196,18 +196,20 @@ def _title(made: Any, what: str) -> str:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from memfit.errors import FileFormatError
-    from memfit.formats.profile import PROFILE_FORMAT, Profile
+    from memfit.formats.profile import PROFILE_FORMAT, PROFILES_FORMAT, load_profiles
     from memfit.formats.schedule import SCHEDULE_FORMAT, load_schedule
     from memfit.jsonio import read_json
-    from memfit.report import profile_report, schedule_report
+    from memfit.report import profile_report, schedule_report, shapes_report
 
     fmt = read_json(args.file, None)["format"]
     if fmt == SCHEDULE_FORMAT:
-        print(schedule_report(load_schedule(args.file)))
-    elif fmt == PROFILE_FORMAT:
-        print(profile_report(Profile.load(args.file)))
+        schedule = load_schedule(args.file)
+        print(shapes_report(schedule) if schedule.shapes else schedule_report(schedule))
+    elif fmt in (PROFILE_FORMAT, PROFILES_FORMAT):
+        print("\n\n".join(profile_report(p) for p in load_profiles(args.file)))
     else:
-        raise FileFormatError(f"{args.file}: field 'format' is {fmt!r}; expected {SCHEDULE_FORMAT} or {PROFILE_FORMAT}")
+        raise FileFormatError(f"{args.file}: field 'format' is {fmt!r}; expected {SCHEDULE_FORMAT}, {PROFILE_FORMAT} "
+                              f"or {PROFILES_FORMAT}")
     return 0
 
 

@@ -210,3 +210,29 @@ def test_a_vit_at_two_resolutions():
         predicted = plans[order[k]].predicted_peak_bytes
         assert _applied(scheduled) == order[k]
         assert peak <= budget and abs(peak - predicted) <= 0.01 * predicted, (order[k], peak, predicted)
+
+
+def test_inputs_cut_to_a_length_and_a_histogram_counted_toward_the_covering_length(tmp_path):
+    from memfit.lengths import cut_to_length, parse_lengths, read_histogram
+
+    ids = torch.arange(24).view(2, 12)
+    cut = cut_to_length({"input_ids": ids, "labels": ids, "mask": torch.ones(2, 1, 12), "flag": True}, 5)
+    assert cut["input_ids"].shape == (2, 5) and torch.equal(cut["labels"], ids[:, :5]) and cut["flag"] is True
+    assert cut["mask"].shape == (2, 1, 12)  # its second dimension is not the sequence
+    with pytest.raises(MemfitError, match="shorter than the sequence length 16"):
+        cut_to_length((ids,), 16)
+    with pytest.raises(MemfitError, match="no tensor with a sequence dimension"):
+        cut_to_length((torch.ones(3),), 2)
+    assert parse_lengths("256, 64,128") == [64, 128, 256]
+    for bad in ("64,64", "", "64,x", [64, 1.5]):
+        with pytest.raises(MemfitError, match="distinct positive integers"):
+            parse_lengths(bad)
+    hist = tmp_path / "h.csv"
+    hist.write_text("length,count\n64,3\n65,1\n\n128,4\n")
+    assert read_histogram(str(hist), [64, 128, 256]) == [3.0, 5.0, 0.0]
+    hist.write_text("64,1\n300,1\n")
+    with pytest.raises(MemfitError, match="300 is longer than every planned one"):
+        read_histogram(str(hist), [64, 256])
+    hist.write_text("64,1\n128,many\n")
+    with pytest.raises(MemfitError, match="line 2"):
+        read_histogram(str(hist), [64, 256])
