@@ -236,3 +236,41 @@ def test_inputs_cut_to_a_length_and_a_histogram_counted_toward_the_covering_leng
     hist.write_text("64,1\n128,many\n")
     with pytest.raises(MemfitError, match="line 2"):
         read_histogram(str(hist), [64, 256])
+
+
+def test_a_compiled_model_switches_plans_between_shapes_outside_its_graphs():
+    from memfit.errors import EagerPlanCompiledWarning
+    from memfit.runtime.apply import is_checkpointed
+
+    model, batch = gpt(batch=4, seq=128, vocab=256, d_model=64, n_head=2, n_layer=4, dropout=0.0)
+    profiles = [memfit.profile(model, _at(batch, n), repeat=1) for n in (32, 128)]
+    schedule = memfit.plan(profiles, int(0.8 * memfit.predict(profiles[1], {}).peak_bytes))
+    assert not schedule.plans[0].checkpointed and schedule.plans[1].checkpointed
+    plain, scheduled = copy.deepcopy(model), memfit.apply(copy.deepcopy(model), schedule)
+    compiled = [torch.compile(m, backend="aot_eager") for m in (plain, scheduled)]
+
+    def peak(m, n) -> int:  # one compiled forward and backward, gradients left for the caller
+        recorder = memory_recorder(torch.device("cpu"))
+        with recorder:
+            recorder.on_mark("start")
+            loss = m(**_at(batch, n))["loss"]
+            loss.backward()
+            recorder.on_mark("end")
+        marks = recorder.marks()
+        return loss.detach(), max(x.peak for x in marks) - marks[0].level
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerPlanCompiledWarning)  # an eager plan, compiled: said once
+        for n in (128, 32, 128, 32):
+            (a, plain_peak), (b, sched_peak) = (peak(m, n) for m in compiled)
+            assert torch.equal(a, b)
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), scheduled.parameters(),
+                                                                    strict=True))
+            for m in (plain, scheduled):
+                m.zero_grad(set_to_none=True)
+            policies = schedule.plans[1 if n == 128 else 0].policies
+            assert [is_checkpointed(scheduled.get_submodule(u)) for u in policies] == [
+                p != "none" for p in policies.values()]
+            assert (sched_peak == plain_peak) if n == 32 else (sched_peak < plain_peak)  # the graph follows the plan
+    memfit.remove(scheduled)
+    assert not any(is_checkpointed(u) for u in scheduled.h) and not scheduled._forward_pre_hooks

@@ -106,6 +106,14 @@ def ceiling(a: Signature, b: Signature) -> Signature:
 _SAID: set[str] = set()
 
 
+@torch.compiler.disable
+def _pick_outside_graph(watch: Watch, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A compiled model's forward picks its shape's plan here, outside the graph (Dynamo breaks
+    the graph at a disabled function and runs it as Python), with the inputs' real shapes; the
+    units' forwards it changes are guarded on, so each plan compiles once and is reused."""
+    watch.pick(model, args, kwargs)
+
+
 def compiled_unplanned(message: str) -> None:
     """Warn ``message`` once per process; called from a compiled forward, after its graph
     (``torch_private.allow_in_compiled_graph``)."""
@@ -160,6 +168,8 @@ class Watch:
         if torch.compiler.is_compiling():
             if self.eager_only and torch.is_grad_enabled():
                 compiled_unplanned(self.eager_only)
+            if len(self.shapes) > 1 and torch.is_grad_enabled():
+                _pick_outside_graph(self, model, args, kwargs)
             return  # Dynamo guards on shapes itself; describing symbolic shapes would break the graph
         if not torch.is_grad_enabled():
             return
@@ -175,7 +185,11 @@ class Watch:
                 "TrainingArguments(gradient_checkpointing=True)): it recomputes every layer, over memfit's plan, "
                 "so the step is slower than planned; turn it off (model.gradient_checkpointing_disable(), "
                 "gradient_checkpointing=False) to run memfit's plan"), stacklevel=3)
-        now = inputs.describe()
+        self.pick(model, args, kwargs)
+
+    def pick(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the plan for these inputs (``use_shape``), choosing it on first sight."""
+        now = Inputs(args, kwargs).describe()
         k = self.chosen.get(now)
         if k is None:
             k = self.chosen[now] = self._choose(model, now)
