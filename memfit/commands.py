@@ -273,20 +273,36 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     _check_outputs(args, outputs)
     if args.plot:
         check_plot_path(args.plot)
-    from memfit.formats.profile import Profile
+    from memfit.formats.profile import load_profiles
     from memfit.jsonio import write_atomic
     from memfit.planning.sweep import sweep
-    from memfit.report import sweep_report
+    from memfit.plots import shape_curves
+    from memfit.report import shape_name, sweep_report
 
-    prof = Profile.load(args.profile) if args.profile else modelflags.profile_of(args)
-    if args.measure and not prof.source:
-        raise MemfitError("--measure needs the model: this profile does not say how it was built; profile it with "
-                          "memfit profile (or give --scenario/--model instead of --profile)")
-    frame = sweep(prof, budgets, points=args.points or 30, strategies=strategies, solver=args.solver,
-                  segments=not args.no_segments, max_segment=args.max_segment, granularity=args.granularity)
-    check_interrupt()
-    if args.measure:
-        _measure_rows(args, prof, frame)
+    profs = load_profiles(args.profile) if args.profile else modelflags.profiles_of(args)
+    if budgets is None and len(profs) > 1:  # one range for every shape: rows side by side, curves on one axis
+        from memfit.planning.sweep import default_budgets
+
+        ends = [default_budgets(p, 2, segments=not args.no_segments, max_segment=args.max_segment,
+                                fine=args.granularity == "fine") for p in profs]
+        lo, hi, points = min(e[0] for e in ends), max(e[-1] for e in ends), args.points or 30
+        budgets = sorted({lo + (hi - lo) * k // (points - 1) for k in range(points)})
+    frames = {}
+    for prof in profs:
+        if args.measure and not prof.source:
+            raise MemfitError("--measure needs the model: this profile does not say how it was built; profile it "
+                              "with memfit profile (or give --scenario/--model instead of --profile)")
+        frame = sweep(prof, budgets, points=args.points or 30, strategies=strategies, solver=args.solver,
+                      segments=not args.no_segments, max_segment=args.max_segment, granularity=args.granularity)
+        check_interrupt()
+        if args.measure:
+            _measure_rows(args, prof, frame)
+        frames[shape_name(prof)] = frame
+    if len(frames) > 1:  # one table: each row says its shape
+        import pandas as pd
+
+        frame = pd.concat([f.assign(shape=name) for name, f in frames.items()], ignore_index=True)
+        frame.insert(0, "shape", frame.pop("shape").astype("string"))
     if device_memory is None and prof.memory:  # the line on the plot: what the card leaves to a step
         from memfit.devices import usable_bytes
 
@@ -294,12 +310,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.csv:
         write_output(lambda path: write_atomic(path, lambda tmp: frame.to_csv(tmp, index=False)), args.csv)
     if args.plot:
-        write_output(lambda path: curve(frame, path, title=_title(prof, "memory vs slowdown"),
-                                        device_memory=device_memory), args.plot)
+        title = _title(prof, "memory vs slowdown")
+        if len(frames) > 1:
+            title = title.replace(f"inputs {prof.input_shapes}", ", ".join(frames))
+        write_output(lambda path: curve(frame, path, title=title, device_memory=device_memory) if len(frames) == 1
+                     else shape_curves(frames, path, title=title, device_memory=device_memory), args.plot)
     if args.json:
         print(frame.to_json(orient="records", indent=2))
     else:
-        print(sweep_report(frame))
+        print("\n\n".join((f"== {name} ==\n" if len(frames) > 1 else "") + sweep_report(f)
+                          for name, f in frames.items()))
         if prof.memory:
             from memfit.devices import describe_memory
 

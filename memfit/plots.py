@@ -105,6 +105,43 @@ def curve(frame: pd.DataFrame, path: str | os.PathLike[str] | None, *, title: st
     return fig
 
 
+def shape_curves(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike[str] | None, *, title: str,
+                 device_memory: int | None = None) -> Figure:
+    """One memfit curve (the ILP's plans, a step line) per input shape of a sweep, each shape's
+    un-checkpointed point as a star of its colour: what each length costs at each budget."""
+    plt = _pyplot()
+    fits = {name: f[(f["strategy"] == "ilp") & f["predicted_peak_bytes"].notna()] for name, f in frames.items()}
+    if all(f.empty for f in fits.values()):
+        raise MemfitError("nothing fits any budget of the sweep: there is no curve to draw")
+    peaks = [float(v) for f in fits.values() for v in f["predicted_peak_bytes"]]
+    unit, scale = _unit(max([*peaks, device_memory or 0]))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    colours = plt.get_cmap("viridis")
+    for k, (name, rows) in enumerate(fits.items()):
+        colour = colours(k / max(1, len(fits) - 1) * 0.85)
+        plans = rows.drop_duplicates("policies").sort_values("predicted_peak_bytes")
+        x = [float(v) / scale for v in plans["predicted_peak_bytes"]]
+        y = [float(v) * 100 for v in plans["predicted_overhead"]]
+        ax.step(x, y, where="post", color=colour, linewidth=2, label=name, zorder=3)
+        ax.plot(x, y, linestyle="none", marker="o", color=colour, zorder=3)
+        plain = plans[plans["checkpointed"] == 0]
+        if not plain.empty:
+            ax.plot([float(plain["predicted_peak_bytes"].iloc[0]) / scale], [0.0], linestyle="none", marker="*",
+                    markersize=14, color=colour)
+    if device_memory:
+        ax.axvline(device_memory / scale, color="black", linestyle="--", linewidth=1,
+                   label=f"usable device memory ({device_memory / scale:.1f} {unit})")
+    ax.set_xlabel(f"peak memory of the training step ({unit})")
+    ax.set_ylabel("slowdown against no checkpointing (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right", title="memfit plan (ILP optimum), *: no checkpointing")
+    fig.tight_layout()
+    if path is not None:
+        _save(fig, path)
+    return fig
+
+
 Levels = Sequence[Sequence[Any]]  # (phase label, live bytes at its start, its peak) per phase
 
 

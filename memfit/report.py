@@ -189,10 +189,10 @@ def shapes_report(schedule: Schedule, profiles: Sequence[Profile] = ()) -> str:
     return "\n".join(out)
 
 
-def shape_name(schedule: Schedule) -> str:
-    """A shape's plan by its sequence length where it was planned for one, else by its inputs."""
-    length = schedule.source.get("seq_len")
-    return f"length {length}" if length is not None else f"inputs {schedule.input_shapes}"
+def shape_name(made: Schedule | Profile) -> str:
+    """A shape's plan or profile by its sequence length where it was made for one, else by its inputs."""
+    length = made.source.get("seq_len")
+    return f"length {length}" if length is not None else f"inputs {made.input_shapes}"
 
 
 def recomputes(policy: str) -> str:

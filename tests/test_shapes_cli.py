@@ -62,6 +62,22 @@ def test_profile_plan_show_validate_and_train_at_three_lengths(workdir):
         "length 8)", "length 16)", "length 32)"]
 
 
+def test_sweep_draws_a_curve_per_length_over_one_range_of_budgets(workdir):
+    import pandas as pd
+
+    proc = run("sweep", "--profile", "p.json", "--points", "5", "--csv", "sw.csv", "--plot", "c.png", cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stdout.splitlines() if line.startswith("==")] == [
+        "== length 8 ==", "== length 16 ==", "== length 32 =="]
+    frame = pd.read_csv(workdir / "sw.csv")
+    ilp = frame[frame["strategy"] == "ilp"]
+    budgets = {name: list(rows["budget_bytes"]) for name, rows in ilp.groupby("shape")}
+    assert set(budgets) == {"length 8", "length 16", "length 32"} and len({tuple(b) for b in budgets.values()}) == 1
+    longest = ilp[ilp["shape"] == "length 32"].dropna(subset=["predicted_peak_bytes"])  # the tightest fits no 32
+    assert longest["predicted_overhead"].iloc[0] > 0 == longest["predicted_overhead"].iloc[-1]  # tight to loose
+    assert (workdir / "c.png").stat().st_size > 10_000
+
+
 def test_a_scenario_with_seq_lens_is_planned_at_each_and_estimated_for_a_gpu(workdir):
     proc = run("plan", "--scenario", "lens.toml", "--target", "h100", "--budget", "80GB", "--json", cwd=workdir)
     assert proc.returncode == 0, proc.stderr
