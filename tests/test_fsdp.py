@@ -42,3 +42,53 @@ def test_segment_plan_under_fsdp2_gives_the_plain_gradients():
     assert loss == plain_loss
     assert grads.keys() == plain.keys()
     assert all(np.array_equal(grads[k], plain[k]) for k in plain)
+
+
+def _rank_shapes(device: str):  # type: ignore[no-untyped-def]
+    """A schedule for two lengths applied after sharding, as examples/train_fsdp.py applies one,
+    trained on both lengths in turn beside a plain sharded copy."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from memfit.formats.schedule import Schedule, model_fingerprint
+    from memfit.measure.step import Inputs
+    from memfit.runtime.apply import is_checkpointed
+    from memfit.zoo import gpt
+
+    mesh = init_device_mesh(device, (2,))
+    model, batch = gpt(batch=2, seq=16, vocab=128, d_model=32, n_head=2, n_layer=4, dropout=0.0, seed=0)
+    short = {k: v[:, :8].contiguous() for k, v in batch.items()}
+    names = [f"h.{i}" for i in range(4)]
+    plans = [Schedule({n: "none" for n in names}, 2**40, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+                      model_fingerprint(model, names), input_shapes=Inputs.of(x).describe(), source={"seq_len": n})
+             for x, n in ((short, 8), (batch, 16))]
+    plans[1].policies = {"h.0": "full", "h.1": SEGMENT, "h.2": SEGMENT, "h.3": SEGMENT}
+    schedule = Schedule(**{**{f: getattr(plans[1], f) for f in plans[1].__slots__}, "shapes": plans})
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        for block in m.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    memfit.apply(model, schedule)
+    out = []
+    for x in (batch, short, batch, short):
+        losses = []
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            loss = memfit.default_loss(m(**x))
+            loss.backward()
+            losses.append(loss.item())
+        same = all(torch.equal(p.grad.full_tensor(), q.grad.full_tensor())
+                   for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+        out.append((losses[0] == losses[1], same, [is_checkpointed(b) for b in model.h]))
+    return out
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_a_schedule_for_two_lengths_switches_plans_under_fsdp2():
+    steps = spawn_ranks(_rank_shapes, 2, "cpu")
+    assert [tuple(s[:2]) for s in steps] == [(True, True)] * 4  # losses and gradients the plain ones
+    assert [s[2] for s in steps] == [[True] * 4, [False] * 4] * 2  # the long length's plan, then the short's
