@@ -9,6 +9,7 @@ import pytest
 
 import memfit
 from memfit.cli import main
+from memfit.scenarios import load_scenario
 
 from .conftest import TINY
 from .test_cli import ROOT, run
@@ -60,6 +61,12 @@ def test_profile_plan_show_validate_and_train_at_three_lengths(workdir):
     assert train.returncode == 0, train.stderr
     assert [line.split("(")[-1] for line in train.stdout.splitlines() if line.startswith("step")] == [
         "length 8)", "length 16)", "length 32)"]
+    scheduled, batch = load_scenario(str(workdir / "tiny.toml")).build()
+    memfit.apply(scheduled, schedule)
+    longer = {k: v.repeat(1, 2) for k, v in batch.items()}  # 64 tokens: the warning says how to plan them too
+    with pytest.warns(memfit.PlanDriftWarning, match="memfit plan --scenario .*tiny.toml --seq-lens 8,16,32,64 "):
+        with pytest.raises(IndexError):  # which this model's 32 positions cannot run
+            scheduled(**longer)
 
 
 def test_sweep_draws_a_curve_per_length_over_one_range_of_budgets(workdir):

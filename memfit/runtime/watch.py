@@ -222,12 +222,19 @@ class Watch:
         budget = format_bytes(s.budget_bytes).replace(" ", "")
         source = next((f"--{k} {s.source[k]}" for k in ("scenario", "model") if s.source.get(k)), "")
         shapes = [shape for _, shape in largest.values()]
+        lengths = s.source.get("seq_lens")
+        if source and lengths and shapes and len(shapes[0]) >= 2:  # planned for sequence lengths: add this one
+            more = ",".join(map(str, sorted({*lengths, shapes[0][1]})))
+            return f"plan for this length too: memfit plan {source} --seq-lens {more} --budget {budget}"
         if source and s.source.get("input_shape") and len(shapes) == 1:  # the factory takes --input-shape
             return f"plan again for them: memfit plan {source} --input-shape {'x'.join(map(str, shapes[0]))} " \
                    f"--budget {budget}"
         if source:
             where = "the scenario's [args]" if s.source.get("scenario") else "what the factory returns"
             return f"make the inputs in {where} this large, and plan again: memfit plan {source} --budget {budget}"
+        if len(self.shapes) > 1:
+            return ("profile it at these inputs too and plan all its shapes again: memfit.plan([memfit.profile(model, "
+                    f"x) for x in batches], budget=\"{budget}\")")
         return (f"plan this {s.fingerprint.get('model_class', 'model')} again with inputs this large: "
                 f"memfit.plan(memfit.profile(model, inputs), budget=\"{budget}\")")
 
