@@ -91,18 +91,7 @@ def curve(frame: pd.DataFrame, path: str | os.PathLike[str] | None, *, title: st
     if not plain.empty:
         ax.plot([float(plain["predicted_peak_bytes"].iloc[0]) / scale], [0.0], linestyle="none", marker="*",
                 markersize=14, color=STYLE["none"][1], label="no checkpointing")
-    if device_memory:
-        ax.axvline(device_memory / scale, color="black", linestyle="--", linewidth=1,
-                   label=f"usable device memory ({device_memory / scale:.1f} {unit})")
-    ax.set_xlabel(f"peak memory of the training step ({unit})")
-    ax.set_ylabel("slowdown against no checkpointing (%)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    if path is not None:
-        _save(fig, path)
-    return fig
+    return _finish_curve(fig, ax, path, title=title, unit=unit, scale=scale, device_memory=device_memory)
 
 
 def shape_curves(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike[str] | None, *, title: str,
@@ -128,6 +117,14 @@ def shape_curves(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike[str
         if not plain.empty:
             ax.plot([float(plain["predicted_peak_bytes"].iloc[0]) / scale], [0.0], linestyle="none", marker="*",
                     markersize=14, color=colour)
+    return _finish_curve(fig, ax, path, title=title, unit=unit, scale=scale, device_memory=device_memory,
+                         legend="memfit plan (ILP optimum), *: no checkpointing")
+
+
+def _finish_curve(fig: Figure, ax: Any, path: str | os.PathLike[str] | None, *, title: str, unit: str, scale: float,
+                  device_memory: int | None, legend: str | None = None) -> Figure:
+    """What every memory-vs-slowdown plot has: the device's usable memory as a line, the axes,
+    title, grid and legend; saved when ``path`` is given."""
     if device_memory:
         ax.axvline(device_memory / scale, color="black", linestyle="--", linewidth=1,
                    label=f"usable device memory ({device_memory / scale:.1f} {unit})")
@@ -135,7 +132,7 @@ def shape_curves(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike[str
     ax.set_ylabel("slowdown against no checkpointing (%)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right", title="memfit plan (ILP optimum), *: no checkpointing")
+    ax.legend(fontsize=8, loc="upper right", title=legend)
     fig.tight_layout()
     if path is not None:
         _save(fig, path)
