@@ -50,15 +50,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
         from memfit.jsonio import check_writable
 
         check_writable(args.save_device_spec)
+    from memfit.report import shape_name, shapes_validation_report, validation_report
+
     results = []
     for k, (plan, (sc, device)) in enumerate(zip(schedule.plans, setups, strict=True)):
         if schedule.shapes:
-            from memfit.report import shape_name
-
             print(f"shape {k + 1} of {len(setups)}: {shape_name(plan)}", file=sys.stderr)
         results.append(_validate(args, plan, sc, device))
-    from memfit.report import shapes_validation_report, validation_report
-
     if args.json:
         found = [{**asdict(r), "error": r.error, "fits": r.fits, "ok": r.ok, "context_bytes": r.context_bytes,
                   "margin": r.margin, "reserved_fits": r.reserved_fits, "time_judged": r.time_judged,

@@ -48,6 +48,7 @@ def _rank_shapes(device: str):  # type: ignore[no-untyped-def]
     """A schedule for two lengths applied after sharding, as examples/train_fsdp.py applies one,
     trained on both lengths in turn beside a plain sharded copy."""
     import copy
+    import dataclasses
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -66,7 +67,7 @@ def _rank_shapes(device: str):  # type: ignore[no-untyped-def]
                       model_fingerprint(model, names), input_shapes=Inputs.of(x).describe(), source={"seq_len": n})
              for x, n in ((short, 8), (batch, 16))]
     plans[1].policies = {"h.0": "full", "h.1": SEGMENT, "h.2": SEGMENT, "h.3": SEGMENT}
-    schedule = Schedule(**{**{f: getattr(plans[1], f) for f in plans[1].__slots__}, "shapes": plans})
+    schedule = dataclasses.replace(plans[1], shapes=plans)
     plain = copy.deepcopy(model)
     for m in (model, plain):
         for block in m.h:

@@ -6,6 +6,7 @@ its shape's predicted peak and the budget; losses and gradients with a plain cop
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 
@@ -291,7 +292,7 @@ def test_two_forwards_of_two_shapes_before_one_backward_give_the_plain_gradients
                 for p in (long, short)}
     plans = [Schedule(policies[p], 2**40, 0, 0.0, 0.0, "test", "none", "none", 0.0, model_fingerprint(model, names),
                       input_shapes=Inputs.of(x).describe()) for p, x in ((short, _at(batch, 8)), (long, batch))]
-    schedule = Schedule(**{**{f: getattr(plans[1], f) for f in Schedule.__slots__}, "shapes": plans})
+    schedule = dataclasses.replace(plans[1], shapes=plans)
     plain, scheduled = copy.deepcopy(model), memfit.apply(copy.deepcopy(model), schedule)
     losses = []
     for m in (plain, scheduled):
