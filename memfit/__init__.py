@@ -1,5 +1,9 @@
 """memfit: plan activation checkpointing so a PyTorch training step fits a memory budget.
 
+    memfit.fit(model, batch, "24GB")                  # all in one call, cached between runs
+
+or step by step:
+
     prof = memfit.profile(model, inputs)              # measure (CUDA or CPU)
     sched = memfit.plan(prof, "24GB")                 # solve the integer program
     model = memfit.apply(model, sched)                # checkpoint the chosen units in place
@@ -40,6 +44,7 @@ _LAZY = {
     "Profile": "memfit.formats.profile",
     "profile": "memfit.profiler",
     "estimate": "memfit.profiler.estimate",
+    "fit": "memfit.fitting",
     "default_loss": "memfit.measure.step",
     "apply": "memfit.runtime.apply",
     "remove": "memfit.runtime.apply",
@@ -54,6 +59,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from memfit.compiled import plan_compiled
+    from memfit.fitting import fit
     from memfit.formats.profile import Profile
     from memfit.formats.schedule import Schedule, load_schedule
     from memfit.measure.malloc import keep_freed_cpu_memory
@@ -100,6 +106,7 @@ __all__ = [
     "apply",
     "default_loss",
     "estimate",
+    "fit",
     "format_bytes",
     "keep_freed_cpu_memory",
     "load_schedule",

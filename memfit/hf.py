@@ -1,11 +1,26 @@
-"""Hugging Face transformers models built from configs (random weights, nothing downloaded)."""
+"""Hugging Face transformers: models built from configs (random weights, nothing downloaded)
+for the scenarios, and ``MemfitCallback`` for the Trainer (hftrainer.py, imported on first use
+so that this module, like ``import memfit``, does not import transformers)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from memfit.errors import MemfitError
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MemfitCallback":
+        try:
+            from memfit.hftrainer import MemfitCallback
+        except ImportError as exc:
+            raise MemfitError(f"memfit.hf.MemfitCallback needs Hugging Face transformers ({exc}): pip install "
+                              "'memfit[hf]'") from None
+        return MemfitCallback
+    raise AttributeError(f"module 'memfit.hf' has no attribute {name!r}")
 
 
 def _transformers():  # type: ignore[no-untyped-def]
