@@ -1,4 +1,8 @@
-"""A complete small training loop that applies a memfit schedule.
+"""A complete small training loop under a memfit plan.
+
+    python examples/train.py --budget 300MB --steps 20     # memfit.fit: one call (cached for the next run)
+
+or with a plan made beforehand by the command line (fallbacks, several lengths, reviewed):
 
     memfit plan --scenario gpt-small --budget 300MB --fallbacks 2 -o schedule.json
     python examples/train.py --schedule schedule.json --steps 20
@@ -26,20 +30,27 @@ from memfit.scenarios import load_scenario
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedule", default="schedule.json", help="schedule JSON from `memfit plan -o`")
+    parser.add_argument("--budget", help="plan in this script with memfit.fit (e.g. 300MB), cached between runs")
+    parser.add_argument("--schedule", help="or: a schedule JSON from `memfit plan -o`")
     parser.add_argument("--scenario", default="gpt-small", help="scenario the schedule was planned for")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-4)
     args = parser.parse_args()
     memfit.keep_freed_cpu_memory()  # CPU training: reuse freed memory instead of faulting it in every step
 
-    schedule = memfit.load_schedule(args.schedule)
-    lengths = [p.source["seq_len"] for p in schedule.shapes if p.source.get("seq_len") is not None]
+    if (args.budget is None) == (args.schedule is None):
+        parser.error("give --budget SIZE (plan here with memfit.fit) or --schedule FILE (a plan made by memfit plan)")
     scenario = load_scenario(args.scenario)
-    scenario.seq_lens = lengths or None  # the model built for the longest, as it was planned
-    model, batch = scenario.build()
-    batches = [cut_to_length(batch, n) for n in lengths] or [batch]
-    model = memfit.apply(model, schedule)
+    if args.budget:
+        model, batch = scenario.build()
+        schedule, lengths, batches = memfit.fit(model, batch, args.budget), [], [batch]  # the one call
+    else:
+        schedule = memfit.load_schedule(args.schedule)
+        lengths = [p.source["seq_len"] for p in schedule.shapes if p.source.get("seq_len") is not None]
+        scenario.seq_lens = lengths or None  # the model built for the longest, as it was planned
+        model, batch = scenario.build()
+        batches = [cut_to_length(batch, n) for n in lengths] or [batch]
+        model = memfit.apply(model, schedule)
     planned = schedule.train_step  # the step the plan's peak is for
     print("checkpointed units:", ", ".join(schedule.checkpointed) or "none", f"({planned.describe()})")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -138,3 +138,16 @@ def report(predicted: int, measured: int, budget: int) -> str:
     verdict = "within the budget" if measured <= budget else "OVER the budget: plan again with a lower one"
     return (f"memfit: measured peak {format_bytes(measured)}, predicted {format_bytes(predicted)} "
             f"({100 * error:+.1f}%), budget {format_bytes(budget)}: {verdict}")
+
+
+def accelerate_step(accelerator: Any, optimizer: Any, clip_grad_norm: float | None = None) -> TrainStep:
+    """The step of a Hugging Face accelerate loop: its ``mixed_precision`` and
+    ``gradient_accumulation_steps`` and its optimizer (``clip_grad_norm``: what the loop passes
+    to ``accelerator.clip_grad_norm_``, which accelerate does not record)::
+
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        memfit.fit(accelerator.unwrap_model(model), next(iter(loader)), "20GB",
+                   step=memfit.trainers.accelerate_step(accelerator, optimizer, clip_grad_norm=1.0))
+    """
+    return train_step(optimizer, precision=str(accelerator.mixed_precision),
+                      accumulate=accelerator.gradient_accumulation_steps, clip=clip_grad_norm)
