@@ -1,0 +1,167 @@
+"""``memfit export``: a plan in Hugging Face transformers', torchtitan's and PyTorch's selective
+checkpointing's forms. Each exported file is run on a fresh model: one training step's exact CPU
+peak against memfit.apply's for the same plan, losses and gradients against the plain model's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import memfit
+from memfit.export import export
+from memfit.formats.schedule import Schedule, model_fingerprint
+from memfit.measure.memory import memory_recorder
+from memfit.scenarios import tomllib
+from memfit.zoo import gpt
+
+from .conftest import tiny_gpt
+from .test_train_step import UserLoop, _bytes
+
+BLOCKS = [f"h.{i}" for i in range(4)]
+
+
+def _schedule(model, policies: dict[str, str]) -> Schedule:
+    return Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0, model_fingerprint(model, list(policies)))
+
+
+def _plan_file(schedule: Schedule, to: str) -> dict:
+    """The exported Python file, run: its namespace."""
+    namespace: dict = {}
+    exec(compile(export(schedule, to).text, f"<{to} export>", "exec"), namespace)
+    return namespace
+
+
+def _trained(model, batch) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+    """Two AdamW steps of ``model`` (the first makes the optimizer's state); the second one's loss,
+    exact CPU peak (what lives across steps plus the highest rise during it) and gradients."""
+    model.train()
+    loop = UserLoop(model, batch, "adamw", 1, "fp32", None)
+    torch.manual_seed(0)  # the same dropout masks in every model
+    loop.step()
+    loop.opt.zero_grad(set_to_none=True)
+    state = [v for s in loop.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    static = _bytes([*model.parameters(), *model.buffers(), *state, *(v for v in batch.values() if torch.is_tensor(v))])
+    recorder = memory_recorder(torch.device("cpu"))
+    torch.manual_seed(1)
+    with recorder:
+        recorder.on_mark("start")
+        loss = loop.step()
+        recorder.on_mark("end")
+    marks = recorder.marks()
+    return loss, static + max(m.peak for m in marks) - marks[0].level, [p.grad for p in model.parameters()]
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
+
+
+def test_hf_export_checkpoints_exactly_the_planned_layers_at_memfits_peak():
+    """GPT-2 from transformers: the exported file turns HF's own checkpointing on for layers 1 and
+    3 only; the step's peak is memfit.apply's to the byte, and only those layers run twice."""
+    pytest.importorskip("transformers")
+    from memfit.hf import gpt2
+
+    model, batch = gpt2(batch=2, seq=32, n_layer=4, n_embd=64, n_head=2, vocab=256)
+    layers = [f"transformer.h.{i}" for i in range(4)]
+    schedule = _schedule(model, {n: "full" if i % 2 else "none" for i, n in enumerate(layers)})
+    plain = _trained(copy.deepcopy(model), batch)
+    ours = _trained(memfit.apply(copy.deepcopy(model), schedule), batch)
+    hf = _plan_file(schedule, "hf")["apply_memfit_plan"](copy.deepcopy(model))
+    assert [m.gradient_checkpointing for m in hf.transformer.h] == [False, True, False, True]
+    calls = dict.fromkeys(layers, 0)
+    for name in layers:  # a layer's first norm runs once per step, twice where its layer is recomputed
+        count = lambda *_, n=name: calls.__setitem__(n, calls[n] + 1)  # noqa: E731
+        hf.get_submodule(f"{name}.ln_1").register_forward_pre_hook(count)
+    exported = _trained(hf, batch)
+    assert calls == {layers[0]: 2, layers[1]: 4, layers[2]: 2, layers[3]: 4}  # two steps each
+    assert exported[1] == ours[1] < plain[1]
+    assert _same(exported, plain)
+
+
+def test_hf_export_of_finer_options_checkpoints_whole_layers_and_says_so():
+    schedule = _schedule(gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=4)[0],
+                         {"h.0": "selective:gemm", "h.1": "child:attn", "h.2": "derive", "h.3": "none"})
+    made = export(schedule, "hf")
+    assert made.checkpointed == ["h.0", "h.1", "h.2"]
+    assert "CHECKPOINT = ['h.0', 'h.1', 'h.2']" in made.text and "KEEP = ['h.3']" in made.text
+    for unit, policy in (("h.0", "selective:gemm"), ("h.1", "child:attn"), ("h.2", "derive")):
+        line = next(x for x in made.lost if x.startswith(f"{unit}: {policy} "))
+        assert "the whole layer is checkpointed instead (no more memory" in line
+        assert f"# - {line}" in made.text
+    assert any("not a transformers model" in x for x in made.lost)  # memfit.zoo.GPT has no HF layers
+
+
+@pytest.mark.parametrize("kind", ["block", "fine"])
+def test_sac_export_gives_memfits_peak_and_the_plain_gradients(kind):
+    model, batch = tiny_gpt()
+    policies = ({"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "full"} if kind == "block" else
+                {"h.0": "selective:gemm", "h.1": "child:attn+mlp", "h.2": "selective:weights@attn", "h.3": "none"})
+    schedule = _schedule(model, policies)
+    made = export(schedule, "sac")
+    assert not made.lost  # every one of these options has its exact SAC form
+    plain = _trained(copy.deepcopy(model), batch)
+    ours = _trained(memfit.apply(copy.deepcopy(model), schedule), batch)
+    exported = _trained(_plan_file(schedule, "sac")["apply_memfit_plan"](copy.deepcopy(model)), batch)
+    assert exported[1] == ours[1] < plain[1]
+    assert _same(exported, plain)
+
+
+def test_sac_export_of_what_it_cannot_say_uses_no_more_memory():
+    """derive and a chain become whole-unit checkpoints (measured below memfit's peak); a segment
+    becomes one checkpoint per member, and the export says the peak differs."""
+    model, batch = tiny_gpt()
+    schedule = _schedule(model, {"h.0": "derive", "h.1": "child:ln_2>mlp.0", "h.2": "derive:products", "h.3": "none"})
+    made = export(schedule, "sac")
+    assert made.checkpointed == ["h.0", "h.1", "h.2"]
+    assert [x.split(":")[0] for x in made.lost] == ["h.0", "h.1", "h.2"]
+    ours = _trained(memfit.apply(copy.deepcopy(model), schedule), batch)
+    exported = _trained(_plan_file(schedule, "sac")["apply_memfit_plan"](copy.deepcopy(model)), batch)
+    assert exported[1] <= ours[1]
+    assert _same(exported, _trained(copy.deepcopy(model), batch))
+    seg = "segment:h.0..h.2"
+    made = export(_schedule(model, {**dict.fromkeys(BLOCKS[:3], seg), "h.3": "full"}), "sac")
+    assert made.checkpointed == BLOCKS
+    assert len(made.lost) == 1 and "h.0..h.2 becomes its 3 units checkpointed each" in made.lost[0]
+    assert "the peak differs" in made.lost[0]
+
+
+@pytest.mark.parametrize(("policies", "mode", "option", "checkpointed", "lost"), [
+    (dict.fromkeys(BLOCKS, "none"), "none", None, [], []),
+    (dict.fromkeys(BLOCKS, "full"), "full", None, BLOCKS, []),
+    ({"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "full"}, "selective", "2", ["h.1", "h.3"],
+     ["no every-k option"]),
+    ({"h.0": "none", "h.1": "none", "h.2": "none", "h.3": "full"}, "selective", "4", ["h.3"], ["no every-k option"]),
+    ({"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "none"}, "selective", "2", ["h.1", "h.3"],
+     ["also checkpoints h.3, which memfit keeps"]),
+    ({"h.0": "full", "h.1": "none", "h.2": "full", "h.3": "full"}, "full", None, BLOCKS,
+     ["memfit checkpoints 3 of 4 layers (h.0, h.2, h.3), which no every-k choice covers"]),
+    (dict.fromkeys(BLOCKS, "selective:gemm"), "selective", "op", BLOCKS, ["recomputes every second mm"]),
+    ({"h.0": "none", **dict.fromkeys(BLOCKS[1:], "segment:h.1..h.3")}, "full", None, BLOCKS,
+     ["h.1: the segment h.1..h.3 becomes its 3 layers checkpointed each"]),
+], ids=["none", "all", "every-2nd", "last", "one-of-two", "irregular", "op", "segment"])
+def test_torchtitan_export_checkpoints_at_least_every_planned_layer(policies, mode, option, checkpointed, lost):
+    made = export(_schedule(gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=4)[0], policies),
+                  "torchtitan")
+    table = tomllib.loads(made.text)["activation_checkpoint"]
+    assert table == {"mode": mode, **({"selective_ac_option": option} if option else {})}
+    assert made.checkpointed == checkpointed
+    assert set(made.checkpointed) >= {u for u, p in policies.items() if p != "none"}  # never less checkpointing
+    for words in lost:
+        assert any(words in line for line in made.lost), (words, made.lost)
+    assert any("children of model.layers" in x for x in made.lost)  # units h.N, not layers.N
+    assert all(f"# - {line}" in made.text for line in made.lost)
+
+
+def test_torchtitan_counts_layers_from_one_process_wide():
+    """selective_ac_option k checkpoints the k-th, 2k-th, ... child of model.layers (torchtitan
+    v0.2.2's counter starts at 1): with units named layers.N nothing is assumed about names."""
+    policies = {f"layers.{i}": "full" if i in (2, 5) else "none" for i in range(6)}
+    made = export(Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+                           {"model_class": "x.Transformer", "units": list(policies), "params_sha256": ""}),
+                  "torchtitan")
+    assert tomllib.loads(made.text)["activation_checkpoint"]["selective_ac_option"] == "3"
+    assert made.checkpointed == ["layers.2", "layers.5"]
+    assert not any("children of model.layers" in x for x in made.lost)
+    assert any("per process" in x for x in made.lost)
