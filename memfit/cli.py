@@ -1,4 +1,4 @@
-"""The ``memfit`` command: profile, plan, validate, show, scenarios. Parses, calls the API, prints."""
+"""The ``memfit`` command: profile, plan, validate, show, export, scenarios. Parses, calls the API, prints."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ examples:
   memfit sweep --scenario gpt-small --plot curve.png   # the memory-vs-slowdown curve over 30 budgets
   memfit sweep --scenario gpt-small --budgets 150MB:550MB:50MB --measure --csv sweep.csv
   memfit show schedule.json
+  memfit export schedule.json --to hf -o memfit_plan.py   # for HF transformers; also torchtitan, sac
   memfit scenarios                                # the built-in models, and which are estimated here
 
 memory sizes are binary: 24GB = 24GiB = 24G = 24 x 2^30 bytes; 1536MB; 0.5TB; a bare number is bytes.
@@ -260,6 +261,19 @@ def _parser() -> argparse.ArgumentParser:
     show = command("show", "print a schedule or profile JSON as tables")
     show.add_argument("file", help="schedule.json or profile.json")
     show.set_defaults(func=commands.cmd_show)
+
+    from memfit.export import FORMS
+
+    exp = command("export", "write a schedule in another tool's form (Hugging Face transformers, torchtitan, PyTorch "
+                  "selective checkpointing); what that form cannot express is printed as warnings and kept as "
+                  "comments in the file")
+    exp.add_argument("schedule", help="a schedule JSON from `memfit plan`")
+    exp.add_argument("--to", required=True, choices=FORMS,
+                     help="; ".join(f"{k}: {v}" for k, v in FORMS.items()).replace("%", "%%"))
+    exp.add_argument("-o", "--output", help="file to write (default: print it)")
+    exp.add_argument("--json", action="store_true", help="print {to, file, checkpointed, lost} as JSON (and the "
+                     "exported text as 'text' without -o)")
+    exp.set_defaults(func=commands.cmd_export)
 
     scen = command("scenarios", "list the built-in scenarios")
     scen.set_defaults(func=commands.cmd_scenarios)

@@ -213,6 +213,34 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from memfit.export import MARK, export
+    from memfit.formats.schedule import SCHEDULE_FORMAT, load_schedule
+    from memfit.jsonio import check_writable, read_json, write_atomic
+
+    if not Path(args.schedule).exists():
+        raise MemfitError(f"{args.schedule}: no such file; give a schedule JSON that memfit plan wrote "
+                          "(memfit plan --budget SIZE -o schedule.json)")
+    if read_json(args.schedule, None)["format"] != SCHEDULE_FORMAT:  # a profile: plan it first
+        raise MemfitError(f"{args.schedule} is not a schedule; plan one first: memfit plan --profile "
+                          f"{args.schedule} --budget SIZE -o schedule.json")
+    out = args.output and check_writable(args.output, "exported plan")
+    if out and out.is_file() and MARK not in out.open(errors="replace").readline():
+        raise MemfitError(f"{args.output} exists and is not a plan memfit exported; refusing to overwrite it "
+                          "(remove it first, or write elsewhere)")
+    made = export(load_schedule(args.schedule), args.to, Path(args.schedule).name)
+    for line in made.lost:
+        print(f"memfit: warning: {line}", file=sys.stderr)
+    if out:
+        write_output(lambda path: write_atomic(path, lambda tmp: Path(tmp).write_text(made.text)), out)
+    if args.json:
+        print(json.dumps({"to": made.to, "file": str(out) if out else None, "checkpointed": made.checkpointed,
+                          "lost": made.lost, **({} if out else {"text": made.text})}, indent=2))
+    else:
+        print(f"wrote {out}" if out else made.text, end="\n" if out else "")
+    return 0
+
+
 def cmd_scenarios(args: argparse.Namespace) -> int:
     import torch
 

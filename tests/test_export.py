@@ -5,18 +5,20 @@ peak against memfit.apply's for the same plan, losses and gradients against the 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
 import memfit
+from memfit.cli import main
 from memfit.export import export
 from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.measure.memory import memory_recorder
 from memfit.scenarios import tomllib
 from memfit.zoo import gpt
 
-from .conftest import tiny_gpt
+from .conftest import TINY, tiny_gpt
 from .test_train_step import UserLoop, _bytes
 
 BLOCKS = [f"h.{i}" for i in range(4)]
@@ -165,3 +167,57 @@ def test_torchtitan_counts_layers_from_one_process_wide():
     assert made.checkpointed == ["layers.2", "layers.5"]
     assert not any("children of model.layers" in x for x in made.lost)
     assert any("per process" in x for x in made.lost)
+
+
+def test_cli_plans_then_exports_a_file_that_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.toml").write_text(TINY)
+    assert main(["profile", "--scenario", "tiny.toml", "--repeat", "1", "-o", "p.json"]) == 0
+    prof = memfit.Profile.load(tmp_path / "p.json")
+    budget = (memfit.min_budget_bytes(prof) + memfit.predict(prof, {}).peak_bytes) // 2
+    assert main(["plan", "--profile", "p.json", "--budget", str(budget), "-o", "s.json"]) == 0
+    schedule = memfit.load_schedule(tmp_path / "s.json")
+    assert 0 < len(schedule.checkpointed) < len(schedule.policies)
+    capsys.readouterr()
+    assert main(["export", "s.json", "--to", "sac", "-o", "x.py", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["to"] == "sac" and out["file"].endswith("x.py") and out["checkpointed"] == schedule.checkpointed
+    namespace: dict = {}
+    exec((tmp_path / "x.py").read_text(), namespace)
+    assert list(namespace["PLAN"]) == schedule.checkpointed
+    model, batch = gpt(**tomllib.loads(TINY)["args"])
+    namespace["apply_memfit_plan"](model)(**batch)["loss"].backward()
+    assert main(["export", "s.json", "--to", "torchtitan"]) == 0  # to stdout
+    assert "[activation_checkpoint]" in capsys.readouterr().out
+    assert main(["export", "s.json", "--to", "hf", "-o", "x.py"]) == 0  # replaces its own export
+    assert "GradientCheckpointingLayer" in (tmp_path / "x.py").read_text()
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["export", "missing.json", "--to", "sac"], "no such file; give a schedule JSON"),
+    (["export", "p.json", "--to", "sac"], "is not a schedule; plan one first"),
+    (["export", "s.json", "--to", "sac", "-o", "tiny.toml"], "is not a plan memfit exported; refusing to overwrite"),
+    (["export", "s.json", "--to", "deepspeed"], "invalid choice: 'deepspeed'"),
+    (["export", "s.json"], "required: --to"),
+])
+def test_cli_mistakes_exit_2_and_say_what_to_do(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.toml").write_text(TINY)
+    model = gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=4)[0]
+    _schedule(model, dict.fromkeys(BLOCKS, "full")).save(tmp_path / "s.json")
+    (tmp_path / "p.json").write_text(json.dumps({"format": "memfit.profile/1"}))
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's mistakes
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "Traceback" not in err, err
+    assert (tmp_path / "tiny.toml").read_text() == TINY
+
+
+def test_export_help_shows_an_example(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["export", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "memfit export schedule.json --to hf -o memfit_plan.py" in out
+    assert all(form in out for form in ("hf:", "torchtitan:", "sac:"))
