@@ -325,6 +325,8 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     s.add_argument("--keep-output", action="store_true", default=None,
                    help="the loop holds the model's output (logits) through the backward, as "
                    "`out = model(**batch); out.loss.backward()` does")
+    s.add_argument("--no-autocast-cache", dest="autocast_cache", action="store_false", default=None,
+                   help="with amp-*: autocast(cache_enabled=False), as Lightning's bf16-mixed/16-mixed run it")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     if not validate:
         from memfit.devices import DEVICES

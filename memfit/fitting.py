@@ -26,6 +26,7 @@ from memfit.errors import MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule, load_schedule, model_fingerprint
 from memfit.measure.step import Inputs, LossFn
+from memfit.torch_private import tree_map
 from memfit.trainstep import TrainStep, step_of
 from memfit.units import find_units
 
@@ -144,8 +145,7 @@ def _fake_copy(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
         memo[id(p)] = nn.Parameter(_empty(p), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = _empty(b)
-    fake_inputs = torch.utils._pytree.tree_map(  # private but stable: the tree walk torch.compile uses
-        lambda x: _empty(x) if isinstance(x, torch.Tensor) else x, inputs)
+    fake_inputs = tree_map(lambda x: _empty(x) if isinstance(x, torch.Tensor) else x, inputs)
     return copy.deepcopy(model, memo), fake_inputs
 
 

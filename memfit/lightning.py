@@ -4,7 +4,8 @@ training batch with the Trainer's own step and applies the plan before the first
     trainer = L.Trainer(callbacks=[memfit.lightning.MemfitCallback(budget="20GB")], ...)
 
 The step is read off the Trainer: its optimizer, ``accumulate_grad_batches``, ``precision``
-(``bf16-mixed``, ``16-mixed``, ``bf16-true``, ...) and ``gradient_clip_val`` (by norm). The
+(``bf16-mixed``, ``16-mixed``, ``bf16-true``, ...; its autocast runs without the weight-cast
+cache, ``TrainStep.autocast_cache=False``) and ``gradient_clip_val`` (by norm). The
 profile runs the module's own ``training_step`` on the batch (its loss, whatever it computes),
 with ``self.log`` silenced while it does. Lightning 2 (``lightning.pytorch``, else
 ``pytorch_lightning``); importing memfit alone never imports it.
@@ -63,7 +64,8 @@ class MemfitCallback(Callback):  # type: ignore[misc]
             raise MemfitError("memfit.lightning plans a module with one optimizer and automatic optimization; for "
                               "others use memfit.fit(model, batch, budget, step=memfit.TrainStep(...))")
         step = train_step(trainer.optimizers[0], precision=str(trainer.precision),
-                          accumulate=trainer.accumulate_grad_batches, clip=trainer.gradient_clip_val)
+                          accumulate=trainer.accumulate_grad_batches, clip=trainer.gradient_clip_val,
+                          autocast_cache=False)  # its MixedPrecision plugin: torch.autocast(..., cache_enabled=False)
         batch = self._batch = first_batch(trainer.train_dataloader, pl_module.device)
         with _forward_is_training_step(pl_module):
             schedule = fit(pl_module, (batch,), self.budget, step=step, loss_fn=_loss, **self.fit_options)

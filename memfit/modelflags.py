@@ -11,7 +11,8 @@ from typing import Any
 from memfit.console import check_interrupt
 from memfit.errors import MemfitError
 
-STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output")
+STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output",
+              "autocast_cache")
 MODEL_FLAGS = ("scenario", "model", "input_shape", "seq_lens", "units", *STEP_FLAGS, "device", "repeat", "children",
                "target", "parallel", "world_size")
 
@@ -304,4 +305,5 @@ def _planned_flags(schedule: Any) -> dict[str, Any]:
     """The step flags' values the schedule was planned with (TrainStep.of_record)."""
     step = schedule.train_step
     return {"optimizer": schedule.optimizer or "none", "accumulate": step.accumulate, "precision": step.precision,
-            "clip_grad_norm": step.clip_grad_norm, "zero_grad": step.zero_grad, "keep_output": step.keep_output}
+            "clip_grad_norm": step.clip_grad_norm, "zero_grad": step.zero_grad, "keep_output": step.keep_output,
+            "autocast_cache": step.autocast_cache}

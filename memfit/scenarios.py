@@ -55,6 +55,7 @@ class Scenario:
     clip_grad_norm: float | None = None
     zero_grad: str = "none"
     keep_output: bool = False
+    autocast_cache: bool = True  # amp's autocast keeps its weight casts (False: Lightning's cache_enabled=False)
     parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16 or ddp (formats.profile.PARALLEL)
     world_size: int | None = None  # ranks for parallel (default 2)
     # sequence lengths to plan for (one schedule, a plan each): the factory is called with its
@@ -78,7 +79,7 @@ class Scenario:
     def train_step(self) -> TrainStep:
         """The training step this scenario is trained with."""
         return TrainStep(self.step_optimizer, self.accumulate, self.precision, self.clip_grad_norm, self.zero_grad,
-                         self.keep_output)
+                         self.keep_output, self.autocast_cache)
 
     def target_device(self) -> Any:
         """The ``devices.Device`` of ``target``: a built-in name, or a device spec file beside the scenario."""
@@ -310,7 +311,7 @@ def load_scenario(name_or_path: str) -> Scenario:
     data = _read_toml(path)
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target",
              "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output", "parallel", "world_size",
-             "seq_lens"}
+             "seq_lens", "autocast_cache"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -385,6 +386,7 @@ def load_scenario(name_or_path: str) -> Scenario:
         clip_grad_norm=step.clip_grad_norm,
         zero_grad=step.zero_grad,
         keep_output=step.keep_output,
+        autocast_cache=step.autocast_cache,
         parallel=data.get("parallel"),
         world_size=world_size,
         seq_lens=seq_lens,

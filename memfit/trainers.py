@@ -17,6 +17,7 @@ from memfit.budget import format_bytes
 from memfit.errors import MemfitError
 from memfit.measure.memory import memory_recorder
 from memfit.measure.step import storage_bytes
+from memfit.torch_private import tree_flatten, tree_map
 from memfit.trainstep import TrainStep
 
 # A trainer's mixed-precision names (Lightning's, accelerate's, HF's flags) -> memfit's precision
@@ -63,13 +64,16 @@ def _factory(opt: torch.optim.Optimizer) -> Any:
     return build
 
 
-def train_step(optimizer: Any, *, precision: str | None, accumulate: int, clip: float | None) -> TrainStep:
-    """The step a trainer runs; ``precision`` in the trainer's own words (PRECISIONS)."""
+def train_step(optimizer: Any, *, precision: str | None, accumulate: int, clip: float | None,
+               autocast_cache: bool = True) -> TrainStep:
+    """The step a trainer runs; ``precision`` in the trainer's own words (PRECISIONS);
+    ``autocast_cache``: whether its autocast keeps its weight casts (False: Lightning's)."""
     if precision not in PRECISIONS:
         raise MemfitError(f"memfit does not know the precision {precision!r}; use one of "
                           f"{', '.join(str(p) for p in PRECISIONS if p)}")
     return TrainStep(optimizer=optimizer_of(optimizer), accumulate=int(accumulate), precision=PRECISIONS[precision],
-                     clip_grad_norm=float(clip) if clip else None)
+                     clip_grad_norm=float(clip) if clip else None,
+                     autocast_cache=autocast_cache or PRECISIONS[precision] not in ("amp-bf16", "amp-fp16"))
 
 
 def first_batch(loader: Iterable[Any], device: torch.device | str | None = None) -> Any:
@@ -79,8 +83,7 @@ def first_batch(loader: Iterable[Any], device: torch.device | str | None = None)
         batch = next(iter(loader))
     if device is None:
         return batch
-    return torch.utils._pytree.tree_map(  # private but stable: the tree walk torch.compile uses
-        lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
 def _cuda_devices() -> list[int]:
@@ -108,7 +111,7 @@ class StepPeak:
         opt = real_optimizer(optimizer) if optimizer is not None else None
         state = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        batch_tensors = [x for x in torch.utils._pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+        batch_tensors = [x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor)]
         self._start = storage_bytes([*model.parameters(), *model.buffers(), *grads, *state, *batch_tensors])
         self._recorder = memory_recorder(device)
         self._recorder.__enter__()

@@ -39,6 +39,7 @@ class StepRecord(TypedDict, total=False):
     clip_grad_norm: float | None
     zero_grad: str
     keep_output: bool
+    autocast_cache: bool  # only when False: autocast(cache_enabled=False), as Lightning's mixed precision runs
     function: str  # a step function of the user's own (its qualified name): profile(step_fn=...)
 
 
@@ -56,7 +57,10 @@ class TrainStep:
     ``keep_output``: the loop holds the model's output in a variable until the next forward
     returns, through the backward, the optimizer's step and into the next step, as nanoGPT's
     ``logits, loss = model(X, Y)`` and Hugging Face's ``outputs = model(**batch)`` do (by default
-    it is dropped once the loss is made, as in ``loss = loss_fn(model(x))``)."""
+    it is dropped once the loss is made, as in ``loss = loss_fn(model(x))``); ``autocast_cache``:
+    amp's autocast keeps its cache of weight casts to the forward's end (PyTorch's default), or
+    not (False: ``cache_enabled=False``, as Lightning's ``*-mixed`` precisions run, where each op
+    casts the weights it uses afresh)."""
 
     optimizer: str | OptimizerFactory | None = "adamw"
     accumulate: int = 1
@@ -64,6 +68,7 @@ class TrainStep:
     clip_grad_norm: float | None = None
     zero_grad: str = "none"
     keep_output: bool = False
+    autocast_cache: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, str) and self.optimizer.lower() not in OPTIMIZERS:
@@ -80,6 +85,11 @@ class TrainStep:
             raise MemfitError(f"clip_grad_norm must be a positive number (the largest gradient norm), got {clip!r}")
         if not isinstance(self.keep_output, bool):
             raise MemfitError(f"keep_output must be True or False, got {self.keep_output!r}")
+        if not isinstance(self.autocast_cache, bool):
+            raise MemfitError(f"autocast_cache must be True or False, got {self.autocast_cache!r}")
+        if not self.autocast_cache and not self.amp:
+            raise MemfitError("autocast_cache=False is a setting of autocast: give it with precision amp-bf16 or "
+                              "amp-fp16")
         if self.zero_grad not in ZERO_GRADS:
             raise MemfitError(f"zero_grad must be one of {', '.join(ZERO_GRADS)}, got {self.zero_grad!r}")
 
@@ -100,15 +110,18 @@ class TrainStep:
     def plain(self) -> bool:
         """One micro-batch, no autocast, no clipping, gradients set to None, the output dropped."""
         return (self.accumulate == 1 and not self.amp and self.clip_grad_norm is None and self.zero_grad == "none"
-                and not self.keep_output)
+                and not self.keep_output)  # autocast_cache is only set with amp
 
     def record(self) -> StepRecord:
-        """The JSON form; ``keep_output`` only when set, so that older files read the same."""
+        """The JSON form; ``keep_output`` and ``autocast_cache`` only when not the default, so
+        that older files read the same."""
         record = StepRecord(accumulate=self.accumulate, precision=self.precision or "",
                             clip_grad_norm=None if self.clip_grad_norm is None else float(self.clip_grad_norm),
                             zero_grad=self.zero_grad)
         if self.keep_output:
             record["keep_output"] = True
+        if not self.autocast_cache:
+            record["autocast_cache"] = False
         return record
 
     @staticmethod
@@ -117,7 +130,7 @@ class TrainStep:
         checked as any TrainStep is, with ``optimizer``."""
         return TrainStep(optimizer, record.get("accumulate", 1), record.get("precision") or None,
                          record.get("clip_grad_norm"), record.get("zero_grad", "none"),
-                         record.get("keep_output", False))
+                         record.get("keep_output", False), record.get("autocast_cache", True))
 
     @staticmethod
     def of_record(optimizer: str | None, record: StepRecord | dict[str, Any]) -> TrainStep:
@@ -139,6 +152,7 @@ class TrainStep:
         parts += [f"clip {self.clip_grad_norm:g}"] if self.clip_grad_norm is not None else []
         parts += ["gradients zeroed, not freed"] if self.zero_grad == "zeros" else []
         parts += ["output kept through the backward"] if self.keep_output else []
+        parts += ["autocast without its weight-cast cache"] if not self.autocast_cache else []
         return ", ".join(parts)
 
 

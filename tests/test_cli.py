@@ -124,3 +124,19 @@ def test_help_and_scenarios(workdir):
     assert "6.74B bfloat16" in rows["llama2-7b"] and "5.9M float32" in rows["gpt-small"]
     proc = run(cwd=workdir)
     assert proc.returncode == 2
+
+
+def test_autocast_without_its_cache_on_the_command_line(workdir):
+    """--no-autocast-cache (Lightning's mixed precision): planned, saved and validated so; a
+    validate of the schedule rebuilds that step and measures the predicted peak."""
+    proc = run("plan", "--scenario", "tiny.toml", "--precision", "amp-bf16", "--no-autocast-cache", "--budget", "4MB",
+               "--repeat", "1", "-o", "nocache.json", cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert memfit.load_schedule(workdir / "nocache.json").train_step.autocast_cache is False
+    proc = run("validate", "--schedule", "nocache.json", "--scenario", "tiny.toml", "--steps", "1", "--json",
+               cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["measured_peak_bytes"] == result["predicted_peak_bytes"], result
+    proc = run("plan", "--scenario", "tiny.toml", "--no-autocast-cache", "--budget", "4MB", cwd=workdir)
+    assert proc.returncode == 2 and "autocast_cache=False is a setting of autocast" in proc.stderr

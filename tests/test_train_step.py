@@ -59,12 +59,13 @@ class UserLoop:
         self.dtype = torch.float16 if precision == "amp-fp16" else torch.bfloat16
         self.scaler = torch.amp.GradScaler("cpu") if precision == "amp-fp16" else None
         self.opt = OPTIMIZERS[optimizer](model.parameters())
+        self.autocast_cache = True  # False: autocast(cache_enabled=False), as Lightning runs it
 
     def step(self) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for _ in range(self.accumulate):
-            with torch.autocast("cpu", dtype=self.dtype, enabled=self.amp):
+            with torch.autocast("cpu", dtype=self.dtype, enabled=self.amp, cache_enabled=self.autocast_cache):
                 if self.keep_output:
                     self.out = self.model(**self.batch)
                     loss = _loss(self.out)
@@ -243,3 +244,27 @@ def test_step_mistakes_are_refused_in_words():
         memfit.profile(model, batch, step=memfit.TrainStep(precision="bf16"), repeat=1)
     with pytest.raises(MemfitError, match="give the optimizer once"):
         memfit.profile(model, batch, step=memfit.TrainStep(), optimizer="sgd", repeat=1)
+
+
+def test_autocast_without_its_cache_is_planned_as_it_runs(tmp_path):
+    """Lightning's mixed precision runs autocast(cache_enabled=False): no weight casts held to the
+    forward's end. Planned with TrainStep(autocast_cache=False), the loop's peak is the
+    prediction; planned with the cache, the same plan predicts what this loop does not reach."""
+    model, batch = tiny_gpt()
+    step = memfit.TrainStep(precision="amp-bf16", autocast_cache=False)
+    prof = memfit.profile(model, batch, step=step, repeat=1)
+    cached = memfit.profile(model, batch, step=memfit.TrainStep(precision="amp-bf16"), repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    sched = memfit.plan(prof, (lo + hi) // 2)
+    assert sched.train_step.autocast_cache is False and "without its weight-cast cache" in step.describe()
+    sched.save(tmp_path / "s.json")
+    assert memfit.load_schedule(tmp_path / "s.json").train_step == sched.train_step
+    loop = UserLoop(_apply(copy.deepcopy(model), sched.policies), batch, "adamw", 1, "amp-bf16", None)
+    loop.autocast_cache = False
+    loop.model.train()
+    loop.step()
+    measured = loop.peak()
+    assert abs(measured - sched.predicted_peak_bytes) <= 64, (measured, sched.predicted_peak_bytes)  # 8 here
+    assert memfit.predict(cached, sched.policies).peak_bytes - measured > 0.02 * measured  # 3% over, planned so
+    with pytest.raises(MemfitError, match="autocast_cache=False is a setting of autocast"):
+        memfit.TrainStep(autocast_cache=False)

@@ -202,7 +202,7 @@ class StepState:
         if not self.step.amp:
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.step.precision == "amp-bf16" else torch.float16
-        return torch.autocast(self.device_type, dtype=dtype)
+        return torch.autocast(self.device_type, dtype=dtype, cache_enabled=self.step.autocast_cache)
 
     def zero_grad(self) -> None:
         """As the loop does between steps: gradients set to None, or to zeros (kept allocated)."""
