@@ -59,23 +59,29 @@ def _same(a, b) -> bool:
     return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True))
 
 
-def test_hf_export_checkpoints_exactly_the_planned_layers_at_memfits_peak():
-    """GPT-2 from transformers: the exported file turns HF's own checkpointing on for layers 1 and
-    3 only; the step's peak is memfit.apply's to the byte, and only those layers run twice."""
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # the hf-gpt2 and hf-llama scenarios' models, small
+def test_hf_export_checkpoints_exactly_the_planned_layers_at_memfits_peak(arch):
+    """GPT-2 and Llama from transformers: the exported file turns HF's own checkpointing on for
+    layers 1 and 3 only; the step's peak is memfit.apply's to the byte, and only those layers
+    run twice."""
     pytest.importorskip("transformers")
-    from memfit.hf import gpt2
+    from memfit import hf as builders
 
-    model, batch = gpt2(batch=2, seq=32, n_layer=4, n_embd=64, n_head=2, vocab=256)
-    layers = [f"transformer.h.{i}" for i in range(4)]
+    if arch == "gpt2":
+        model, batch = builders.gpt2(batch=2, seq=32, n_layer=4, n_embd=64, n_head=2, vocab=256)
+        layers, norm = [f"transformer.h.{i}" for i in range(4)], "ln_1"
+    else:
+        model, batch = builders.llama(batch=2, seq=32, n_layer=4, hidden=64, n_head=4, vocab=256)
+        layers, norm = [f"model.layers.{i}" for i in range(4)], "input_layernorm"
     schedule = _schedule(model, {n: "full" if i % 2 else "none" for i, n in enumerate(layers)})
     plain = _trained(copy.deepcopy(model), batch)
     ours = _trained(memfit.apply(copy.deepcopy(model), schedule), batch)
     hf = _plan_file(schedule, "hf")["apply_memfit_plan"](copy.deepcopy(model))
-    assert [m.gradient_checkpointing for m in hf.transformer.h] == [False, True, False, True]
+    assert [hf.get_submodule(n).gradient_checkpointing for n in layers] == [False, True, False, True]
     calls = dict.fromkeys(layers, 0)
     for name in layers:  # a layer's first norm runs once per step, twice where its layer is recomputed
         count = lambda *_, n=name: calls.__setitem__(n, calls[n] + 1)  # noqa: E731
-        hf.get_submodule(f"{name}.ln_1").register_forward_pre_hook(count)
+        hf.get_submodule(f"{name}.{norm}").register_forward_pre_hook(count)
     exported = _trained(hf, batch)
     assert calls == {layers[0]: 2, layers[1]: 4, layers[2]: 2, layers[3]: 4}  # two steps each
     assert exported[1] == ours[1] < plain[1]
