@@ -43,7 +43,10 @@ def main() -> None:
     scenario = load_scenario(args.scenario)
     if args.budget:
         model, batch = scenario.build()
-        schedule, lengths, batches = memfit.fit(model, batch, args.budget), [], [batch]  # the one call
+        try:
+            schedule, lengths, batches = memfit.fit(model, batch, args.budget), [], [batch]  # the one call
+        except memfit.InfeasibleBudgetError as exc:  # it says the smallest budget that works
+            parser.exit(2, f"{exc}\n")
     else:
         schedule = memfit.load_schedule(args.schedule)
         lengths = [p.source["seq_len"] for p in schedule.shapes if p.source.get("seq_len") is not None]

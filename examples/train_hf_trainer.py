@@ -15,6 +15,7 @@ import argparse
 import torch
 import transformers
 
+import memfit
 import memfit.hf
 
 
@@ -49,7 +50,10 @@ def main() -> None:
         logging_steps=1, report_to=[], save_strategy="no")
     trainer = transformers.Trainer(model=model, args=training, train_dataset=RandomTokens(64, 32, 256),
                                    callbacks=[memfit.hf.MemfitCallback(budget=args.budget)])
-    trainer.train()
+    try:
+        trainer.train()
+    except memfit.MemfitError as exc:  # a budget below what the model needs says the smallest that works
+        parser.exit(2, f"{exc}\n")
 
 
 if __name__ == "__main__":

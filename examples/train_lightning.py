@@ -16,6 +16,7 @@ import lightning.pytorch as L
 import torch
 from torch.nn import functional as F
 
+import memfit
 import memfit.lightning
 from memfit.zoo import gpt
 
@@ -51,7 +52,10 @@ def main() -> None:
     trainer = L.Trainer(max_steps=args.steps, accumulate_grad_batches=2, gradient_clip_val=1.0,
                         precision=args.precision, logger=False, enable_checkpointing=False,
                         callbacks=[memfit.lightning.MemfitCallback(budget=args.budget)])
-    trainer.fit(LanguageModel(args.layers), loader)
+    try:
+        trainer.fit(LanguageModel(args.layers), loader)
+    except memfit.MemfitError as exc:  # a budget below what the model needs says the smallest that works
+        parser.exit(2, f"{exc}\n")
 
 
 if __name__ == "__main__":
