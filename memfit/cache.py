@@ -54,18 +54,25 @@ class Entry:
     def __init__(self, root: Path, key: dict[str, Any]) -> None:
         self.key = key
         self.folder = root / digest(key)
+        self._trust: bool | None = None  # known after the first read: whether key.json is this key
 
     def _trusted(self) -> bool:
-        """True when the folder's key.json is this key; warns when it exists and is not."""
+        """True when the folder's key.json is this key; warns (once) when it exists and is not."""
+        if self._trust is None:
+            self._trust = self._check()
+        return self._trust
+
+    def _check(self) -> bool:
         path = self.folder / "key.json"
         if not path.exists():
             return False
         try:
             stored = read_json(path, KEY_FORMAT).get("key")
         except MemfitError as exc:
-            return _ignored(self.folder, str(exc))
+            return _ignored(self.folder, str(exc), stacklevel=6)
         if stored != json.loads(json.dumps(self.key, default=str)):
-            return _ignored(self.folder, "its key is not this model's, inputs', step's, device's and version's")
+            return _ignored(self.folder, "its key is not this model's, inputs', step's, device's and version's",
+                            stacklevel=6)
         return True
 
     def read(self, name: str, load: Any) -> Any:
@@ -84,7 +91,11 @@ class Entry:
         """``save(path)`` into the entry (its key first); a cache that cannot be written is
         skipped with a warning: the run goes on without it."""
         try:
-            write_json_atomic(self.folder / "key.json", {"format": KEY_FORMAT, "key": self.key})
+            if not self._trusted():  # a folder of another key (or none): nothing in it is this key's
+                for old in self.folder.glob("*.json"):
+                    old.unlink()
+                write_json_atomic(self.folder / "key.json", {"format": KEY_FORMAT, "key": self.key})
+                self._trust = True
             save(self.folder / name)
         except (MemfitError, OSError) as exc:
             warnings.warn(CacheWarning(f"memfit: could not write the cache ({exc}); going on without it"),
@@ -93,7 +104,8 @@ class Entry:
         return self.folder / name
 
 
-def _ignored(where: Path, why: str) -> bool:
+def _ignored(where: Path, why: str, stacklevel: int = 4) -> bool:
+    """Warn, pointing at the caller of ``memfit.fit`` (``stacklevel`` frames up), and say no."""
     warnings.warn(CacheWarning(f"memfit: ignored the cache entry {where}: {why}; profiling again and "
-                               "overwriting it"), stacklevel=4)
+                               "overwriting it"), stacklevel=stacklevel)
     return False

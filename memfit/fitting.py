@@ -61,7 +61,9 @@ def fit(
     ``cache_dir``: where plans are kept between runs (default ``$MEMFIT_CACHE`` or
     ``~/.cache/memfit``; ``False``: no cache). An entry is keyed by the model's fingerprint, the
     input signature, the step, the device and the versions of memfit and torch; a changed
-    budget or option replans from the cached profile without measuring again.
+    budget or option replans from the cached profile without measuring again. Functions are
+    keyed by their qualified names (``loss_fn``, a callable optimizer): change the name, or
+    pass ``cache_dir=False``, when you change what one does to memory.
     """
     started = time.perf_counter()
     if "_memfit_applied" in model.__dict__:

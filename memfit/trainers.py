@@ -8,6 +8,7 @@ No trainer library is imported here: each callback reads its own settings and ca
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,12 +56,17 @@ def optimizer_of(optimizer: Any) -> str | Any:
 
 
 def _factory(opt: torch.optim.Optimizer) -> Any:
-    cls, defaults = type(opt), dict(opt.defaults)
+    cls = type(opt)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in opt.defaults.items() if k in accepted}  # AdamW's keeps decoupled_weight_decay
 
     def build(params: list[Any]) -> torch.optim.Optimizer:
         return cls(params, **defaults)
 
-    build.__qualname__ = cls.__name__  # the step's record says custom:<class>
+    # the step's record (and fit's cache key) says custom:<class>(<its flags that are on>), e.g.
+    # custom:AdamW(amsgrad): settings that change the state or temporaries, not numbers such as lr
+    flags = [k for k, v in sorted(defaults.items()) if v is True]
+    build.__qualname__ = f"{cls.__name__}({', '.join(flags)})" if flags else cls.__name__
     return build
 
 

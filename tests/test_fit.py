@@ -226,3 +226,30 @@ def test_importing_memfit_imports_no_trainer_library():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_trainers_optimizer_is_read_by_name_or_rebuilt_with_its_settings():
+    from memfit.trainers import optimizer_of, train_step
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    named = {
+        "adamw": torch.optim.AdamW(params), "adamw-foreach": torch.optim.AdamW(params, foreach=True),
+        "adamw-fused": torch.optim.AdamW(params, fused=True), "adam-single": torch.optim.Adam(params, foreach=False),
+        "sgd": torch.optim.SGD(params, lr=0.1), "sgd-momentum": torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    }
+    for name, opt in named.items():
+        assert optimizer_of(opt) == name
+
+    class Wrapped:  # accelerate's AcceleratedOptimizer keeps the real one as .optimizer
+        optimizer = torch.optim.AdamW(params, amsgrad=True, lr=0.5)
+
+    factory = optimizer_of(Wrapped())
+    # the settings that are on (amsgrad changes the state) in the recorded name and the cache key
+    rebuilt = factory(params)
+    assert type(rebuilt) is torch.optim.AdamW and rebuilt.defaults == Wrapped.optimizer.defaults
+    assert factory.__qualname__ == "AdamW(amsgrad)"
+    assert optimizer_of(torch.optim.Adagrad(params)).__qualname__ == "Adagrad"
+    step = train_step(torch.optim.AdamW(params), precision="bf16-mixed", accumulate=4, clip=0.0)
+    assert (step.optimizer_name, step.precision, step.accumulate, step.clip_grad_norm) == ("adamw", "amp-bf16", 4, None)
+    with pytest.raises(MemfitError, match="does not know the precision"):
+        train_step(torch.optim.AdamW(params), precision="64-true", accumulate=1, clip=None)
