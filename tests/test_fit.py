@@ -253,3 +253,18 @@ def test_a_trainers_optimizer_is_read_by_name_or_rebuilt_with_its_settings():
     assert (step.optimizer_name, step.precision, step.accumulate, step.clip_grad_norm) == ("adamw", "amp-bf16", 4, None)
     with pytest.raises(MemfitError, match="does not know the precision"):
         train_step(torch.optim.AdamW(params), precision="64-true", accumulate=1, clip=None)
+
+
+def test_auto_budget_on_cuda_is_the_free_memory_plus_this_process_less_the_margin(monkeypatch):
+    """The CUDA path of budget='auto', with the card's answers stood in (no GPU here): an H100's
+    free 60 GiB plus the 10 GiB this process's allocator holds, over H100's margin."""
+    from memfit.devices import device_spec
+    from memfit.fitting import resolve_budget
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_spec("h100").title)
+    n, said = resolve_budget("auto", torch.device("cuda", 0))
+    margin = device_spec("h100").margin
+    assert n == int(70 * gib / (1 + margin)) and f"less a {margin:.0%} allocator margin" in said
