@@ -83,7 +83,7 @@ _SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     sys.path.insert(0, {root!r})
     import memfit
-    import memfit.runtime.apply  # imports (torch._dynamo's 1.7 s among them) cost both runs alike: not timed
+    import memfit.runtime.apply  # imports torch._dynamo (1.7 s), as creating any torch optimizer does: not timed
     from tests.conftest import tiny_gpt
     if os.environ.get("NO_PROFILE"):
         def refuse(*a, **k):
