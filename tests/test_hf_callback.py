@@ -114,3 +114,15 @@ def test_evaluation_and_generate_between_steps_run_as_the_plain_model_without_re
     with _CountMatmuls() as mm:
         loss.backward()
     assert mm.n == 4 * len(callback.schedule.checkpointed)  # each checkpointed block's forward, recomputed
+
+
+def test_evaluation_between_steps_leaves_the_losses_and_the_measured_peak_alone(gpt2, tmp_path):
+    """eval_strategy='steps' with eval_steps=1: an evaluation (no_grad) after every optimizer step."""
+    settings = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 4}
+    plain_trainer, _, plain_losses = _train(gpt2, tmp_path, **settings)
+    callback = memfit.hf.MemfitCallback(BUDGET, cache_dir=False, repeat=1)
+    trainer, _, losses = _train(gpt2, tmp_path, callback, **settings)
+    evals = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (plain_trainer, trainer)]
+    assert losses == plain_losses and evals[0] == evals[1] and len(evals[1]) == 3
+    predicted = callback.schedule.predicted_peak_bytes
+    assert abs(callback.measured_peak_bytes - predicted) <= 64 and callback.measured_peak_bytes <= BUDGET
