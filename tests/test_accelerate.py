@@ -66,3 +66,5 @@ def test_the_accelerate_recipe_trains_as_the_loop_without_memfit_within_the_budg
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
     steady, predicted = max(peaks[1:]), sched.predicted_peak_bytes  # the first step makes AdamW's state
     assert steady <= sched.budget_bytes and abs(steady - predicted) <= 4096, (peaks, predicted)  # 4 bytes here
+    said = memfit.trainers.report(predicted, steady, sched.budget_bytes)  # the README recipe's last line
+    assert said.startswith("memfit: measured peak") and said.endswith("within the budget")
