@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 from memfit.errors import MemfitError, MemfitWarning
 from memfit.fitting import fit
 from memfit.formats.schedule import Schedule
-from memfit.trainers import StepPeak, first_batch, report, train_step
+from memfit.trainers import StepPeak, bytes_of, first_batch, report, train_step
 
 log = logging.getLogger("memfit")
 
@@ -44,6 +44,7 @@ class MemfitCallback(TrainerCallback):
         self.schedule: Schedule | None = None
         self.measured_peak_bytes: int | None = None
         self._peak = StepPeak()
+        self._batch_bytes = 0
         self._logged = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
@@ -63,13 +64,13 @@ class MemfitCallback(TrainerCallback):
         step = train_step(optimizer, precision=precision, accumulate=args.gradient_accumulation_steps,
                           clip=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None)
         batch = first_batch(train_dataloader, args.device)
-        self._batch = batch
+        self._batch_bytes = bytes_of(batch)  # not the batch itself: held for the whole run, it would cost its memory
         self.schedule = fit(model, batch, self.budget, step=step, **self.fit_options)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
         if self.schedule is not None and state.global_step < self.measure_steps:
-            self._peak.start(model, optimizer, self._batch)
+            self._peak.start(model, optimizer, batch_bytes=self._batch_bytes)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.schedule is None or state.global_step > self.measure_steps:

@@ -52,7 +52,6 @@ class MemfitCallback(Callback):  # type: ignore[misc]
         self.schedule: Schedule | None = None
         self.measured_peak_bytes: int | None = None
         self._peak = StepPeak()
-        self._batch: Any = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.schedule is not None:
@@ -66,7 +65,7 @@ class MemfitCallback(Callback):  # type: ignore[misc]
         step = train_step(trainer.optimizers[0], precision=str(trainer.precision),
                           accumulate=trainer.accumulate_grad_batches, clip=trainer.gradient_clip_val,
                           autocast_cache=False)  # its MixedPrecision plugin: torch.autocast(..., cache_enabled=False)
-        batch = self._batch = first_batch(trainer.train_dataloader, pl_module.device)
+        batch = first_batch(trainer.train_dataloader, pl_module.device)
         with _forward_is_training_step(pl_module):
             schedule = fit(pl_module, (batch,), self.budget, step=step, loss_fn=_loss, **self.fit_options)
         # The plan was made for the batch training_step takes, not for what its forward is later
@@ -78,7 +77,7 @@ class MemfitCallback(Callback):  # type: ignore[misc]
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         steps = trainer.accumulate_grad_batches
         if self.schedule is not None and batch_idx % steps == 0 and batch_idx // steps < self.measure_steps:
-            self._peak.start(pl_module, trainer.optimizers[0], self._batch)
+            self._peak.start(pl_module, trainer.optimizers[0], batch)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         steps = trainer.accumulate_grad_batches

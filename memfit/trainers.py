@@ -93,6 +93,11 @@ def first_batch(loader: Iterable[Any], device: torch.device | str | None = None)
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
+def bytes_of(batch: Any) -> int:
+    """The bytes of a batch's tensors."""
+    return storage_bytes([x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor)])
+
+
 def _cuda_devices() -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
@@ -108,7 +113,9 @@ class StepPeak:
         self._start = 0
         self.peak_bytes = 0  # the highest of the steps measured so far
 
-    def start(self, model: torch.nn.Module, optimizer: Any, batch: Any = None) -> None:
+    def start(self, model: torch.nn.Module, optimizer: Any, batch: Any = None, batch_bytes: int = 0) -> None:
+        """Start measuring a step of ``model``; ``batch``: the step's batch, made before it started
+        (or ``batch_bytes``, its size, where a callback does not see it: the HF Trainer's)."""
         device = next(model.parameters()).device
         # Tensors in reference cycles of earlier steps, freed whenever the collector runs: freed
         # now, not inside the measured step (the CPU meter does not see a block it did not see made)
@@ -121,8 +128,8 @@ class StepPeak:
         opt = real_optimizer(optimizer) if optimizer is not None else None
         state = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        batch_tensors = [x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor)]
-        self._start = storage_bytes([*model.parameters(), *model.buffers(), *grads, *state, *batch_tensors])
+        self._start = batch_bytes + bytes_of(batch) + storage_bytes(
+            [*model.parameters(), *model.buffers(), *grads, *state])
         self._recorder = memory_recorder(device)
         self._recorder.__enter__()
         self._recorder.on_mark("start")
