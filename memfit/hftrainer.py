@@ -15,7 +15,6 @@ where memfit's checkpointing does nothing.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -23,13 +22,10 @@ from transformers import TrainerCallback
 
 from memfit.errors import MemfitError, MemfitWarning
 from memfit.fitting import fit
-from memfit.formats.schedule import Schedule
-from memfit.trainers import StepPeak, bytes_of, first_batch, report, train_step
-
-log = logging.getLogger("memfit")
+from memfit.trainers import PlanAndMeasure, bytes_of, first_batch, train_step
 
 
-class MemfitCallback(TrainerCallback):
+class MemfitCallback(TrainerCallback, PlanAndMeasure):
     """Plan and apply activation checkpointing for the Trainer's step at ``budget`` (a size such
     as ``"20GB"``, or ``"auto"`` on CUDA). ``measure_steps``: the first steps whose peak is
     measured and logged beside the prediction (a log line, and ``memfit/measured_peak_mib`` and
@@ -38,12 +34,7 @@ class MemfitCallback(TrainerCallback):
     (``cache_dir``, ``units``, ``granularity``, …)."""
 
     def __init__(self, budget: str | int, *, measure_steps: int = 2, **fit_options: Any) -> None:
-        self.budget = budget
-        self.measure_steps = measure_steps
-        self.fit_options = fit_options
-        self.schedule: Schedule | None = None
-        self.measured_peak_bytes: int | None = None
-        self._peak = StepPeak()
+        PlanAndMeasure.__init__(self, budget, measure_steps=measure_steps, **fit_options)
         self._batch_bytes = 0
         self._logged = False
 
@@ -69,17 +60,12 @@ class MemfitCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
-        if self.schedule is not None and state.global_step < self.measure_steps:
+        if self.measuring(state.global_step + 1):
             self._peak.start(model, optimizer, batch_bytes=self._batch_bytes)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.schedule is None or state.global_step > self.measure_steps:
-            return
-        self._peak.stop()
-        if state.global_step == self.measure_steps:
-            self.measured_peak_bytes = self._peak.peak_bytes
-            log.info("%s", report(self.schedule.predicted_peak_bytes, self._peak.peak_bytes,
-                                  self.schedule.budget_bytes))
+        if self.measuring(state.global_step):  # counted already: the step just ended
+            self.step_measured(state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:

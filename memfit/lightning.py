@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,9 +22,8 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.fitting import fit
-from memfit.formats.schedule import Schedule
 from memfit.runtime.apply import apply, remove
-from memfit.trainers import StepPeak, first_batch, report, train_step
+from memfit.trainers import PlanAndMeasure, first_batch, train_step
 
 try:
     from lightning.pytorch import Callback
@@ -35,10 +33,8 @@ except ImportError:  # the older package name
     except ImportError:
         raise ImportError("memfit.lightning needs Lightning: pip install lightning") from None
 
-log = logging.getLogger("memfit")
 
-
-class MemfitCallback(Callback):  # type: ignore[misc]
+class MemfitCallback(Callback, PlanAndMeasure):  # type: ignore[misc]
     """Plan and apply activation checkpointing for the Trainer's step at ``budget`` (a size such
     as ``"20GB"``, or ``"auto"`` on CUDA). ``measure_steps``: the first optimizer steps whose
     peak is measured, logged beside the prediction and sent to the Trainer's loggers
@@ -46,12 +42,7 @@ class MemfitCallback(Callback):  # type: ignore[misc]
     ``memfit.fit`` (``cache_dir``, ``units``, ``granularity``, …)."""
 
     def __init__(self, budget: str | int, *, measure_steps: int = 2, **fit_options: Any) -> None:
-        self.budget = budget
-        self.measure_steps = measure_steps
-        self.fit_options = fit_options
-        self.schedule: Schedule | None = None
-        self.measured_peak_bytes: int | None = None
-        self._peak = StepPeak()
+        PlanAndMeasure.__init__(self, budget, measure_steps=measure_steps, **fit_options)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.schedule is not None:
@@ -76,20 +67,17 @@ class MemfitCallback(Callback):  # type: ignore[misc]
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         steps = trainer.accumulate_grad_batches
-        if self.schedule is not None and batch_idx % steps == 0 and batch_idx // steps < self.measure_steps:
+        if batch_idx % steps == 0 and self.measuring(batch_idx // steps + 1):
             self._peak.start(pl_module, trainer.optimizers[0], batch)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         steps = trainer.accumulate_grad_batches
-        if self.schedule is None or (batch_idx + 1) % steps or (batch_idx + 1) // steps > self.measure_steps:
+        step = (batch_idx + 1) // steps  # the optimizer step this batch ends, if it ends one
+        if (batch_idx + 1) % steps or not self.measuring(step):
             return
-        self._peak.stop()
-        if (batch_idx + 1) // steps == self.measure_steps:
-            self.measured_peak_bytes = self._peak.peak_bytes
-            log.info("%s", report(self.schedule.predicted_peak_bytes, self.measured_peak_bytes,
-                                  self.schedule.budget_bytes))
-            figures = {"memfit/predicted_peak_mib": self.schedule.predicted_peak_bytes / 2**20,
-                       "memfit/measured_peak_mib": self.measured_peak_bytes / 2**20}
+        if self.step_measured(step):  # the last measured step: its figures to the Trainer's loggers
+            figures = {"memfit/predicted_peak_mib": self.schedule.predicted_peak_bytes / 2**20,  # type: ignore[union-attr]
+                       "memfit/measured_peak_mib": self.measured_peak_bytes / 2**20}  # type: ignore[operator]
             for logger in trainer.loggers:
                 logger.log_metrics(figures, step=trainer.global_step)
 

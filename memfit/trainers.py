@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,10 +18,13 @@ import torch
 
 from memfit.budget import format_bytes
 from memfit.errors import MemfitError
+from memfit.formats.schedule import Schedule
 from memfit.measure.memory import memory_recorder
 from memfit.measure.step import storage_bytes
 from memfit.torch_private import tree_flatten, tree_map
 from memfit.trainstep import TrainStep
+
+log = logging.getLogger("memfit")
 
 # A trainer's mixed-precision names (Lightning's, accelerate's, HF's flags) -> memfit's precision
 PRECISIONS = {"bf16-mixed": "amp-bf16", "16-mixed": "amp-fp16", "bf16": "amp-bf16", "fp16": "amp-fp16",
@@ -150,6 +154,33 @@ class StepPeak:
             peak = self._start + max(m.peak for m in marks) - marks[0].level
         self.peak_bytes = max(self.peak_bytes, peak)
         return peak
+
+
+class PlanAndMeasure:
+    """What both trainer callbacks hold: the budget and ``memfit.fit``'s options, the schedule
+    once planned, and the measurement of the first ``measure_steps`` optimizer steps."""
+
+    def __init__(self, budget: str | int, *, measure_steps: int = 2, **fit_options: Any) -> None:
+        self.budget = budget
+        self.measure_steps = measure_steps
+        self.fit_options = fit_options
+        self.schedule: Schedule | None = None
+        self.measured_peak_bytes: int | None = None
+        self._peak = StepPeak()
+
+    def measuring(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (counted from 1) is measured."""
+        return self.schedule is not None and step <= self.measure_steps
+
+    def step_measured(self, step: int) -> bool:
+        """End the measurement of step ``step``; after the last one, keep its peak, log it beside
+        the prediction and return True."""
+        self._peak.stop()
+        if step != self.measure_steps or self.schedule is None:  # (measuring() said there is one)
+            return False
+        self.measured_peak_bytes = self._peak.peak_bytes
+        log.info("%s", report(self.schedule.predicted_peak_bytes, self.measured_peak_bytes, self.schedule.budget_bytes))
+        return True
 
 
 def report(predicted: int, measured: int, budget: int) -> str:
