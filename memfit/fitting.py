@@ -21,7 +21,7 @@ from torch import nn
 
 import memfit
 from memfit.budget import format_bytes, parse_bytes
-from memfit.cache import Entry, cache_root
+from memfit.cache import Entry, cache_root, digest
 from memfit.errors import MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule, load_schedule, model_fingerprint
@@ -73,6 +73,7 @@ def fit(
     budget_bytes, said = resolve_budget(budget, device, target)
     names = find_units(model, units)
     inp = Inputs.of(inputs)
+    granularity = plan_options.get("granularity", "module")
     key = {
         "fingerprint": model_fingerprint(model, names),
         "inputs": inp.describe(),
@@ -81,18 +82,17 @@ def fit(
         "device": target or _device_name(device),
         "memfit": memfit.__version__,
         "torch": torch.__version__,
-        "granularity": plan_options.get("granularity", "module"),
+        "granularity": granularity,
     }
     root = cache_root(cache_dir)
     entry = Entry(root, key) if root is not None else None
-    plan_name = f"plan-{_plan_digest(budget_bytes, plan_options)}.json"
+    plan_name = f"plan-{digest({'budget': budget_bytes, **plan_options})}.json"
     schedule = entry.read(plan_name, _loader(load_schedule, key)) if entry else None
     how = "from the cache"
     if schedule is None:
         prof = entry.read("profile.json", _loader(Profile.load, key)) if entry else None
         if prof is None:
-            prof = _measure(model, inputs, loss_fn, train_step, names, target, repeat,
-                            plan_options.get("granularity", "module"))
+            prof = _measure(model, inputs, loss_fn, train_step, names, target, repeat, granularity)
             if entry:
                 entry.write("profile.json", prof.save)
             how = f"{'estimated for ' + target if target else 'profiled'} in {time.perf_counter() - started:.1f} s"
@@ -165,12 +165,6 @@ def _loader(load: Any, key: dict[str, Any]) -> Any:
         return value
 
     return checked
-
-
-def _plan_digest(budget_bytes: int, options: dict[str, Any]) -> str:
-    from memfit.cache import digest
-
-    return digest({"budget": budget_bytes, **options})
 
 
 def _device(model: nn.Module) -> torch.device:
