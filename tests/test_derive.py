@@ -185,3 +185,92 @@ def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_res
     expected = _run(model, batch)
     set_policies(twin, {"h.0": "derive:products", "h.1": "derive:products"})
     _assert_identical(expected, _run(twin, batch))
+
+
+def test_later_forwards_follow_the_learned_plan_without_a_dispatch_mode(monkeypatch):
+    """The first training forward learns; every later one re-derives the same tensors with
+    saved-tensor hooks alone (the watch made to raise proves it never runs again), at the same
+    measured peak, with the plain model's losses, outputs, gradients and buffers over 3 steps."""
+    from memfit.runtime import derive_watch
+
+    model, batch = tiny_gpt()
+    names = find_units(model, "auto")
+    learned = copy.deepcopy(model)
+    set_policies(learned, dict.fromkeys(names, "derive"))
+    first = measure_steps(copy.deepcopy(learned), batch, optimizer="sgd", steps=1)  # learns in its step
+    learned(**batch)["loss"].backward()  # learns here, once per unit
+    learned.zero_grad(set_to_none=True)
+    units = [learned.get_submodule(n).__dict__["_memfit_derive"] for n in names]
+    assert all(len(d.plans) == 1 for d in units)
+
+    def watched(*_: object, **__: object) -> None:
+        raise AssertionError("the watch ran after the plan was learned")
+
+    monkeypatch.setattr(derive_watch.OpWatch, "__torch_dispatch__", watched)
+    later = measure_steps(learned, batch, optimizer="sgd", steps=1)
+    assert later.peak_bytes == first.peak_bytes
+    assert all(d.derived_bytes == _block_bytes() and not d.misses for d in units)
+    _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(learned, batch, steps=3))
+
+
+class _Switches(nn.Module):
+    """Data-dependent control flow with the same shapes on both paths: the norm before the
+    product is one of two, so a plan learned on one path must not re-derive the other's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.ModuleList([nn.LayerNorm(8), nn.LayerNorm(8)])
+        self.fc = nn.Linear(8, 8)
+        self.path = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.ln[self.path](x))  # the norm's output, saved by the product, is re-derived
+
+
+def test_a_forward_that_differs_from_its_plan_keeps_what_it_cannot_vouch_for():
+    torch.manual_seed(0)
+    model = _Switches()
+    with torch.no_grad():
+        model.ln[1].weight.mul_(2.0)  # the other norm gives other values
+    twin = copy.deepcopy(model)
+    d = Derive(twin)
+    x = torch.randn(4, 8)
+
+    def step(m: nn.Module, path: int) -> dict[str, torch.Tensor]:
+        m.path = path
+        m.zero_grad(set_to_none=True)
+        m(x).pow(2).sum().backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    for path in (0, 0):  # learns, then follows
+        assert step(twin, path).keys() == (want := step(model, path)).keys()
+        assert all(torch.equal(g, want[n]) for n, g in step(twin, path).items())
+    assert d.derived_bytes == 4 * 8 * 4 and not d.misses  # the norm's output, from its own weights
+    # the other path: its norm's output is not the plan's, so it is kept; the unit learns again
+    got, want = step(twin, 1), step(model, 1)
+    assert all(torch.equal(g, want[n]) for n, g in got.items())
+    assert sum(d.misses.values()) == 1 and not d.plans
+    got, want = step(twin, 1), step(model, 1)  # learned on path 1
+    assert all(torch.equal(g, want[n]) for n, g in got.items()) and len(d.plans) == 1
+    with pytest.warns(memfit.MemfitWarning, match="differs from step to step"):
+        got, want = step(twin, 0), step(model, 0)  # a second miss: from now on watched on every forward
+    assert all(torch.equal(g, want[n]) for n, g in got.items())
+    assert list(d.plans.values()) == [None]
+    for path in (0, 1, 0):
+        got, want = step(twin, path), step(model, path)
+        assert all(torch.equal(g, want[n]) for n, g in got.items())
+    assert d.derived_bytes == 4 * 8 * 4
+
+
+def test_copies_and_pickles_learn_their_own_plans():
+    import pickle
+
+    model, batch = tiny_gpt()
+    set_policies(model, {"h.0": "derive"})
+    model(**batch)["loss"].backward()
+    assert model.h[0].__dict__["_memfit_derive"].plans
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        d = twin.h[0].__dict__["_memfit_derive"]
+        assert not d.plans
+        twin(**batch)["loss"].backward()
+        assert len(d.plans) == 1 and d.derived_bytes == _block_bytes()

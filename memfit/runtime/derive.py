@@ -9,7 +9,7 @@ weights are kept). A unit under ``derive`` keeps the recipe instead, the op and 
 those inputs, and runs the op again when the backward asks for the tensor. A recipe's input may
 itself be re-derived, through a chain of such ops back to tensors autograd keeps (a tanh GELU's
 seven elementwise ops). What autograd keeps is the reference: a recipe holds only tensors that
-autograd keeps anyway (or parameters, buffers, scalars), so nothing is saved that the plain step
+autograd keeps anyway (or parameters and buffers), so nothing is saved that the plain step
 would not save. What the compilers' partitioners do for cheap ops, done in eager mode.
 
 ``derive:products`` goes one step further, where attention is written out (``q @ k.T``, mask,
@@ -26,244 +26,68 @@ autograd (which op made which storage, which ops wrote into one in place), and
 ops are never re-derived, products only under ``derive:products``; inputs are checked for
 in-place changes at unpack.
 
-The unit's forward runs under both for its whole call (forward hooks, ``always_call``), so a
+The watch runs once: the unit's first training forward for each input signature learns a plan
+(runtime/derive_plan.py), and every later forward follows it with the saved-tensor hooks alone,
+checking each re-derived tensor's autograd history against the learned one. A Python dispatch
+mode costs tens of microseconds per op on every op of the forward; the hooks cost a few per saved
+tensor (benchmarks/launch_bound.py), which is what a GPU, where kernels take microseconds, feels.
+
+The unit's forward runs under the hooks for its whole call (forward hooks, ``always_call``), so a
 checkpoint region that runs inside the unit (a nested module checkpointed on its own) packs its
 own tensors as usual (its hooks are inner). The option steps aside under ``torch.compile`` (the partitioner makes these
 choices itself), during memfit's recomputation and inside another saved-tensor context.
 
 Private API: ``torch._C._autograd._top_saved_tensors_default_hooks`` (is another saved-tensor
-context active?), which ``torch.utils.checkpoint`` itself uses for the same question;
-``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch.utils._pytree``, on which SAC,
-``FlopCounterMode`` and the fake tensors are built; ``StorageWeakRef`` (torch.multiprocessing's),
-whether the storage an op made is still the live one at its address after its tensors died.
+context active?), which ``torch.utils.checkpoint`` itself uses for the same question; the watch's
+own are named in runtime/derive_watch.py.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitWarning
 from memfit.measure.step import storage_key
-from memfit.runtime.regions import PerThread, Weak, recomputing
-from memfit.torch_private import (
-    StorageWeakRef,
-    TorchDispatchMode,
-    op_schema,
-    saved_tensors_hooks_active,
-    tree_flatten,
-    tree_map,
-    tree_unflatten,
-)
-
-_aten = torch.ops.aten
-_NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group_norm", "_fused_rms_norm")
-          if hasattr(_aten, n)}
-# the deeper level: written-out attention's scores and probabilities from the q, k (and v) that
-# autograd keeps for the products anyway (Megatron's core-attention recompute, without a checkpoint)
-_ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
-_PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
-# what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
-_MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
-          _aten.tril.default, _aten.triu.default}
-MAX_DEPTH = 8  # ops one re-derived tensor may chain back through
-
-
-def cheap(func: Any) -> bool:
-    """Ops worth running again rather than keeping their output: deterministic, functional,
-    elementwise or a norm."""
-    if op_schema(func).is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
-        return False
-    return torch.Tag.pointwise in func.tags or func in _NORMS
-
-
-@dataclass(slots=True)
-class _Arg:
-    """A tensor an op took: a weak reference (the forward must not keep anything alive), its
-    storage, the entry of the op that made that storage when it ran (a chain to follow after the
-    tensor itself has died), where it sits in that storage, and its version then."""
-
-    ref: weakref.ref[torch.Tensor]
-    key: int
-    pinned: torch.Tensor | None  # scalars and views of parameters or buffers: held, they cost nothing
-    made: _Made | None
-    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
-    version: int
-
-
-@dataclass(slots=True)
-class _Made:
-    """The op that made a storage, its arguments (tensors as ``_Arg``), and the output it made
-    (its liveness says the entry is current for that storage)."""
-
-    func: Any
-    args: Any  # (args, kwargs), tensors as _Arg
-    index: int  # which output, for ops that return several
-    out: StorageWeakRef  # the storage it made, outliving the output's own tensor object
-    seq: int  # when it ran, in the forward's count of ops
-    key: int
-    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
-    recipe: _Recipe | bool | None = None  # resolved once: a recipe, or False where none can be made
-
-
-@dataclass(slots=True)
-class _Recipe:
-    """How to make one storage again: the op, strong references to its kept inputs and the
-    recipes of the inputs that are re-derived themselves. Views of one storage saved by several
-    nodes share the recomputed base: held from its first use until every saved view of it was
-    unpacked (so the probabilities, saved by the softmax and by the product with V, are made once)."""
-
-    func: Any
-    args: Any  # (args, kwargs): tensors, or _Derived for inputs made again themselves
-    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
-    versions: list[tuple[torch.Tensor, int]]  # inputs other than parameters, at their version then
-    base: weakref.ref[torch.Tensor] | None = None
-    held: torch.Tensor | None = None
-    pending: int = 0  # saved views not unpacked yet
-
-    def make(self) -> torch.Tensor:
-        base = self.held if self.held is not None else self.base() if self.base is not None else None
-        if base is None:
-            for t, v in self.versions:
-                if t._version != v:
-                    raise MemfitError(
-                        f"an input of {self.func} that memfit re-derives in the backward was changed in place "
-                        "after the forward used it; plan this unit without the derive option")
-            args, kwargs = tree_map(_unpack, self.args)
-            out = self.func(*args, **kwargs)
-            base = out[0] if isinstance(out, (tuple, list)) else out  # first outputs only (see pack)
-            if (tuple(base.shape), base.stride()) != self.geometry[:2]:
-                raise MemfitError(f"{self.func} re-derived a tensor of another layout; plan without derive")
-            self.base = weakref.ref(base)
-        if self.pending > 0:
-            self.held = base
-        return base
-
-    def unpacked(self) -> None:
-        self.pending -= 1
-        if self.pending <= 0:
-            self.held = None
-
-
-@dataclass(slots=True)
-class _Derived:
-    recipe: _Recipe
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int  # from the start of the op's output
-    saved: bool = False  # handed to autograd (an input of another recipe is not)
-
-    def unpack(self) -> torch.Tensor:
-        out = self.recipe.make().as_strided(self.size, self.stride, self.offset)
-        if self.saved:
-            self.recipe.unpacked()
-        return out
-
-
-def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    return tuple(t.shape), t.stride(), t.storage_offset()
-
-
-class _Watch(TorchDispatchMode):
-    """Records, for the storages that re-derivable ops made during the unit's forward, the op that
-    made each, and when an op last wrote into a storage in place. Other ops' outputs are not
-    recorded: an entry whose output has died may stand for a storage used again, and is never
-    looked up by its storage again (a later op's ``_Arg`` holds it directly)."""
-
-    def __init__(self, products: bool, params: set[int]) -> None:
-        super().__init__()
-        self.products = products
-        self.params = params  # the unit's parameters' and buffers' storages
-        self.made: dict[int, _Made] = {}
-        self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
-        self.seq = 0
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self.made.clear()  # the recipes hold what they need; the entries' pinned scalars go now
-
-    def clean(self, key: int, since: int) -> bool:
-        """Nothing wrote into the storage in place at or after op number ``since``."""
-        return self.written.get(key, -1) < since
-
-    def entry(self, key: int) -> _Made | None:
-        made = self.made.get(key)
-        return made if made is not None and not made.out.expired() else None
-
-    def _arg(self, t: torch.Tensor) -> _Arg:
-        key = storage_key(t.untyped_storage())
-        pinned = t if t.dim() == 0 or key in self.params else None
-        return _Arg(weakref.ref(t), key, pinned, self.entry(key), _geometry(t), t._version)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.seq += 1
-        ok, writes = _kind(func, self.products)
-        for i, name in writes:
-            value = args[i] if i < len(args) else kwargs.get(name)
-            if isinstance(value, torch.Tensor):
-                self.written[storage_key(value.untyped_storage())] = self.seq
-        if ok and func in _PRODUCTS and not _expands(args, out):
-            ok = False
-        if ok:
-            recorded = None
-            for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-                if not isinstance(t, torch.Tensor):
-                    continue
-                key = storage_key(t.untyped_storage())
-                if self.entry(key) is None:  # new, or a dead storage's address used again
-                    if recorded is None:
-                        recorded = tree_map(lambda x: self._arg(x) if isinstance(x, torch.Tensor) else x,
-                                            (args, kwargs))
-                    self.made[key] = _Made(func, recorded, i, StorageWeakRef(t.untyped_storage()), self.seq, key,
-                                           _geometry(t))
-        return out
-
-
-def _expands(args: Any, out: Any) -> bool:
-    """A product pays for running again only where its output is larger than its inputs (q.k^T:
-    T x T scores from two T x d inputs), so that what it re-derives is more than what it needs;
-    probabilities.v makes less than it takes and is kept."""
-    ins = sum(a.numel() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
-    return isinstance(out, torch.Tensor) and out.numel() > ins
-
-
-_KINDS: dict[tuple[Any, bool], tuple[bool, tuple[tuple[int, str], ...]]] = {}
-
-
-def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...]]:
-    """(re-derivable at this level, the arguments it writes into), worked out once per op: the
-    watch runs on every op."""
-    kind = _KINDS.get((func, products))
-    if kind is None:
-        writes = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments)
-                       if a.alias_info is not None and a.alias_info.is_write)
-        ok = cheap(func) or (products and (func in _ROWWISE or func in _PRODUCTS or func in _MASKS))
-        kind = _KINDS[(func, products)] = (ok, writes)
-    return kind
+from memfit.runtime.derive_plan import Bind, Derived, Leaf, Plan, Step, SubRef, Template, history, template_of, unpack
+from memfit.runtime.derive_watch import OpWatch, resolve
+from memfit.runtime.regions import PerThread, Weak, _raising, recomputing
+from memfit.torch_private import saved_tensors_hooks_active
 
 
 class Derive(PerThread):
     """Re-derive cheap saved tensors of ``unit`` (module hooks; ``remove()`` undoes them); with
     ``products``, also through products of two activations and softmax (written-out attention's
-    probabilities from the q and k its first product keeps). The contexts a forward opens are
-    this thread's; copies and pickles take the hooks, not them."""
+    probabilities from the q and k its first product keeps).
+
+    The unit's first training forward for each input signature runs under the watch and learns a
+    plan (runtime/derive_plan.py); later forwards follow it with saved-tensor hooks alone, at a
+    cost per saved tensor, not per op. A forward that does not match its plan keeps what it cannot
+    vouch for and the unit learns again; one whose forwards keep changing (``MAX_MISSES``) is
+    watched on every forward, as correct and slower. The contexts a forward opens are this
+    thread's; copies and pickles take the hooks, not them, nor the plans."""
 
     def __init__(self, unit: nn.Module, products: bool = False) -> None:
         super().__init__()
         self._unit = Weak(unit)
         self.products = products
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
+        self.plans: dict[Any, Plan | None] = {}  # None: watched on every forward
+        self.misses: dict[Any, int] = {}
         self.handles: list[RemovableHandle] = [
-            unit.register_forward_pre_hook(self._enter),
+            unit.register_forward_pre_hook(self._enter, with_kwargs=True),
             unit.register_forward_hook(self._exit, always_call=True),
         ]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = PerThread.__getstate__(self)
+        state["plans"], state["misses"] = {}, {}  # ops do not pickle; a copy learns on its own
+        return state
 
     @property
     def _open(self) -> list[Any]:
@@ -276,84 +100,189 @@ class Derive(PerThread):
         for h in self.handles:
             h.remove()
 
-    def _enter(self, *_: Any) -> None:
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._exit()
         unit = self._unit()
         if (unit is None or recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
                 or saved_tensors_hooks_active()):
             return
-        self.derived_bytes = 0
-        params = {storage_key(t.untyped_storage()) for t in (*unit.parameters(), *unit.buffers())}
-        watch = _Watch(self.products, params)
-        kept = set(params)
-        derived: set[int] = set()
-
-        def pack(t: torch.Tensor) -> Any:
-            key = storage_key(t.untyped_storage())
-            made = watch.entry(key)
-            # an op's first output only: a norm's statistics are small, and its backward would run it again
-            if made is not None and key not in kept and watch.clean(key, made.seq + 1):
-                recipe = _resolve(made, watch, kept, 0)
-                if recipe is not None:
-                    if key not in derived:
-                        derived.add(key)
-                        self.derived_bytes += t.untyped_storage().nbytes()
-                    recipe.pending += 1
-                    return _Derived(recipe, tuple(t.shape), t.stride(), t.storage_offset() - made.geometry[2], True)
-            kept.add(key)
-            return t
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+        key = _signature(unit, args, kwargs)
+        plan = self.plans.get(key, _LEARN)
+        fwd: _Forward = (_Replay(plan) if isinstance(plan, Plan)
+                         else _Learn(self.products, _tensors(unit), plan is _LEARN))
+        self.derived_bytes = fwd.derived_bytes
+        self._tls.fwd = (key, fwd)
+        hooks = torch.autograd.graph.saved_tensors_hooks(fwd.pack, unpack)
         hooks.__enter__()
         self._open.append(hooks)
-        watch.__enter__()
-        self._open.append(watch)
+        if isinstance(fwd, _Learn):
+            fwd.watch.__enter__()
+            self._open.append(fwd.watch)
 
-    def _exit(self, *_: Any) -> None:
+    def _exit(self, module: nn.Module | None = None, args: Any = None, output: Any = None) -> None:
         while self._open:
             self._open.pop().__exit__(None, None, None)
+        key, fwd = getattr(self._tls, "fwd", None) or (None, None)
+        self._tls.fwd = None
+        if fwd is None:
+            return
+        fwd.close()  # autograd holds the pack hook with the graph: it must not hold tensors
+        self.derived_bytes = fwd.derived_bytes
+        if module is None or _raising(output):
+            return  # left early: learn nothing, blame nothing
+        if isinstance(fwd, _Learn):
+            if fwd.record:
+                self.plans[key] = fwd.plan()
+        elif fwd.missed or fwd.n != len(fwd.plan.steps):
+            self.misses[key] = misses = self.misses.get(key, 0) + 1
+            if misses >= MAX_MISSES:
+                self.plans[key] = None
+                warnings.warn(f"memfit: the forward of a unit under derive ({type(module).__name__}) differs from "
+                              "step to step; it is watched on every forward from now on (slower, as correct)",
+                              MemfitWarning, stacklevel=2)
+            else:
+                del self.plans[key]
 
 
-def _resolve(made: _Made, watch: _Watch, kept: set[int], depth: int) -> _Recipe | None:
-    """The recipe for ``made``'s storage, or None: every tensor input is kept by autograd (or a
-    parameter, a buffer, a scalar) and unchanged since, or is re-derivable itself (its storage
-    made by a recorded op, never written in place, at most ``MAX_DEPTH`` ops back)."""
-    if made.recipe is not None:
-        return made.recipe or None
-    if made.index != 0 or depth > MAX_DEPTH:
-        return None
-    made.recipe = False  # no cycles while this one resolves
-    versions: list[tuple[torch.Tensor, int]] = []
-    leaves, spec = tree_flatten(made.args)
-    args = []
-    for a in leaves:
-        if isinstance(a, _Arg):
-            x = _input(a, made, watch, kept, depth)
-            if x is None:
-                return None
-            if isinstance(x, torch.Tensor) and a.key not in watch.params:
-                versions.append((x, a.version))  # as the op found it
-            a = x
-        args.append(a)
-    made.recipe = _Recipe(made.func, tree_unflatten(args, spec), made.geometry, versions)
-    return made.recipe
+MAX_MISSES = 2  # forwards that did not follow their plan before a unit is watched on every forward
+_LEARN = object()
 
 
-def _input(a: _Arg, made: _Made, watch: _Watch, kept: set[int], depth: int) -> torch.Tensor | _Derived | None:
-    """An input of ``made``'s op as a recipe takes it: the tensor where autograd keeps it (or it
-    is a parameter, a buffer, a scalar) and nothing wrote into it since; else its own recipe."""
-    t = a.pinned if a.pinned is not None else a.ref()
-    if t is not None and (a.key in kept or t.dim() == 0) and watch.clean(a.key, made.seq):
+def _tensors(unit: nn.Module) -> list[tuple[torch.Tensor, Weak, str, str]]:
+    """The unit's parameters and buffers as this call sees them (``functional_call`` puts its
+    own in the modules' dicts), each once, with where to find it again."""
+    seen: set[int] = set()
+    out = []
+    for m in unit.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in m.__dict__[kind].items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((t, Weak(m), kind, name))
+    return out
+
+
+def _signature(unit: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a plan is for: the inputs' shapes, dtypes and grad flags (those at the top level and
+    in lists there), training mode, autocast."""
+    tensors = tuple((tuple(t.shape), t.dtype, t.requires_grad, t.device.type)
+                    for a in (*args, *kwargs.values())
+                    for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor))
+    device = tensors[0][3] if tensors else "cpu"
+    amp = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+    return tensors, unit.training, amp
+
+
+class _Forward:
+    derived_bytes: int
+    bind: Bind
+
+    def pack(self, t: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.bind = Bind([])
+
+
+class _Learn(_Forward):
+    """A forward under the watch: decides what to re-derive as it goes (``resolve``) and, when
+    ``record``, writes the plan that later forwards follow. Its own re-derived tensors go through
+    the plan's templates too, so the learning step and the later ones run alike."""
+
+    def __init__(self, products: bool, tensors: list[tuple[torch.Tensor, Weak, str, str]], record: bool) -> None:
+        params = [t for t, *_ in tensors]
+        self.where = [w for _, *w in tensors]
+        self.param_of = {storage_key(t.untyped_storage()): (i, t) for i, t in enumerate(params)}
+        self.watch = OpWatch(products, set(self.param_of))
+        self.kept: set[int] = set(self.param_of)
+        self.derived: set[int] = set()
+        self.derived_bytes = 0
+        self.record = record
+        self.steps: list[Step] = []
+        self.slot_of: dict[int, tuple[int, torch.Tensor]] = {}
+        self.templates: dict[int, Template] = {}
+        self.bind = Bind(params)
+
+    def close(self) -> None:
+        super().close()
+        self.slot_of.clear()
+        self.param_of.clear()
+
+    def plan(self) -> Plan:
+        leaves = [leaf for step in self.steps if step.derive for leaf in _leaves(step.derive[0])]
+        bound = {leaf.index for leaf in leaves if not leaf.param}
+        steps = [replace(s, bind=i in bound) for i, s in enumerate(self.steps)]
+        params = {leaf.index: tuple(self.where[leaf.index]) for leaf in leaves if leaf.param}
+        return Plan(steps, self.derived_bytes, len(self.where), params)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        key = storage_key(t.untyped_storage())
+        made = self.watch.entry(key)
+        layout = (tuple(t.shape), t.stride())
+        # an op's first output only: a norm's statistics are small, and its backward would run it again
+        if made is not None and key not in self.kept and self.watch.clean(key, made.seq + 1):
+            recipe = resolve(made, self.watch, self.kept, 0)
+            template = recipe and template_of(recipe, self.templates, self.slot_of, self.param_of, _key)
+            made_again = template and self.bind.recipe(template)
+            if made_again is not None:
+                if key not in self.derived:
+                    self.derived.add(key)
+                    self.derived_bytes += t.untyped_storage().nbytes()
+                view = (*layout, t.storage_offset() - made.geometry[2])
+                assert template is not None
+                past = history(t, self.bind.leaves(template), template.depth)
+                self.steps.append(Step(layout, t.dtype, derive=(template, view, past)))
+                made_again.pending += 1
+                return Derived(made_again, view, True)
+        self.kept.add(key)
+        if key not in self.param_of and key not in self.slot_of:
+            self.slot_of[key] = (len(self.steps), t)
+            self.bind.slots[len(self.steps)] = t
+        self.steps.append(Step(layout, t.dtype))
         return t
-    sub = a.made
-    if sub is None or sub.seq >= made.seq or not watch.clean(sub.key, sub.seq + 1):
-        return None
-    recipe = _resolve(sub, watch, kept, depth + 1)
-    if recipe is None:
-        return None
-    size, stride, offset = a.geometry
-    return _Derived(recipe, size, stride, offset - sub.geometry[2])
 
 
-def _unpack(obj: Any) -> Any:
-    return obj.unpack() if isinstance(obj, _Derived) else obj
+def _leaves(template: Template) -> list[Leaf]:
+    return [leaf for a in template.args
+            for leaf in ((a,) if isinstance(a, Leaf) else _leaves(a.template) if isinstance(a, SubRef) else ())]
+
+
+def _key(t: torch.Tensor) -> int:
+    return storage_key(t.untyped_storage())
+
+
+class _Replay(_Forward):
+    """A forward following its plan with saved-tensor hooks alone."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        params: list[Any] = [None] * plan.n_params
+        for i, (module, kind, name) in plan.params.items():
+            params[i] = module().__dict__[kind][name]
+        self.bind = Bind(params)
+        self.n = 0
+        self.missed = False
+        self.derived_bytes = plan.derived_bytes
+
+    def pack(self, t: torch.Tensor) -> Any:
+        i = self.n
+        self.n += 1
+        steps = self.plan.steps
+        if self.missed or i >= len(steps):
+            self.missed = True
+            return t
+        step = steps[i]
+        if step.dtype != t.dtype or step.layout != (tuple(t.shape), t.stride()):
+            self.missed = True
+            return t
+        if step.derive is None:
+            if step.bind:
+                self.bind.slots[i] = t
+            return t
+        template, view, past = step.derive
+        recipe = self.bind.recipe(template)
+        if recipe is None or history(t, self.bind.leaves(template), template.depth) != past:
+            self.missed = True
+            return t
+        recipe.pending += 1
+        return Derived(recipe, view, True)

@@ -1,0 +1,317 @@
+"""A unit's learned ``derive`` plan: what one forward under the watch decided, by position, so
+that later forwards re-derive the same tensors with no dispatch mode, paying per saved tensor.
+
+The first training forward of a unit for each input signature runs under runtime/derive.py's
+watch. It records, for every tensor autograd packs, in order, its layout and whether it is kept
+or re-derived, and for a re-derived one a ``Template``: the op and its inputs named by position,
+never by tensor: an earlier packed tensor (a *slot*: autograd keeps it), a parameter or buffer
+of the unit, constants, or another template. Every later forward binds those positions to its
+own tensors (``Bind``); the learning forward does the same, so both run one code path.
+
+A forward is trusted to be the learned one only as far as it shows it: each packed tensor must
+have the learned layout, and each tensor handed over as re-derived the learned autograd history
+(the graph nodes from it back to the recipe's inputs, matched by identity with the bound slots
+and parameters). A forward that differs (data-dependent control flow, other parameters) keeps
+what it cannot vouch for, and the unit learns again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memfit.errors import MemfitError
+
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset
+# an op's arguments, flat: per positional argument and per keyword, None for one value or the
+# length of a list of tensors (ATen takes tensors at the top level or in a list there)
+Spec = tuple[tuple[int | None, ...], tuple[str, ...], tuple[int | None, ...]]
+
+
+def geometry(t: torch.Tensor) -> Geometry:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+@dataclass(slots=True, frozen=True)
+class Leaf:
+    """A tensor input of a template: packed tensor number ``index`` (``param`` False) or the
+    unit's parameter or buffer number ``index``, seen through ``view`` (None: as it is)."""
+
+    param: bool
+    index: int
+    view: Geometry | None
+
+
+@dataclass(slots=True, frozen=True)
+class SubRef:
+    """An input made again itself: ``template``'s output seen through ``view``."""
+
+    template: Template
+    view: Geometry
+
+
+@dataclass(slots=True, eq=False)
+class Template:
+    """How to make one tensor again: an op, its arguments' tree with tensors as ``Leaf`` or
+    ``SubRef``, the output's layout, and how deep its chain of templates goes."""
+
+    func: Any
+    spec: Spec
+    args: list[Any]  # flat: ``_rebuild`` makes (args, kwargs) of them
+    out: Geometry
+    depth: int
+
+
+@dataclass(slots=True, frozen=True)
+class Step:
+    """One packed tensor as learned: its layout and dtype; ``bind`` when a template names it;
+    ``derive`` (the template, the view of its output that was saved, the autograd history) when
+    it is re-derived."""
+
+    layout: tuple[tuple[int, ...], tuple[int, ...]]
+    dtype: torch.dtype
+    bind: bool = False
+    derive: tuple[Template, Geometry, Any] | None = None
+
+
+@dataclass(slots=True)
+class Plan:
+    """A unit's forward as learned: every packed tensor in order, the bytes it re-derives, and
+    where to find the parameters and buffers its templates name (by number; a module held
+    weakly, the dict, the name) among the unit's ``n_params``."""
+
+    steps: list[Step]
+    derived_bytes: int
+    n_params: int
+    params: dict[int, tuple[Any, str, str]]
+
+
+class Recipe:
+    """One forward's instance of a template: the op, its inputs bound, the versions the inputs
+    had when bound. Views of one storage saved by several nodes share the recomputed base: held
+    from its first use until every saved view of it was unpacked (so the probabilities, saved by
+    the softmax and by the product with V, are made once)."""
+
+    __slots__ = ("__weakref__", "args", "base", "func", "held", "out", "pending", "versions")
+
+    def __init__(self, func: Any, args: Any, out: Geometry, versions: list[tuple[torch.Tensor, int]]) -> None:
+        self.func, self.args, self.out, self.versions = func, args, out, versions
+        self.base: Any = None  # a weak reference to the made tensor, while someone holds it
+        self.held: torch.Tensor | None = None
+        self.pending = 0  # saved views not unpacked yet
+
+    def make(self) -> torch.Tensor:
+        base = self.held if self.held is not None else self.base() if self.base is not None else None
+        if base is None:
+            for t, v in self.versions:
+                if t._version != v:
+                    raise MemfitError(
+                        f"an input of {self.func} that memfit re-derives in the backward was changed in place "
+                        "after the forward used it; plan this unit without the derive option")
+            args, kwargs = _rebuild([unpack(a) for a in self.args[0]], self.args[1])
+            out = self.func(*args, **kwargs)
+            base = out[0] if isinstance(out, (tuple, list)) else out  # first outputs only
+            if (tuple(base.shape), base.stride()) != self.out[:2]:
+                raise MemfitError(f"{self.func} re-derived a tensor of another layout; plan without derive")
+            self.base = weakref.ref(base)
+        if self.pending > 0:
+            self.held = base
+        return base
+
+    def unpacked(self) -> None:
+        self.pending -= 1
+        if self.pending <= 0:
+            self.held = None
+
+
+class Derived:
+    """What autograd holds instead of a re-derived tensor (or an input of another recipe)."""
+
+    __slots__ = ("recipe", "saved", "view")
+
+    def __init__(self, recipe: Recipe, view: Geometry, saved: bool) -> None:
+        self.recipe, self.view, self.saved = recipe, view, saved
+
+    def unpack(self) -> torch.Tensor:
+        size, stride, offset = self.view
+        out = self.recipe.make().as_strided(size, stride, offset)
+        if self.saved:
+            self.recipe.unpacked()
+        return out
+
+
+class _View:
+    __slots__ = ("t", "view")
+
+    def __init__(self, t: torch.Tensor, view: Geometry) -> None:
+        self.t, self.view = t, view
+
+    def unpack(self) -> torch.Tensor:
+        return self.t.as_strided(*self.view)
+
+
+def unpack(obj: Any) -> Any:
+    return obj.unpack() if isinstance(obj, (Derived, _View)) else obj
+
+
+@dataclass(slots=True)
+class Bind:
+    """One forward's binding of a plan's positions: the packed tensors templates name, the
+    unit's parameters and buffers as this call sees them, and the recipes made so far."""
+
+    params: list[Any]  # None where no template of the plan takes the parameter
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    recipes: dict[int, Recipe] = field(default_factory=dict)  # id(template) -> its recipe
+
+    def recipe(self, template: Template) -> Recipe | None:
+        """The template's recipe in this forward (made once), or None when a slot it names was
+        not bound (the forward did not pack it)."""
+        made = self.recipes.get(id(template))
+        if made is not None:
+            return made
+        args: list[Any] = []
+        versions: list[tuple[torch.Tensor, int]] = []
+        for a in template.args:
+            if isinstance(a, Leaf):
+                t = self.params[a.index] if a.param else self.slots.get(a.index)
+                if t is None:
+                    return None
+                if not a.param:
+                    versions.append((t, t._version))  # as the op found it
+                a = t if a.view is None else _View(t, a.view)
+            elif isinstance(a, SubRef):
+                sub = self.recipe(a.template)
+                if sub is None:
+                    return None
+                a = Derived(sub, a.view, False)
+            args.append(a)
+        made = self.recipes[id(template)] = Recipe(template.func, (args, template.spec), template.out, versions)
+        return made
+
+    def leaves(self, template: Template) -> list[torch.Tensor]:
+        """The bound tensors a template's tree takes, in a fixed order (for ``history``)."""
+        out: list[torch.Tensor] = []
+        for a in template.args:
+            if isinstance(a, Leaf):
+                t = self.params[a.index] if a.param else self.slots.get(a.index)
+                if t is not None:
+                    out.append(t)
+            elif isinstance(a, SubRef):
+                out += self.leaves(a.template)
+        return out
+
+
+def history(t: torch.Tensor, leaves: list[torch.Tensor], depth: int) -> Any:
+    """``t``'s autograd history back to ``leaves``: node class names, with each edge that reaches
+    a leaf named by the leaf's number, ``depth`` nodes deep. Equal histories say the same ops made
+    ``t`` from the same inputs."""
+    idents = []
+    for i, s in enumerate(leaves):
+        fn = s.grad_fn
+        if fn is not None:
+            idents.append((i, fn, s.output_nr, None))
+        elif s.requires_grad:
+            idents.append((i, None, 0, s))
+    return _node(t.grad_fn, idents, depth)
+
+
+def _node(node: Any, idents: list[tuple[int, Any, int, Any]], depth: int) -> Any:
+    if node is None:
+        return None
+    edges = []
+    for nxt, nr in node.next_functions:
+        if nxt is None:
+            edges.append(None)
+            continue
+        hit = _leaf(nxt, nr, idents)
+        if hit is not None:
+            edges.append(hit)
+        elif depth > 0:
+            edges.append(_node(nxt, idents, depth - 1))
+        else:
+            edges.append(type(nxt).__name__)
+    return type(node).__name__, tuple(edges)
+
+
+def _leaf(node: Any, nr: int, idents: list[tuple[int, Any, int, Any]]) -> int | None:
+    accumulates = type(node).__name__ == "AccumulateGrad"
+    for i, fn, onr, var in idents:
+        if fn is not None:
+            if node is fn and nr == onr:
+                return i
+        elif accumulates and node.variable is var:
+            return i
+    return None
+
+
+def template_of(recipe: Any, memo: dict[int, Template], slot_of: dict[int, tuple[int, torch.Tensor]],
+                param_of: dict[int, tuple[int, torch.Tensor]], key: Any) -> Template | None:
+    """A learning forward's recipe (runtime/derive.py's ``_Recipe``) as a template, its tensors
+    named by position: ``slot_of``/``param_of`` map a storage to (position, the tensor there).
+    None when an input is neither (then the tensor is kept, in this forward and every later one)."""
+    made = memo.get(id(recipe))
+    if made is not None:
+        return made
+    leaves, spec = _flatten(*recipe.args)
+    args: list[Any] = []
+    depth = 0
+    for a in leaves:
+        if isinstance(a, torch.Tensor):
+            k = key(a)
+            param = k in param_of
+            found = param_of.get(k) or slot_of.get(k)
+            if found is None or found[1].dtype != a.dtype:
+                return None
+            whole = geometry(a) == geometry(found[1])
+            a = Leaf(param, found[0], None if whole else geometry(a))
+        elif hasattr(a, "recipe") and hasattr(a, "size"):  # a sub-recipe's output (derive._Derived)
+            sub = template_of(a.recipe, memo, slot_of, param_of, key)
+            if sub is None:
+                return None
+            depth = max(depth, sub.depth + 1)
+            a = SubRef(sub, (a.size, a.stride, a.offset))
+        args.append(a)
+    made = memo[id(recipe)] = Template(recipe.func, spec, args, recipe.geometry, depth)
+    return made
+
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Spec]:
+    """An op's arguments as a flat list and what ``_rebuild`` needs to put them back (cheaper
+    than pytree, which also takes apart the lists of ints such as a norm's shape)."""
+    flat: list[Any] = []
+
+    def one(a: Any) -> int | None:
+        if isinstance(a, (list, tuple)) and any(not isinstance(x, (int, float, bool, type(None))) for x in a):
+            flat.extend(a)
+            return len(a)
+        flat.append(a)
+        return None
+
+    pos = tuple(one(a) for a in args)
+    names = tuple(kwargs)
+    return flat, (pos, names, tuple(one(kwargs[n]) for n in names))
+
+
+def _rebuild(flat: list[Any], spec: Spec) -> tuple[list[Any], dict[str, Any]]:
+    pos, names, kws = spec
+    i = 0
+    args: list[Any] = []
+    for n in pos:
+        if n is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            args.append(flat[i : i + n])
+            i += n
+    kwargs: dict[str, Any] = {}
+    for name, n in zip(names, kws, strict=True):
+        if n is None:
+            kwargs[name] = flat[i]
+            i += 1
+        else:
+            kwargs[name] = flat[i : i + n]
+            i += n
+    return args, kwargs

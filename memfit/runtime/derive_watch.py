@@ -1,0 +1,210 @@
+"""The watch behind ``derive`` (runtime/derive.py): which op made which storage during a unit's
+forward, which ops wrote into one in place, and from those, the recipe that makes a saved tensor
+again from tensors autograd keeps anyway. It runs in a unit's learning forward only.
+
+Private API: ``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch.utils._pytree``, on
+which SAC, ``FlopCounterMode`` and the fake tensors are built; ``StorageWeakRef``
+(torch.multiprocessing's), whether the storage an op made is still the live one at its address
+after its tensors died.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.measure.step import storage_key
+from memfit.torch_private import StorageWeakRef, TorchDispatchMode, op_schema, tree_flatten, tree_map, tree_unflatten
+
+_aten = torch.ops.aten
+_NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group_norm", "_fused_rms_norm")
+          if hasattr(_aten, n)}
+# the deeper level: written-out attention's scores and probabilities from the q, k (and v) that
+# autograd keeps for the products anyway (Megatron's core-attention recompute, without a checkpoint)
+_ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
+_PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
+# what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
+_MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
+          _aten.tril.default, _aten.triu.default}
+MAX_DEPTH = 8  # ops one re-derived tensor may chain back through
+
+
+def cheap(func: Any) -> bool:
+    """Ops worth running again rather than keeping their output: deterministic, functional,
+    elementwise or a norm."""
+    if op_schema(func).is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    return torch.Tag.pointwise in func.tags or func in _NORMS
+
+
+@dataclass(slots=True)
+class _Arg:
+    """A tensor an op took: a weak reference (the forward must not keep anything alive), its
+    storage, the entry of the op that made that storage when it ran (a chain to follow after the
+    tensor itself has died), where it sits in that storage, and its version then."""
+
+    ref: weakref.ref[torch.Tensor]
+    key: int
+    pinned: torch.Tensor | None  # views of parameters or buffers: held, they cost nothing
+    made: _Made | None
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+    version: int
+
+
+@dataclass(slots=True)
+class _Made:
+    """The op that made a storage, its arguments (tensors as ``_Arg``), and the output it made
+    (its liveness says the entry is current for that storage)."""
+
+    func: Any
+    args: Any  # (args, kwargs), tensors as _Arg
+    index: int  # which output, for ops that return several
+    out: StorageWeakRef  # the storage it made, outliving the output's own tensor object
+    seq: int  # when it ran, in the forward's count of ops
+    key: int
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+    recipe: _Recipe | bool | None = None  # resolved once: a recipe, or False where none can be made
+
+
+@dataclass(slots=True, eq=False)
+class _Recipe:
+    """While learning: how to make one storage again, the op and its inputs as this forward has
+    them (tensors autograd keeps, parameters, or ``_Derived`` for inputs made again themselves);
+    derive_plan.template_of names them by position."""
+
+    func: Any
+    args: Any  # (args, kwargs)
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+@dataclass(slots=True)
+class _Derived:
+    recipe: _Recipe
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # from the start of the op's output
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+class OpWatch(TorchDispatchMode):
+    """Records, for the storages that re-derivable ops made during the unit's forward, the op that
+    made each, and when an op last wrote into a storage in place. Other ops' outputs are not
+    recorded: an entry whose output has died may stand for a storage used again, and is never
+    looked up by its storage again (a later op's ``_Arg`` holds it directly)."""
+
+    def __init__(self, products: bool, params: set[int]) -> None:
+        super().__init__()
+        self.products = products
+        self.params = params  # the unit's parameters' and buffers' storages
+        self.made: dict[int, _Made] = {}
+        self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
+        self.seq = 0
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.made.clear()  # the recipes hold what they need; the entries' pinned scalars go now
+
+    def clean(self, key: int, since: int) -> bool:
+        """Nothing wrote into the storage in place at or after op number ``since``."""
+        return self.written.get(key, -1) < since
+
+    def entry(self, key: int) -> _Made | None:
+        made = self.made.get(key)
+        return made if made is not None and not made.out.expired() else None
+
+    def _arg(self, t: torch.Tensor) -> _Arg:
+        key = storage_key(t.untyped_storage())
+        pinned = t if key in self.params else None
+        return _Arg(weakref.ref(t), key, pinned, self.entry(key), _geometry(t), t._version)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.seq += 1
+        ok, writes = _kind(func, self.products)
+        for i, name in writes:
+            value = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                self.written[storage_key(value.untyped_storage())] = self.seq
+        if ok and func in _PRODUCTS and not _expands(args, out):
+            ok = False
+        if ok:
+            recorded = None
+            for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = storage_key(t.untyped_storage())
+                if self.entry(key) is None:  # new, or a dead storage's address used again
+                    if recorded is None:
+                        recorded = tree_map(lambda x: self._arg(x) if isinstance(x, torch.Tensor) else x,
+                                            (args, kwargs))
+                    self.made[key] = _Made(func, recorded, i, StorageWeakRef(t.untyped_storage()), self.seq, key,
+                                           _geometry(t))
+        return out
+
+
+def _expands(args: Any, out: Any) -> bool:
+    """A product pays for running again only where its output is larger than its inputs (q.k^T:
+    T x T scores from two T x d inputs), so that what it re-derives is more than what it needs;
+    probabilities.v makes less than it takes and is kept."""
+    ins = sum(a.numel() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+    return isinstance(out, torch.Tensor) and out.numel() > ins
+
+
+_KINDS: dict[tuple[Any, bool], tuple[bool, tuple[tuple[int, str], ...]]] = {}
+
+
+def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...]]:
+    """(re-derivable at this level, the arguments it writes into), worked out once per op: the
+    watch runs on every op."""
+    kind = _KINDS.get((func, products))
+    if kind is None:
+        writes = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments)
+                       if a.alias_info is not None and a.alias_info.is_write)
+        ok = cheap(func) or (products and (func in _ROWWISE or func in _PRODUCTS or func in _MASKS))
+        kind = _KINDS[(func, products)] = (ok, writes)
+    return kind
+
+
+def resolve(made: _Made, watch: OpWatch, kept: set[int], depth: int) -> _Recipe | None:
+    """The recipe for ``made``'s storage, or None: every tensor input is kept by autograd (or a
+    parameter or a buffer) and unchanged since, or is re-derivable itself (its storage made by a
+    recorded op, never written in place, at most ``MAX_DEPTH`` ops back)."""
+    if made.recipe is not None:
+        return made.recipe or None
+    if made.index != 0 or depth > MAX_DEPTH:
+        return None
+    made.recipe = False  # no cycles while this one resolves
+    leaves, spec = tree_flatten(made.args)
+    args = []
+    for a in leaves:
+        if isinstance(a, _Arg):
+            a = _input(a, made, watch, kept, depth)
+            if a is None:
+                return None
+        args.append(a)
+    made.recipe = _Recipe(made.func, tree_unflatten(args, spec), made.geometry)
+    return made.recipe
+
+
+def _input(a: _Arg, made: _Made, watch: OpWatch, kept: set[int], depth: int) -> torch.Tensor | _Derived | None:
+    """An input of ``made``'s op as a recipe takes it: the tensor where autograd keeps it (or it
+    is a parameter or a buffer) and nothing wrote into it since; else its own recipe. A scalar
+    tensor of the forward's own is neither: a later forward may hold another value there."""
+    t = a.pinned if a.pinned is not None else a.ref()
+    if t is not None and a.key in kept and watch.clean(a.key, made.seq):
+        return t
+    sub = a.made
+    if sub is None or sub.seq >= made.seq or not watch.clean(sub.key, sub.seq + 1):
+        return None
+    recipe = resolve(sub, watch, kept, depth + 1)
+    if recipe is None:
+        return None
+    size, stride, offset = a.geometry
+    return _Derived(recipe, size, stride, offset - sub.geometry[2])
