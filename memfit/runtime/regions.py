@@ -178,7 +178,24 @@ class Region(PerThread):
         BatchNorm statistics put back as they were (outside SAC's dispatch mode, which would
         take the copies for ops of the unit)."""
         made = self.compiled_context_fn()
-        return made[0], _PutBack(self._modules, made[1])
+        return made[0], _PutBack(self._norms(), made[1])
+
+    def _tables(self, k: int) -> list[dict[str, Any]]:
+        """The parameter tables of member ``k``'s modules that have parameters, found once per
+        thread (a walk over every submodule on every call cost more than the check itself)."""
+        tables = getattr(self._tls, "tables", None)
+        if tables is None:
+            tables = self._tls.tables = [[m._parameters for m in module.modules() if m._parameters]
+                                         for module in self.modules]
+        return tables[k]
+
+    def _norms(self) -> list[nn.Module]:
+        """The members' BatchNorm layers, found once per thread (held weakly, as the members are)."""
+        norms = getattr(self._tls, "norms", None)
+        if norms is None:
+            norms = self._tls.norms = [Weak(m) for unit in self.modules for m in unit.modules()
+                                       if isinstance(m, BatchNorm)]
+        return [m for ref in norms if (m := ref()) is not None]
 
     def remove(self) -> None:
         self._close(error=True)
@@ -198,7 +215,7 @@ class Region(PerThread):
         if st is not None and st.ran and k == st.k + 1 and (takes_first := _takes(st.last, args)) is not None:
             st.pause.__exit__(None, None, None)
             st.pause, st.last, st.k, st.ran = None, None, k, False
-            st.calls.append(_Call(k, args[1:], kwargs, takes_first, _substituted(module)))
+            st.calls.append(_Call(k, args[1:], kwargs, takes_first, _substituted(module, self._tables(k))))
             return
         # Not the next member fed the previous one's output: the members so far close as a region
         # of their own (a forward that raised before left it open too), and this one opens another.
@@ -209,7 +226,7 @@ class Region(PerThread):
                 f"memfit: a checkpointed chain expects {names[k]} to be called with the output of {names[k - 1]}, "
                 "and this forward called it with something else; the schedule does not fit this model's forward: "
                 "profile and plan it again")
-        calls = [_Call(k, (), {}, False, _substituted(module))]
+        calls = [_Call(k, (), {}, False, _substituted(module, self._tables(k)))]
         # Keyword arguments travel in the closure, so that names such as ``debug`` in a unit's
         # forward cannot collide with the generator's own keywords.
         gen = checkpoint_generator(
@@ -291,12 +308,13 @@ def _same(t: Any) -> Any:
     return t
 
 
-def _substituted(module: nn.Module) -> dict[str, torch.Tensor] | None:
+def _substituted(module: nn.Module, tables: list[dict[str, Any]]) -> dict[str, torch.Tensor] | None:
     """The unit's parameters and buffers as this call sees them, when any parameter is not the
     module's own (``torch.func.functional_call`` puts plain tensors in ``_parameters``); None
-    otherwise, the usual case, which costs one look at each parameter."""
-    for m in module.modules():
-        if any(p is not None and not isinstance(p, nn.Parameter) for p in m._parameters.values()):
+    otherwise, the usual case, which costs one look at each parameter (``tables``: the unit's
+    modules' parameter tables)."""
+    for table in tables:
+        if any(p is not None and not isinstance(p, nn.Parameter) for p in table.values()):
             return {**dict(module.named_parameters(remove_duplicate=False)),
                     **dict(module.named_buffers(remove_duplicate=False))}
     return None
@@ -307,14 +325,13 @@ class _PutBack:
     mode, put back as they were when it began (not as after the forward: a second forward of
     the model before this backward has updated them since)."""
 
-    def __init__(self, units: list[Weak], inner: Any) -> None:
-        self.units = units
+    def __init__(self, norms: list[nn.Module], inner: Any) -> None:
+        self.norms = norms
         self.inner = inner
         self.stats: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        self.stats = [(b, b.clone()) for ref in self.units if (unit := ref()) is not None for m in unit.modules()
-                      if isinstance(m, BatchNorm) and m.training and m.track_running_stats
+        self.stats = [(b, b.clone()) for m in self.norms if m.training and m.track_running_stats
                       for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
         self.inner.__enter__()
 
