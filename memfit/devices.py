@@ -35,6 +35,13 @@ else:  # pragma: no cover
 GiB = 2**30
 MiB = 2**20
 EFFICIENCY = 0.6  # share of the peak that real kernels of a training step reach (a common rule of thumb)
+# What an eager step pays on the host whatever the kernel (benchmarks/launch_bound.py measures
+# both on the machine it runs on): each ATen op's dispatch and launch, a floor under its time
+# (2,065 ops of a tiny GPT's step took 6 µs each on the CPU here, kernels included), and each op
+# that runs while a Python saved-tensor hook is in force (derive, checkpoint regions, their
+# recomputation), which hands its saved tensors to Python (5 to 8 µs per tensor measured here).
+LAUNCH_S = 6e-6
+HOOK_S = 5e-6
 # Defaults until a run on the card says otherwise (docs/devices.md gives the measurements): what
 # processes on A100, A800 and H200 held outside PyTorch's allocator in out-of-memory messages
 # (0.49 to 0.51 GiB: context and library workspaces), and the reserved over allocated peaks of
@@ -78,6 +85,8 @@ class Device:
     cuda: bool = True  # allocations are rounded as the CUDA caching allocator rounds them
     context_bytes: int = CONTEXT_BYTES
     margin: float = MARGIN
+    launch_s: float = LAUNCH_S  # host time per eager op: the least an op takes
+    hook_s: float = HOOK_S  # host time per op under a Python saved-tensor hook
 
     @property
     def memory(self) -> MemoryRecord | None:
@@ -95,8 +104,11 @@ class Device:
         key = str(dtype).removeprefix("torch.")  # no torch import: the CLI reads this table before loading torch
         return self.tflops.get(key if key in ("bfloat16", "float16") else "float32", self.tflops["float32"]) * 1e12
 
-    def seconds(self, flops: float, nbytes: float, dtype: torch.dtype) -> float:
-        return max(flops / self.flops_per_s(dtype), nbytes / (self.bandwidth_gbs * 1e9)) / EFFICIENCY
+    def seconds(self, flops: float, nbytes: float, dtype: torch.dtype, hooked: bool = False) -> float:
+        """One eager op: its roofline time, or the host's launch time where that is longer (a
+        small op is launch-bound), plus the host's saved-tensor hook time when ``hooked``."""
+        kernel = max(flops / self.flops_per_s(dtype), nbytes / (self.bandwidth_gbs * 1e9)) / EFFICIENCY
+        return max(kernel, self.launch_s) + (self.hook_s if hooked else 0.0)
 
 
 def _gib(n: float) -> int:
@@ -214,7 +226,8 @@ def by_title(title: str) -> Device | None:
     return next((d for d in DEVICES.values() if d.title.lower() == title.lower()), None)
 
 
-SPEC_FIELDS = ("name", "title", "base", "memory", "context", "margin", "tflops", "bandwidth_gbs", "source")
+SPEC_FIELDS = ("name", "title", "base", "memory", "context", "margin", "tflops", "bandwidth_gbs", "launch_us",
+               "hook_us", "source")
 
 
 def load_device_spec(path: str | Path) -> Device:
@@ -257,6 +270,13 @@ def load_device_spec(path: str | Path) -> Device:
     bandwidth = data.get("bandwidth_gbs", base.bandwidth_gbs if base else 0)
     if not isinstance(bandwidth, int | float) or bandwidth <= 0:
         raise MemfitError(f"{path}: bandwidth_gbs must be a positive number (GB/s)")
+    host: dict[str, float] = {}
+    for key, default in (("launch_us", base.launch_s if base else LAUNCH_S),
+                         ("hook_us", base.hook_s if base else HOOK_S)):
+        value = data.get(key, default * 1e6)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise MemfitError(f"{path}: {key} must be a number of microseconds, 0 or more (the host's time per op)")
+        host[key.replace("_us", "_s")] = float(value) * 1e-6
     for key in ("name", "title", "source"):
         if key in data and not isinstance(data[key], str):
             raise MemfitError(f"{path}: field {key!r} must be a string")
@@ -266,6 +286,7 @@ def load_device_spec(path: str | Path) -> Device:
         "bandwidth_gbs": float(bandwidth), "margin": float(margin),
         "context_bytes": size("context") if "context" in data else (base.context_bytes if base else CONTEXT_BYTES),
         "source": data.get("source", f"{path.name}" + (f", else {base.name}'s: {base.source}" if base else "")),
+        **host,
     }
     spec = replace(base, **fields) if base else Device(**fields)
     if spec.context_bytes >= spec.memory_bytes:

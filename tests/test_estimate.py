@@ -237,3 +237,46 @@ def test_cuda_targets_take_the_foreach_kernels():
     step = {p.label: p.peak_bytes for p in cuda.phases}["optimizer step"]
     cpu_step = {p.label: p.peak_bytes for p in cpu.phases}["optimizer step"]
     assert step >= cuda.param_bytes > cpu_step
+
+
+def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
+    """A GPT of small hidden size on an H100: its kernels take a microsecond or two, so what its
+    options cost is the host's time per op and per hooked op. Priced without them, the plan takes
+    options that look free; priced with them it takes another plan, cheaper by its own measure."""
+    import dataclasses
+
+    from memfit import zoo
+    from memfit.devices import load_device_spec
+
+    h100 = device_spec("h100")
+
+    def build():
+        return zoo.gpt(batch=8, seq=128, vocab=512, d_model=64, n_head=4, n_layer=6, dropout=0.0)
+
+    bare_device = dataclasses.replace(h100, launch_s=0.0, hook_s=0.0)
+    assert bare_device.seconds(1e3, 1e3, torch.float32) < 1e-8  # a tiny op, kernels only
+    assert h100.seconds(1e3, 1e3, torch.float32) == h100.launch_s
+    assert h100.seconds(1e3, 1e3, torch.float32, hooked=True) == h100.launch_s + h100.hook_s
+    priced = estimate(build, target=h100, granularity="fine")
+    bare = estimate(build, target=bare_device, granularity="fine")
+    for prof in (priced, bare):
+        u = prof.units[0].options
+        assert u["derive"].stored_bytes < u["none"].stored_bytes
+    # the host's time makes recomputing a block cost what its ops' launches cost, not its FLOPs
+    assert priced.units[0].options["full"].recompute_s > 10 * bare.units[0].options["full"].recompute_s
+    none = memfit.predict(priced, {}).peak_bytes
+    full = memfit.predict(priced, dict.fromkeys(priced.unit_names, "full")).peak_bytes
+    budget = int(full + 0.8 * (none - full))
+    chosen = memfit.plan(priced, budget, granularity="fine")
+    blind = memfit.plan(bare, budget, granularity="fine")
+    assert chosen.policies != blind.policies
+    cost = memfit.predict(priced, chosen.policies).recompute_s
+    assert cost < 0.9 * memfit.predict(priced, blind.policies).recompute_s
+    # a spec file sets the host's times (a card in a slower host, say), in microseconds
+    spec = tmp_path / "slow-host.toml"
+    spec.write_text('base = "h100"\nlaunch_us = 12\nhook_us = 9\n')
+    slow = load_device_spec(spec)
+    assert (slow.launch_s, slow.hook_s) == (pytest.approx(12e-6), pytest.approx(9e-6))
+    spec.write_text('base = "h100"\nlaunch_us = -1\n')
+    with pytest.raises(memfit.MemfitError, match="launch_us must be a number of microseconds"):
+        load_device_spec(spec)

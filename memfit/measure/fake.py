@@ -16,7 +16,7 @@ from memfit.devices import Device
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
 from memfit.measure.step import iter_tensors, storage_key
-from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema
+from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema, saved_tensors_hooks_active
 
 CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
 # Convolution kernels reorder their operands into scratch buffers (oneDNN on the CPU, cuDNN
@@ -140,7 +140,11 @@ def _watch_resizes(on_resize: Callable[[torch.UntypedStorage, int, int], None]) 
 
 class RooflineClock(TorchDispatchMode):
     """Estimated seconds of the ops run while it is active: ``Device.seconds`` of each op's
-    FLOPs (PyTorch's own flop formulas; attention as one fused kernel) and bytes moved."""
+    FLOPs (PyTorch's own flop formulas; attention as one fused kernel) and bytes moved, no less
+    than the host's launch time, and the host's hook time for an op that runs while a Python
+    saved-tensor hook is in force (its saved tensors go through Python: memfit's derive,
+    checkpoint regions and their recomputation), so that options whose own cost is on the host
+    are priced on a card whose kernels take microseconds."""
 
     def __init__(self, target: Device) -> None:
         super().__init__()
@@ -156,7 +160,8 @@ class RooflineClock(TorchDispatchMode):
         tensors = [t for t in iter_tensors((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in tensors)
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
-        self._seconds += self._target.seconds(_flops(func, args, kwargs, out), moved, dtype)
+        hooked = saved_tensors_hooks_active()
+        self._seconds += self._target.seconds(_flops(func, args, kwargs, out), moved, dtype, hooked)
         return out
 
     def on_mark(self, label: str) -> None:
