@@ -139,13 +139,14 @@ def _times(harness: StepHarness, state: StepState | UserStepState, names: list[s
     per_round = 2 * len(options)  # each configuration: an untimed step, then a timed one
     calls = iter(range(per_round * repeat))
 
-    def timed(k: int) -> list[Stretch]:
-        if (call := next(calls)) % per_round == 0:
-            say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
-        with harness.options(policies[k]):
+    with harness.switching() as use:
+        def timed(k: int) -> list[Stretch]:
+            if (call := next(calls)) % per_round == 0:
+                say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
+            use(policies[k])
             return stretches(harness.marked_step(state, names, "time", meters))
 
-    return alternate(timed, len(options), repeat)
+        return alternate(timed, len(options), repeat)
 
 
 def _check_children(model: nn.Module, names: list[str], options: list[str], children: list[str] | None) -> None:

@@ -120,6 +120,25 @@ class StepHarness:
             clear_policies(self.model)
 
     @contextmanager
+    def switching(self) -> Iterator[Callable[[dict[str, str]], None]]:
+        """For interleaved series: a function that puts the units in the given policies, changing
+        nothing when they already are (``alternate`` runs each configuration's untimed step right
+        before its timed one, so the timed step finds the state a loop's steady state has: a
+        ``derive`` unit's learned plan, say); every policy is cleared at the end."""
+        current: list[dict[str, str] | None] = [None]
+
+        def use(policies: dict[str, str]) -> None:
+            if current[0] is not policies:
+                clear_policies(self.model)
+                set_policies(self.model, policies)
+                current[0] = policies
+
+        try:
+            yield use
+        finally:
+            clear_policies(self.model)
+
+    @contextmanager
     def scheduled(self, schedule: Schedule) -> Iterator[None]:
         """``schedule`` applied as a user applies it (fingerprint checked, watch on), then removed."""
         apply(self.model, schedule)
@@ -163,11 +182,12 @@ class StepHarness:
         self.model.train()
         configs = [{}, *plans]
 
-        def timed(k: int) -> float:
-            with self.options(configs[k]):
+        with self.switching() as use:
+            def timed(k: int) -> float:
+                use(configs[k])
                 return timed_step(self.model, self.inputs, self.loss_fn, state, self.device)
 
-        plain, *others = alternate(timed, len(configs), rounds)
+            plain, *others = alternate(timed, len(configs), rounds)
         return (statistics.median(plain), [median_ratio(plain, t) for t in others],
                 ratio_uncertainties(plain, others))
 
