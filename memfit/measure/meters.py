@@ -4,7 +4,6 @@ estimate mode's fake ones (fake.py); the profiler is handed a ``Meters`` and doe
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -12,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from memfit.measure.memory import Mark, memory_recorder
+from memfit.measure.timing import clock
 
 
 class Recorder(Protocol):
@@ -37,10 +37,12 @@ def real_meters(device: torch.device) -> Meters:
 
 
 class TimeRecorder:
-    """Wall-clock time at each mark (CUDA is synchronised first, so a mark's time is real)."""
+    """The time at each mark by ``timing.clock`` (a single-threaded CPU step: its thread's CPU
+    time; else the wall; CUDA is synchronised first, so a mark's time is real)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._now = clock(device)
         self._marks: list[Mark] = []
 
     def __enter__(self) -> TimeRecorder:
@@ -52,7 +54,7 @@ class TimeRecorder:
     def on_mark(self, label: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._marks.append(Mark(label, 0, 0, time.perf_counter()))
+        self._marks.append(Mark(label, 0, 0, self._now()))
 
     def marks(self) -> list[Mark]:
         return self._marks
