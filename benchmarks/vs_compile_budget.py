@@ -10,7 +10,11 @@ steady-state peak measured. At that peak memfit plans twice from one fine profil
 granularity and with ``granularity="fine"`` (children, op sets), both run eagerly.
 Every configuration is built at once and timed in one interleaved series (each timed step after
 an untimed step of its own, the order reversing every round, GC held off), medians over
---rounds rounds; slowdowns are against the plain eager step of the same rounds.
+--rounds rounds; slowdowns are against the plain eager step of the same rounds, with two standard
+errors of each median (±). A second plain copy is timed as a configuration too (the A/A control):
+its "slowdown" is the noise of the series. With --threads 1 (the default) steps are single-threaded
+and timed by their thread's CPU time (memfit.measure.timing.clock), which scatters about half as
+much as the wall clock on a shared machine.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from peer_tools import budget_backend, plan_summary
 import memfit
 from memfit.budget import format_bytes
 from memfit.measure.step import Inputs, StepState, default_loss
-from memfit.measure.timing import alternate, median_ratio, timed_step
+from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
@@ -53,7 +57,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds of the fine profile")
     parser.add_argument("--scenario", default="gpt-small", help="a built-in scenario the CPU can run")
     parser.add_argument("--plot", help="draw both frontiers (memory, slowdown) to this .png/.svg")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: timed by thread CPU time)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     for name in ("cache_size_limit", "recompile_limit"):  # one entry per budget: keep every one compiled
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
@@ -78,7 +84,7 @@ def main() -> None:
         print(f"{label}: {format_bytes(cfg.peak)}", flush=True)
         return cfg
 
-    configs = [config("plain eager")]
+    configs = [config("plain eager"), config("plain eager (A/A control)")]
     rows: list[tuple[float, Config, Config | None, Config | None]] = []
     for b in args.budgets:
         compiled = config(f"compile {b:.1f}", budget=b)
@@ -106,8 +112,12 @@ def main() -> None:
             return float("nan")
         return median_ratio(configs[0].times or [], cfg.times) - 1
 
+    def sure(cfg: Config) -> float:
+        return ratio_uncertainty(configs[0].times or [], cfg.times or [])
+
     def cell(cfg: Config | None) -> list[str]:
-        return ["does not fit", "-"] if cfg is None else [format_bytes(cfg.peak), f"{slowdown(cfg) * 100:+.1f}%"]
+        return ["does not fit", "-"] if cfg is None else [
+            format_bytes(cfg.peak), f"{slowdown(cfg) * 100:+.1f}% ±{sure(cfg) * 100:.1f}"]
 
     def same(cfg: Config) -> str:  # the partitioner may recompute dropout with a fresh mask (pytorch#190758)
         plain = configs[0].grads or {}
@@ -116,7 +126,8 @@ def main() -> None:
     out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f), plan_summary(f.policies) if f else "-"]
            for b, c, m, f in rows]
     print(f"\nplain eager step {statistics.median(configs[0].times or [0]) * 1e3:.1f} ms, peak "
-          f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds")
+          f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds, {args.threads} thread(s); "
+          f"A/A control {slowdown(configs[1]) * 100:+.1f}% ±{sure(configs[1]) * 100:.1f}")
     print(table(["budget", "compile peak", "compile", "compile grads equal", "memfit module peak", "module",
                  "memfit fine peak", "fine", "fine plan"], out))
     if args.plot:
