@@ -93,14 +93,33 @@ def test_two_profiles_agree_within_their_recorded_uncertainty():
     """As shares of each profile's own step, which is what a cost's uncertainty is of (a ratio to
     the plain step, measure/timing.ratio_uncertainties) and what a plan's slowdown is: a shared
     machine's speed drifts by 10% from one minute to the next, and with it every time in seconds
-    (compared in seconds, the two profiles disagreed in 1 run of 4 on a busy 2-core machine)."""
-    model, inputs = six_blocks()
-    a, b = (memfit.profile(model, inputs, repeat=9, granularity="fine") for _ in range(2))
+    (compared in seconds, the two profiles disagreed in 1 run of 4 on a busy 2-core machine).
+
+    The promise is conditional: a profile whose identical units scattered warns that the machine
+    was busy and its times are not to be relied on (CI met one whose forwards took 0.33 to 7.54 ms,
+    and its ``selective:gemm`` cost three times the other profile's). Such a pair is measured again,
+    once; a second busy pair skips, saying so, rather than judging noise the profile disowned."""
+    import warnings
+
+    from memfit.profiler.costs import NoisyTimesWarning
+
+    model, inputs = zoo.gpt(batch=2, seq=32, vocab=128, d_model=64, n_head=2, n_layer=4, dropout=0.0)
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NoisyTimesWarning)
+            a, b = (memfit.profile(model, inputs, repeat=7, granularity="fine") for _ in range(2))
+        if not any(issubclass(w.category, NoisyTimesWarning) for w in caught):
+            break
+    else:
+        pytest.skip("both pairs of profiles warned that the machine was busy (NoisyTimesWarning)")
+    compared = 0
     for ua, ub in zip(a.units, b.units, strict=True):
         for o in set(ua.options) & set(ub.options):
             ca, cb = ua.options[o], ub.options[o]
             differ = abs(ca.recompute_s / a.step_s - cb.recompute_s / b.step_s)
             assert differ <= ca.recompute_uncertainty_s / a.step_s + cb.recompute_uncertainty_s / b.step_s, o
+            compared += o != "none"
+    assert compared >= 4 * len(a.units)  # finer options were compared, not only none and full
 
 
 def test_scattered_times_of_identical_units_are_warned_of_and_a_steady_outlier_is_not():
