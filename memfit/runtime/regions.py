@@ -178,7 +178,8 @@ class Region(PerThread):
         BatchNorm statistics put back as they were (outside SAC's dispatch mode, which would
         take the copies for ops of the unit)."""
         made = self.compiled_context_fn()
-        return made[0], _PutBack(self._norms(), made[1])
+        norms = self._norms()
+        return (made[0], _PutBack(norms, made[1])) if norms else made
 
     def _tables(self, k: int) -> list[dict[str, Any]]:
         """The parameter tables of member ``k``'s modules that have parameters, found once per
@@ -233,6 +234,7 @@ class Region(PerThread):
             self._recompute(calls, kwargs), True, self._contexts, "default", False, True, *args)
         next(gen)  # inside the region from here: saved tensors are left for recomputation
         self._tls.open = _Open(gen, calls, k)
+        _opened()[self] = None
 
     def _post_hook(self, k: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if recomputing() or torch.compiler.is_compiling():
@@ -257,9 +259,10 @@ class Region(PerThread):
 
     def _close(self, *, error: bool) -> None:
         st: _Open | None = getattr(self._tls, "open", None)
-        self._tls.open = None  # drops the later members' arguments and the last output with it
         if st is None:
             return
+        self._tls.open = None  # drops the later members' arguments and the last output with it
+        _opened().pop(self, None)
         if st.pause is not None:
             st.pause.__exit__(None, None, None)
         if error:
@@ -313,11 +316,12 @@ def _substituted(module: nn.Module, tables: list[dict[str, Any]]) -> dict[str, t
     module's own (``torch.func.functional_call`` puts plain tensors in ``_parameters``); None
     otherwise, the usual case, which costs one look at each parameter (``tables``: the unit's
     modules' parameter tables)."""
-    for table in tables:
-        if any(p is not None and not isinstance(p, nn.Parameter) for p in table.values()):
-            return {**dict(module.named_parameters(remove_duplicate=False)),
-                    **dict(module.named_buffers(remove_duplicate=False))}
-    return None
+    # type() first: isinstance against Parameter's metaclass is a Python call per parameter
+    if all(p is None or type(p) is nn.Parameter or isinstance(p, nn.Parameter)
+           for table in tables for p in table.values()):
+        return None
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
 
 
 class _PutBack:
@@ -386,10 +390,20 @@ def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
             model.register_forward_hook(functools.partial(_after, regions), always_call=True)]
 
 
+def _opened() -> dict[Region, None]:
+    """The regions this thread has open, in the order they opened: what a guard closes, without
+    a look at each of a deep model's regions twice per forward."""
+    opened = getattr(_thread, "opened", None)
+    if opened is None:
+        opened = _thread.opened = {}
+    return opened
+
+
 def _close_all(regions: list[Region], *_: Any, error: bool = True) -> None:
     if torch.compiler.is_compiling() or recomputing():
         return  # compiled units checkpoint through their forward; no region is ever open
-    for region in regions:
+    opened = _opened()
+    for region in [r for r in opened if r in regions] if opened else ():
         region.close(error=error)
 
 
