@@ -10,7 +10,7 @@
 Where a form cannot say what the plan says, it takes the nearest choice that uses no more memory
 (a whole layer checkpointed; every layer) and says so in ``Exported.lost``, one line per loss,
 which the command prints as warnings and the file carries as comments. Nothing here needs torch,
-except the op names of an op set, read from ``runtime/regions.OP_SETS`` when the plan has one.
+except the op names of an op set, read from ``runtime/op_sets.OP_SETS`` when the plan has one.
 """
 
 from __future__ import annotations
@@ -302,10 +302,10 @@ def _sac(policies: dict[str, Policy]) -> Exported:
 
 
 def _op_sets(policies: dict[str, Policy]) -> dict[str, list[str]]:
-    """The aten op names of memfit's op sets (runtime/regions.OP_SETS), read only when the plan
+    """The aten op names of memfit's op sets (runtime/op_sets.OP_SETS), read only when the plan
     keeps one: reading them imports torch."""
     if not any(isinstance(p, Selective) for p in policies.values()):
         return {}
-    from memfit.runtime.regions import OP_SETS
+    from memfit.runtime.op_sets import OP_SETS
 
     return {name: sorted(str(op).split(".")[1] for op in ops) for name, ops in OP_SETS.items()}

@@ -7,7 +7,8 @@ import copy
 import torch
 from torch import nn
 
-from memfit.runtime.regions import Region, guard, recomputing
+from memfit.runtime.regions import Region, guard
+from memfit.runtime.threads import recomputing
 
 
 class Block(nn.Module):

@@ -27,7 +27,7 @@ from memfit.measure.step import Inputs, LossFn, storage_key
 from memfit.policy import DERIVE, DERIVE_PRODUCTS, Children, PolicyError, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
-from memfit.runtime.regions import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
+from memfit.runtime.op_sets import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
 from memfit.torch_private import TorchDispatchMode
 
 MIN_SHARE = 0.1  # of the unit's saved bytes

@@ -15,7 +15,8 @@ from memfit.policy import KEEP, KINDS_HELP, Children, Full, Segment, Selective, 
 from memfit.policy import Derive as DerivePolicy
 from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
-from memfit.runtime.regions import OP_SETS, Region, guard
+from memfit.runtime.op_sets import OP_SETS
+from memfit.runtime.regions import Region, guard
 from memfit.runtime.watch import Watch
 
 

@@ -56,7 +56,7 @@ from memfit.errors import MemfitWarning
 from memfit.measure.step import storage_key
 from memfit.runtime.derive_plan import Bind, Derived, Leaf, Plan, Step, SubRef, Template, history, template_of, unpack
 from memfit.runtime.derive_watch import OpWatch, resolve
-from memfit.runtime.regions import PerThread, Weak, _raising, recomputing
+from memfit.runtime.threads import PerThread, Weak, raising, recomputing
 from memfit.torch_private import saved_tensors_hooks_active
 
 
@@ -128,7 +128,7 @@ class Derive(PerThread):
             return
         fwd.close()  # autograd holds the pack hook with the graph: it must not hold tensors
         self.derived_bytes = fwd.derived_bytes
-        if module is None or _raising(output):
+        if module is None or raising(output):
             return  # left early: learn nothing, blame nothing
         if isinstance(fwd, _Learn):
             if fwd.record:

@@ -23,7 +23,7 @@ from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
 from memfit.measure.step import Inputs, LossFn, StepState, iter_tensors, training_step
 from memfit.measure.userstep import UserStepState
-from memfit.runtime.regions import recomputing
+from memfit.runtime.threads import recomputing
 
 
 class UnitMarks:

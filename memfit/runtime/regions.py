@@ -1,10 +1,12 @@
 """Checkpointed regions that leave every module call as it was: a unit, or a segment of units.
 
 A region is opened by a forward pre-hook on its first unit and closed by a forward hook on its
-last, around non-reentrant checkpointing's saved-tensor machinery. So every unit, segment
-members included, is still entered once per forward through its own ``nn.Module.__call__``
-with its real input and output: forward hooks (users', FSDP2's all-gather, adapters) see what
-they see on the plain model. The recomputation calls the units again through ``__call__``, as
+last, around non-reentrant checkpointing's saved-tensor machinery; a region of one unit, by
+memfit's forward of the unit around the unit's own (no hooks: ``nn.Module.__call__`` keeps its
+fast path). So every unit, segment members included, is still entered once per forward through
+its own ``nn.Module.__call__`` with its real input and output: forward hooks (users', FSDP2's
+all-gather, adapters) see what they see on the plain model, and a single unit's hooks run outside
+its region. The recomputation calls the units again through ``__call__``, as
 ``torch.utils.checkpoint`` around the same modules would.
 
 Under ``torch.compile`` the hooks step aside (Dynamo would trace them as if the saved-tensor
@@ -49,68 +51,20 @@ the first forward" and "exit after the last".
 from __future__ import annotations
 
 import functools
-import sys
-import threading
-import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import noop_context_fn as _noop
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
+from memfit.runtime.op_sets import OP_SETS, keep
+from memfit.runtime.threads import PerThread, Recomputing, Weak, opened_regions, raising, recomputing
 from memfit.torch_private import BatchNorm, checkpoint_generator
-
-_aten = torch.ops.aten
-_thread = threading.local()
-
-
-def recomputing() -> bool:
-    """True while this thread recomputes a region's forward (inside the backward pass)."""
-    return getattr(_thread, "recomputing", 0) > 0
-
-
-class Weak:
-    """A weak reference to a module that ``copy.deepcopy`` and pickling carry over to the copy's
-    module (a ``weakref.ref`` is copied as it is, still pointing at the original). Weak, because
-    the modules hold what refers to them (hooks, attributes): a cycle back would leave a dropped
-    model to the cyclic collector, whose frees can land inside a measured step."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, module: nn.Module) -> None:
-        self.ref = weakref.ref(module)
-
-    def __call__(self) -> nn.Module | None:
-        return self.ref()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Weak, (self.ref(),))
-
-
-class PerThread:
-    """A base for objects with per-thread state in ``self._tls``, which copies and pickles leave
-    behind: what is open belongs to one forward of one thread, not to the model."""
-
-    def __init__(self) -> None:
-        self._tls = threading.local()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_tls", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._tls = threading.local()
 
 
 @dataclass(slots=True)
@@ -145,11 +99,16 @@ class Region(PerThread):
         self.op_set = op_set
         self.handles: list[RemovableHandle] = []
         self._chain = chain
+        # One unit: its own forward (memfit's, below) opens and closes the region, which spares
+        # two hooks on the unit and ``nn.Module.__call__``'s slow path for hooks, forward and
+        # recompute (2 points of a launch-bound step, benchmarks/launch_bound.py).
+        self.single = len(modules) == 1 and not chain
         for k, module in enumerate(modules):
-            self.handles.append(module.register_forward_pre_hook(
-                functools.partial(Region._pre_hook, self, k), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(
-                functools.partial(Region._post_hook, self, k), always_call=True))
+            if not self.single:
+                self.handles.append(module.register_forward_pre_hook(
+                    functools.partial(Region._pre_hook, self, k), with_kwargs=True))
+                self.handles.append(module.register_forward_hook(
+                    functools.partial(Region._post_hook, self, k), always_call=True))
             module.__dict__["_memfit_region"] = self
             module.__dict__["_memfit_forward"] = module.__dict__.get("forward")
             wrap = not chain or (k > 0 and any(True for _ in module.children()))
@@ -171,7 +130,7 @@ class Region(PerThread):
         if not self.op_set:
             return _noop
         return functools.partial(create_selective_checkpoint_contexts,
-                                 functools.partial(_keep, OP_SETS[self.op_set]))
+                                 functools.partial(keep, OP_SETS[self.op_set]))
 
     def _contexts(self) -> tuple[Any, Any]:
         """The region's checkpoint contexts: the op set's, and around its recomputation, the
@@ -228,13 +187,33 @@ class Region(PerThread):
                 "and this forward called it with something else; the schedule does not fit this model's forward: "
                 "profile and plan it again")
         calls = [_Call(k, (), {}, False, _substituted(module, self._tables(k)))]
+        self._tls.open = _Open(self._enter(calls, args, kwargs), calls, k)
+        opened_regions()[self] = None
+
+    def _enter(self, calls: list[_Call], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Generator[None, None, None]:
+        """Inside the region from here on: saved tensors are left for recomputation, until the
+        generator is resumed (checked) or closed (without checks)."""
         # Keyword arguments travel in the closure, so that names such as ``debug`` in a unit's
         # forward cannot collide with the generator's own keywords.
         gen = checkpoint_generator(
             self._recompute(calls, kwargs), True, self._contexts, "default", False, True, *args)
-        next(gen)  # inside the region from here: saved tensors are left for recomputation
-        self._tls.open = _Open(gen, calls, k)
-        _opened()[self] = None
+        next(gen)
+        return gen
+
+    def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+        """A single unit's call of its forward, inside the region (outside it while recomputing,
+        or where nothing is saved)."""
+        if recomputing() or not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        gen = self._enter([_Call(0, (), {}, False, _substituted(module, self._tables(0)))], args, kwargs)
+        try:
+            out = forward(*args, **kwargs)
+        except BaseException:
+            gen.close()  # leave the saved-tensor context without checks
+            raise
+        _finish(gen)
+        return out
 
     def _post_hook(self, k: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if recomputing() or torch.compiler.is_compiling():
@@ -242,7 +221,7 @@ class Region(PerThread):
         st: _Open | None = getattr(self._tls, "open", None)
         if st is None or st.k != k or st.ran:
             return  # this call ran outside the region (under no_grad, say)
-        if _raising(output):
+        if raising(output):
             self._close(error=True)
         elif k == len(self._modules) - 1:
             self._close(error=False)
@@ -262,22 +241,18 @@ class Region(PerThread):
         if st is None:
             return
         self._tls.open = None  # drops the later members' arguments and the last output with it
-        _opened().pop(self, None)
+        opened_regions().pop(self, None)
         if st.pause is not None:
             st.pause.__exit__(None, None, None)
         if error:
             st.gen.close()  # leave the saved-tensor context without checks
-            return
-        try:
-            next(st.gen)
-        except StopIteration:
-            pass
+        else:
+            _finish(st.gen)
 
     def _recompute(self, calls: list[_Call], kwargs: dict[str, Any]) -> Callable[..., None]:
         def run(*args: Any) -> None:
             modules = self.modules
-            _thread.recomputing = getattr(_thread, "recomputing", 0) + 1
-            try:
+            with Recomputing():
                 out: Any = None
                 for i, call in enumerate(calls):
                     if i == 0:
@@ -289,10 +264,16 @@ class Region(PerThread):
                         out = module(*inputs, **kw)
                     else:  # the fast weights the forward ran with
                         out = torch.func.functional_call(module, call.tensors, inputs, kw)
-            finally:
-                _thread.recomputing -= 1
 
         return run
+
+
+def _finish(gen: Generator[None, None, None]) -> None:
+    """Leave a region's saved-tensor context, with non-reentrant checkpointing's checks."""
+    try:
+        next(gen)
+    except StopIteration:
+        pass
 
 
 def _takes(last: Any, args: tuple[Any, ...]) -> bool | None:
@@ -367,7 +348,10 @@ class _UnitForward:
         module = self.module()
         assert module is not None, "a unit's forward outlived its module"
         own = module.__dict__["_memfit_forward"] or functools.partial(type(module).forward, module)
-        if not self.wrap or not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
+            region = module.__dict__["_memfit_region"]
+            return region.run(module, own, args, kwargs) if region.single else own(*args, **kwargs)
+        if not self.wrap:
             return own(*args, **kwargs)
         # Keywords travel in a partial, so that names such as ``debug`` cannot reach checkpoint's own.
         fn = functools.partial(own, **kwargs) if kwargs else own
@@ -375,11 +359,6 @@ class _UnitForward:
         # Dynamo accepts no context_fn, or a plain function or partial that makes the contexts.
         extra = {} if context_fn is _noop else {"context_fn": context_fn}
         return checkpoint(fn, *args, use_reentrant=False, **extra)
-
-
-def _raising(output: Any) -> bool:
-    """An ``always_call`` forward hook is called with no output while the forward raises."""
-    return output is None and sys.exc_info()[0] is not None
 
 
 def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
@@ -390,48 +369,13 @@ def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
             model.register_forward_hook(functools.partial(_after, regions), always_call=True)]
 
 
-def _opened() -> dict[Region, None]:
-    """The regions this thread has open, in the order they opened: what a guard closes, without
-    a look at each of a deep model's regions twice per forward."""
-    opened = getattr(_thread, "opened", None)
-    if opened is None:
-        opened = _thread.opened = {}
-    return opened
-
-
 def _close_all(regions: list[Region], *_: Any, error: bool = True) -> None:
     if torch.compiler.is_compiling() or recomputing():
         return  # compiled units checkpoint through their forward; no region is ever open
-    opened = _opened()
+    opened = opened_regions()
     for region in [r for r in opened if r in regions] if opened else ():
         region.close(error=error)
 
 
 def _after(regions: list[Region], module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    _close_all(regions, error=_raising(output))
-
-
-def _keep(keep: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _ops(*names: str) -> frozenset[Any]:
-    return frozenset(getattr(_aten, n).default for n in names if hasattr(_aten, n))
-
-
-# Op sets for selective checkpointing: the outputs each keeps (MUST_SAVE); everything else in the unit is recomputed.
-GEMM = "gemm"
-WEIGHTS = "weights"
-ACTIVATION_PRODUCTS = _ops("bmm", "baddbmm")  # written-out attention's q.k^T and probabilities.v
-OP_SETS: dict[str, frozenset[Any]] = {
-    # matrix products, convolutions and attention kernels: the dear ops; the cheap elementwise
-    # ones between them (norms, activations, dropout, softmax) come back in the backward
-    GEMM: _ops("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention"),
-    # the products with a weight only (linear layers lower to mm/addmm, convolutions): what
-    # written-out attention computes between activations (q.k^T, masking, softmax, .v, whose
-    # sequence-squared outputs autograd keeps) comes back in the backward, as Megatron-LM's
-    # core-attention recompute and the compilers' partitioners do
-    WEIGHTS: _ops("mm", "addmm", "convolution"),
-}
+    _close_all(regions, error=raising(output))

@@ -37,7 +37,7 @@ from memfit.errors import EagerPlanCompiledWarning, MemfitWarning, PlanDriftWarn
 from memfit.formats.schedule import Schedule
 from memfit.measure.step import Inputs, iter_tensors
 from memfit.policy import is_segment
-from memfit.runtime.regions import Weak
+from memfit.runtime.threads import Weak
 from memfit.torch_private import allow_in_compiled_graph
 
 _ENTRY = re.compile(r"^(?:(?P<path>[^=\[]+)=)?(?P<dtype>[a-z0-9_]+)\[(?P<dims>[0-9,]*)\]$")
