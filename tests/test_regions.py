@@ -83,3 +83,37 @@ def test_removing_a_region_gives_the_module_back():
     assert not model[2]._forward_hooks and not model[2]._forward_pre_hooks
     twin = copy.deepcopy(model)
     assert torch.equal(_step(model)[0], _step(twin)[0])
+
+
+def test_a_single_units_region_needs_no_hooks_and_a_raising_forward_leaves_nothing_open():
+    """One unit's region is opened and closed by memfit's forward of it: no hooks on the unit
+    (nn.Module.__call__'s fast path), its own hooks run outside the region, and a forward that
+    raises leaves the saved-tensor context, so what the next step saves is saved as usual."""
+    from memfit.torch_private import saved_tensors_hooks_active
+
+    model, plain = _net(), _net()
+    region, segment = Region([model[1]]), Region([model[2], model[3]])
+    assert not model[1]._forward_hooks and not model[1]._forward_pre_hooks
+    assert model[2]._forward_hooks and model[3]._forward_pre_hooks  # a segment's members have them
+    inside: list[bool] = []
+    model[1].register_forward_hook(lambda m, a, out: inside.append(saved_tensors_hooks_active()))
+    fail = [True]
+
+    def boom(m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if fail[0] and not recomputing():
+            raise RuntimeError("boom")
+
+    h = model[1].lin.register_forward_pre_hook(boom)
+    try:
+        _step(model)
+    except RuntimeError:
+        pass
+    assert not saved_tensors_hooks_active()  # left with the exception
+    fail[0] = False
+    h.remove()
+    segment.close(error=True)  # the step raised before the segment; nothing to close
+    for a, b in zip(_step(plain)[1], _step(model)[1], strict=True):
+        assert torch.equal(a, b)
+    assert inside[-1] is False and model[1].calls[-2:] == [False, True]
+    region.remove()
+    segment.remove()
