@@ -52,6 +52,11 @@ def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
 
+def _pm(x: float, sure: float) -> str:
+    """A slowdown and, where known and not zero, its uncertainty (two standard errors)."""
+    return _pct(x) + (f" ±{sure * 100:.1f}" if math.isfinite(sure) and sure > 0 else "")
+
+
 def _unit_table(schedule: Schedule, profile: Profile | None) -> list[str]:
     """Each unit's policy and what it recomputes; with the profile, what it keeps and costs."""
     if profile is not None:
@@ -312,10 +317,12 @@ def sweep_report(frame: pd.DataFrame) -> str:
             if r.status == "infeasible":
                 row += ["does not fit", "-", "-"] + (["-", "-"] if measured else [])
             else:
-                row += [format_bytes(r.predicted_peak_bytes), _pct(r.predicted_overhead) + (" !" if
-                        r.frontier_violation else ""), str(r.checkpointed)]
+                row += [format_bytes(r.predicted_peak_bytes),
+                        _pm(r.predicted_overhead, getattr(r, "predicted_uncertainty", math.nan))
+                        + (" !" if r.frontier_violation else ""), str(r.checkpointed)]
                 if measured:
-                    row += [format_bytes(r.measured_peak_bytes), _pct(r.measured_overhead)]
+                    row += [format_bytes(r.measured_peak_bytes),
+                            _pm(r.measured_overhead, getattr(r, "measured_uncertainty", math.nan))]
         for s in others:
             r = by[s, budget]
             row.append("n/a" if r.status == "n/a" else "-" if r.status == "infeasible" else _pct(r.predicted_overhead))

@@ -63,7 +63,8 @@ def test_columns_dtypes_and_csv_round_trip(tmp_path):
     assert set(frame.loc[frame["strategy"] == "sqrt", "status"]) == {"n/a"}  # not a chain
     frame.to_csv(tmp_path / "s.csv", index=False)
     again = pd.read_csv(tmp_path / "s.csv", dtype=COLUMNS, keep_default_na=False, na_values={
-        "predicted_peak_bytes": [""], "checkpointed": [""], "predicted_overhead": [""], "recompute_s": [""]})
+        "predicted_peak_bytes": [""], "checkpointed": [""], "predicted_overhead": [""], "recompute_s": [""],
+        "predicted_uncertainty": [""]})
     again["policies"] = again["policies"].astype("string")
     pd.testing.assert_frame_equal(again, frame, check_exact=False, rtol=1e-12)
 
@@ -215,7 +216,7 @@ def test_sweep_mistakes_exit_2_without_files(tmp_path, args, message):
 def test_sweep_command_measures_and_writes(tmp_path):
     (tmp_path / "tiny.toml").write_text(
         'model = "memfit.zoo:gpt"\n[args]\nbatch = 2\nseq = 32\nvocab = 256\nd_model = 64\nn_head = 2\nn_layer = 3\n')
-    proc = run("sweep", "--scenario", "tiny.toml", "--repeat", "1", "--points", "4", "--measure", "--steps", "1",
+    proc = run("sweep", "--scenario", "tiny.toml", "--repeat", "3", "--points", "4", "--measure", "--steps", "3",
                "--strategies", "ilp,full", "--csv", "s.csv", "--plot", "s.svg", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "plan peak" in proc.stdout and "full slowdown" in proc.stdout and "measured peak" in proc.stdout
@@ -223,4 +224,9 @@ def test_sweep_command_measures_and_writes(tmp_path):
     assert len(frame) == 8 and frame["measured_peak_bytes"].notna().all()
     # On the CPU the measured peak of every plan is the predicted one, to the byte.
     assert (frame["measured_peak_bytes"] == frame["predicted_peak_bytes"]).all()
+    # Every slowdown comes with its uncertainty: the profile's for the predicted one (none where
+    # nothing is recomputed), the timed rounds' for the measured one; the table prints both.
+    ilp = frame[frame["strategy"] == "ilp"]
+    assert ((ilp["predicted_uncertainty"] > 0) == (ilp["recompute_s"] > 0)).all()
+    assert (frame["measured_uncertainty"] > 0).all() and " ±" in proc.stdout
     assert (tmp_path / "s.svg").read_text().lstrip().startswith("<?xml")

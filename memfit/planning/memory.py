@@ -24,6 +24,7 @@ class Prediction:
     overhead: float  # recompute time / un-checkpointed step time
     levels: list[tuple[str, int, int]]  # (phase, level at its start, its peak), for timelines
     uncertainty_s: float = 0.0  # how sure recompute_s is: its options' uncertainties summed (they share rounds)
+    overhead_uncertainty: float = 0.0  # the same as a share of the un-checkpointed step
 
 
 def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
@@ -51,8 +52,9 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
         pending = member_input(profile, phase.unit, roles[phase.unit]) if (
             phase.unit is not None and phase.kind == "forward") else 0
     recompute = sum(c.recompute_s for c in costs)
-    overhead = recompute / profile.step_s if profile.step_s > 0 else 0.0
-    return Prediction(int(peak), where, recompute, overhead, levels, sum(c.uncertainty_s for c in costs))
+    sure = sum(c.uncertainty_s for c in costs)
+    share = 1 / profile.step_s if profile.step_s > 0 else 0.0
+    return Prediction(int(peak), where, recompute, recompute * share, levels, sure, sure * share)
 
 
 def fsdp_headroom(profile: Profile) -> int:

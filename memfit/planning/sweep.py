@@ -40,6 +40,7 @@ COLUMNS = {  # name -> pandas dtype
     "predicted_peak_bytes": "Int64",  # missing where nothing fits
     "predicted_overhead": "float64",
     "recompute_s": "float64",
+    "predicted_uncertainty": "float64",  # of predicted_overhead: two standard errors, from the profile's rounds
     "checkpointed": "Int64",
     "policies": "string",  # JSON of unit -> policy; empty where nothing fits
     "solve_s": "float64",  # seconds this row took (a shared frontier's time is split over its rows)
@@ -105,13 +106,15 @@ def _row(budget: int, strategy: str, status: str, policies: Policies | None, pre
     """One row; ``pred`` is ``predict(profile, policies)``, made once per distinct plan."""
     if policies is None or pred is None:
         return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": None,
-                "predicted_overhead": math.nan, "recompute_s": math.nan, "checkpointed": None, "policies": "",
+                "predicted_overhead": math.nan, "recompute_s": math.nan, "predicted_uncertainty": math.nan,
+                "checkpointed": None, "policies": "",
                 "solve_s": seconds, "frontier_violation": False}
     if pred.peak_bytes > budget:  # the scaled models round up, so this is a bug if it happens
         raise InternalError(f"{strategy} at {budget} bytes predicts {pred.peak_bytes}; please report this with the "
                             "profile")
     return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": pred.peak_bytes,
             "predicted_overhead": pred.overhead, "recompute_s": pred.recompute_s,
+            "predicted_uncertainty": pred.overhead_uncertainty,
             "checkpointed": sum(v != "none" for v in policies.values()), "policies": json.dumps(policies),
             "solve_s": seconds, "frontier_violation": False}
 

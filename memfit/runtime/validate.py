@@ -251,10 +251,11 @@ def measure_plans(
     model: nn.Module, inputs: Any, plans: list[dict[str, str]], *, loss_fn: LossFn | None = None,
     optimizer: str | None = "adamw", step: TrainStep | None = None, steps: int = 3,
     progress: Callable[[], None] | None = None,
-) -> tuple[list[int], list[float]]:
-    """The measured peak bytes and slowdown of each plan, by ``validate``'s machinery: each peak
-    from a steady-state step of its own, the slowdowns from one interleaved series of timed
-    rounds that all plans share with the plain model. ``model`` is left as it was."""
+) -> tuple[list[int], list[float], list[float]]:
+    """The measured peak bytes, slowdown and its uncertainty (two standard errors, NaN below 3
+    rounds) of each plan, by ``validate``'s machinery: each peak from a steady-state step of its
+    own, the slowdowns from one interleaved series of timed rounds that all plans share with the
+    plain model. ``model`` is left as it was."""
     harness = StepHarness(model, inputs, loss_fn=loss_fn, step=step_of(step, optimizer))
     peaks = []
     with harness.restoring() as found:  # each plan from the state the model came in
@@ -264,8 +265,8 @@ def measure_plans(
             found.restore()
             if progress is not None:
                 progress()
-        _, ratios, _ = harness.step_times(plans, steps)
-    return peaks, [r - 1.0 for r in ratios]
+        _, ratios, sure = harness.step_times(plans, steps)
+    return peaks, [r - 1.0 for r in ratios], sure
 
 
 def measure_levels(
