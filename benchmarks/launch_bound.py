@@ -28,7 +28,9 @@ an estimate; the re-run ops are mostly cheap ones, so it errs high); ``own ms``:
 extra time (thread time) less that estimate, memfit's (or checkpoint's) own cost per step, also
 per unit under the option, per op of the plain step and per re-run op. ``grads``: the option's
 gradients after one step against the plain model's: ``equal`` (bit for bit), else the largest
-absolute difference, ``NO`` where ``torch.testing.assert_close`` fails.
+absolute difference, ``NO`` where ``torch.testing.assert_close`` fails. Below the table: memfit's
+``full`` against ``torch.utils.checkpoint`` round by round (the ratio of the two in each round,
+whose median the plain step's own scatter does not blur), and what that is per unit.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from memfit import zoo
 from memfit.jsonio import write_json_atomic
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
-from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
+from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, ratio_uncertainty
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts
 from memfit.report import table
@@ -212,6 +214,13 @@ def bench(label: str, build: Build, rounds: int) -> dict[str, Any]:
           f"{_pct(aa['wall_ratio'], aa['wall_ratio_pm'])} wall")
     print(table(["config", "units", "step ms", "vs plain", "wall vs plain", "ops", "re-run", "re-run ms",
                  "own ms", "own µs/unit", "own µs/op", "own µs/re-run op", "grads"], rows))
+    # memfit's full against PyTorch's checkpoint directly, round by round: sharper than the two
+    # ratios to plain (the plain step's own scatter drops out)
+    ck, full = thread[keys.index("torch checkpoint")], thread[keys.index("full")]
+    vs, vs_pm = median_ratio(ck, full), ratio_uncertainty(ck, full)
+    extra_us = (vs - 1) * out["torch checkpoint"]["step_ms"] * 1e3 / len(names)
+    print(f"memfit full vs torch checkpoint: {_pct(vs, vs_pm)} ({extra_us:+.0f} µs a unit)")
+    out["full"]["vs_checkpoint"], out["full"]["vs_checkpoint_pm"] = vs, vs_pm
     return {"units": names, "plain_ms": plain_s * 1e3, "plain_ops": ops["plain"], "per_op_us": per_op * 1e6,
             "skipped": skipped, "configs": out}
 
