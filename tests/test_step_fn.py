@@ -89,8 +89,11 @@ def test_a_contrastive_step_is_planned_and_validated(setup):
     forwards = [p for p in prof.phases if p.kind == "forward"]
     assert len(forwards) == 2 * len(prof.units)  # two runs of each unit per step
     none, full = prof.measured_peak_bytes["none"], prof.measured_peak_bytes["full"]
-    sched = memfit.plan(prof, (none + full) // 2)
-    assert 0 < len(sched.checkpointed) < len(prof.units)
+    budget = (none + full) // 2
+    sched = memfit.plan(prof, budget)
+    # some units, not necessarily fewer than all: one round's costs can come out 0 on a busy
+    # machine (clipped noise), and then checkpointing every unit ties with fewer
+    assert sched.checkpointed and memfit.predict(prof, sched.policies).peak_bytes <= budget
     for policies in ({}, dict.fromkeys(prof.unit_names, "full"), sched.policies):
         twin = copy.deepcopy(model)
         twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
