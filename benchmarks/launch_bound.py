@@ -3,6 +3,7 @@ what a GPU's host feels is memfit's own machinery, not the kernels it re-runs.
 
     python benchmarks/launch_bound.py                       # gpt, nanogpt, vit, resnet; 21 rounds (~5 min)
     python benchmarks/launch_bound.py --models gpt --rounds 31 --json launch_bound.json
+    python benchmarks/launch_bound.py --options full --rounds 161   # memfit full vs torch checkpoint (~4 min)
 
 Each model (float32, CPU, one thread), every unit (``units.find_units``) under one option at a
 time: plain (twice: the second is the A/A control, the noise of the series), ``torch.utils.checkpoint``
@@ -145,7 +146,7 @@ def _pct(ratio: float, pm: float) -> str:
     return f"{(ratio - 1) * 100:+.1f}% ±{pm * 100:.1f}"
 
 
-def bench(label: str, build: Build, rounds: int) -> dict[str, Any]:
+def bench(label: str, build: Build, rounds: int, only: list[str] | None = None) -> dict[str, Any]:
     model, raw = build()
     inputs = Inputs.of(raw)
     names = find_units(model, "auto")
@@ -154,7 +155,8 @@ def bench(label: str, build: Build, rounds: int) -> dict[str, Any]:
         "plain": (copy.deepcopy(model), []), "plain (A/A)": (copy.deepcopy(model), []),
         "torch checkpoint": (_checkpointed(copy.deepcopy(model), names), names)}
     skipped: dict[str, str] = {}
-    for option, under in [(o, names) for o in OPTIONS] + _child_options(model, names, inputs):
+    offered = [(o, names) for o in OPTIONS] + _child_options(model, names, inputs)
+    for option, under in [(o, u) for o, u in offered if only is None or o in only]:
         m = copy.deepcopy(model)
         try:
             set_policies(m, dict.fromkeys(under, option))
@@ -216,11 +218,12 @@ def bench(label: str, build: Build, rounds: int) -> dict[str, Any]:
                  "own ms", "own µs/unit", "own µs/op", "own µs/re-run op", "grads"], rows))
     # memfit's full against PyTorch's checkpoint directly, round by round: sharper than the two
     # ratios to plain (the plain step's own scatter drops out)
-    ck, full = thread[keys.index("torch checkpoint")], thread[keys.index("full")]
-    vs, vs_pm = median_ratio(ck, full), ratio_uncertainty(ck, full)
-    extra_us = (vs - 1) * out["torch checkpoint"]["step_ms"] * 1e3 / len(names)
-    print(f"memfit full vs torch checkpoint: {_pct(vs, vs_pm)} ({extra_us:+.0f} µs a unit)")
-    out["full"]["vs_checkpoint"], out["full"]["vs_checkpoint_pm"] = vs, vs_pm
+    if "full" in keys:
+        ck, full = thread[keys.index("torch checkpoint")], thread[keys.index("full")]
+        vs, vs_pm = median_ratio(ck, full), ratio_uncertainty(ck, full)
+        extra_us = (vs - 1) * out["torch checkpoint"]["step_ms"] * 1e3 / len(names)
+        print(f"memfit full vs torch checkpoint: {_pct(vs, vs_pm)} ({extra_us:+.0f} µs a unit)")
+        out["full"]["vs_checkpoint"], out["full"]["vs_checkpoint_pm"] = vs, vs_pm
     return {"units": names, "plain_ms": plain_s * 1e3, "plain_ops": ops["plain"], "per_op_us": per_op * 1e6,
             "skipped": skipped, "configs": out}
 
@@ -229,10 +232,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(models()), choices=list(models()))
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--options", nargs="+", metavar="OPTION",
+                        help="only these of memfit's options (plain, its A/A copy and torch checkpoint always run); "
+                             "e.g. --options full --rounds 161: memfit's full against PyTorch's checkpoint, sharply")
     parser.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = {name: bench(name, models()[name], args.rounds) for name in args.models}
+    results = {name: bench(name, models()[name], args.rounds, args.options) for name in args.models}
     if args.json:
         write_json_atomic(args.json, {"rounds": args.rounds, "threads": 1, "torch": torch.__version__,
                                       "models": results})
