@@ -53,8 +53,9 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
             phase.unit is not None and phase.kind == "forward") else 0
     recompute = sum(c.recompute_s for c in costs)
     sure = sum(c.uncertainty_s for c in costs)
-    share = 1 / profile.step_s if profile.step_s > 0 else 0.0
-    return Prediction(int(peak), where, recompute, recompute * share, levels, sure, sure * share)
+    step = profile.step_s
+    return Prediction(int(peak), where, recompute, recompute / step if step > 0 else 0.0, levels, sure,
+                      sure / step if step > 0 else 0.0)
 
 
 def fsdp_headroom(profile: Profile) -> int:
