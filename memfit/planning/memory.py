@@ -54,8 +54,8 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
     recompute = sum(c.recompute_s for c in costs)
     sure = sum(c.uncertainty_s for c in costs)
     step = profile.step_s
-    return Prediction(int(peak), where, recompute, recompute / step if step > 0 else 0.0, levels, sure,
-                      sure / step if step > 0 else 0.0)
+    overhead, overhead_sure = (recompute / step, sure / step) if step > 0 else (0.0, 0.0)
+    return Prediction(int(peak), where, recompute, overhead, levels, sure, overhead_sure)
 
 
 def fsdp_headroom(profile: Profile) -> int:

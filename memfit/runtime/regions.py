@@ -186,19 +186,22 @@ class Region(PerThread):
                 f"memfit: a checkpointed chain expects {names[k]} to be called with the output of {names[k - 1]}, "
                 "and this forward called it with something else; the schedule does not fit this model's forward: "
                 "profile and plan it again")
-        calls = [_Call(k, (), {}, False, _substituted(module, self._tables(k)))]
-        self._tls.open = _Open(self._enter(calls, args, kwargs), calls, k)
+        gen, calls = self._enter(k, module, args, kwargs)
+        self._tls.open = _Open(gen, calls, k)
         opened_regions()[self] = None
 
-    def _enter(self, calls: list[_Call], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Generator[None, None, None]:
-        """Inside the region from here on: saved tensors are left for recomputation, until the
-        generator is resumed (checked) or closed (without checks)."""
+    def _enter(self, k: int, module: nn.Module, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> tuple[Generator[None, None, None], list[_Call]]:
+        """Inside the region from here on, from member ``k``'s call: saved tensors are left for
+        recomputation until the generator is resumed (checked) or closed (without checks). The
+        calls list is what the recomputation replays; later members append theirs."""
+        calls = [_Call(k, (), {}, False, _substituted(module, self._tables(k)))]
         # Keyword arguments travel in the closure, so that names such as ``debug`` in a unit's
         # forward cannot collide with the generator's own keywords.
         gen = checkpoint_generator(
             self._recompute(calls, kwargs), True, self._contexts, "default", False, True, *args)
         next(gen)
-        return gen
+        return gen, calls
 
     def run(self, module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
@@ -206,7 +209,7 @@ class Region(PerThread):
         or where nothing is saved)."""
         if recomputing() or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        gen = self._enter([_Call(0, (), {}, False, _substituted(module, self._tables(0)))], args, kwargs)
+        gen, _ = self._enter(0, module, args, kwargs)
         try:
             out = forward(*args, **kwargs)
         except BaseException:
@@ -372,8 +375,7 @@ def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
 def _close_all(regions: list[Region], *_: Any, error: bool = True) -> None:
     if torch.compiler.is_compiling() or recomputing():
         return  # compiled units checkpoint through their forward; no region is ever open
-    opened = opened_regions()
-    for region in [r for r in opened if r in regions] if opened else ():
+    for region in [r for r in opened_regions() if r in regions]:
         region.close(error=error)
 
 

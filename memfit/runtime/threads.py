@@ -54,7 +54,6 @@ class PerThread:
         self._tls = threading.local()
 
 
-
 class Recomputing:
     """This thread recomputes a region's forward while inside (nested regions count)."""
 
