@@ -11,6 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
+# An allocator event of the profiler's event tree, with the block's address: the CPU meter
+# (measure/memory.py) counts a free only if it saw the block made. The public events carry no
+# address, and the CPU allocator reports a free of a block made while no profiler ran with a stale
+# size from its table (an earlier block at that address). Since torch 1.13.
+from torch._C._profiler import _ExtraFields_Allocation as ProfiledAllocation
+
 # Fake tensors: estimate mode builds and runs the model without memory. Since torch 2.0.
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
@@ -36,7 +42,8 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as ch
 # a recompute (runtime/regions.py). Since torch 1.0.
 BatchNorm = nn.modules.batchnorm._BatchNorm
 
-__all__ = ["BatchNorm", "FakeTensorMode", "StorageWeakRef", "TorchDispatchMode", "allow_in_compiled_graph",
+__all__ = ["BatchNorm", "FakeTensorMode", "ProfiledAllocation", "StorageWeakRef", "TorchDispatchMode",
+           "allow_in_compiled_graph",
            "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors",
            "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map",
            "tree_unflatten"]

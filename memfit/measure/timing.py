@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -11,6 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from memfit.measure.memory import gc_held
 from memfit.measure.step import Inputs, LossFn, training_step
 
 T = TypeVar("T")
@@ -38,12 +38,8 @@ def _without_gc(run: Callable[[int], T], k: int) -> T:
     """``run(k)`` with Python's cyclic garbage collector held off, as ``timeit`` does: its full
     collections come every so many allocations, so in a fixed order of steps they land on the
     same configuration round after round and bias its time."""
-    gc.collect()
-    gc.disable()
-    try:
+    with gc_held():
         return run(k)
-    finally:
-        gc.enable()
 
 
 def median_ratio(plain: list[float], other: list[float]) -> float:
