@@ -19,7 +19,7 @@ import torch
 from memfit.budget import format_bytes
 from memfit.errors import MemfitError
 from memfit.formats.schedule import Schedule
-from memfit.measure.memory import memory_recorder
+from memfit.measure.memory import memory_recorder, peak_from
 from memfit.measure.step import storage_bytes
 from memfit.torch_private import tree_flatten, tree_map
 from memfit.trainstep import TrainStep
@@ -97,9 +97,13 @@ def first_batch(loader: Iterable[Any], device: torch.device | str | None = None)
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor)]
+
+
 def bytes_of(batch: Any) -> int:
     """The bytes of a batch's tensors."""
-    return storage_bytes([x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor)])
+    return storage_bytes(_tensors(batch))
 
 
 def _cuda_devices() -> list[int]:
@@ -121,10 +125,8 @@ class StepPeak:
         """Start measuring a step of ``model``; ``batch``: the step's batch, made before it started
         (or ``batch_bytes``, its size, where a callback does not see it: the HF Trainer's)."""
         device = next(model.parameters()).device
-        # Tensors in reference cycles of earlier steps, freed whenever the collector runs: freed
-        # now, not inside the measured step (the CPU meter does not see a block it did not see made)
-        gc.collect()
         if device.type == "cuda":
+            gc.collect()  # tensors in earlier steps' reference cycles: freed now, not inside the step
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             self._recorder = device
@@ -132,9 +134,9 @@ class StepPeak:
         opt = real_optimizer(optimizer) if optimizer is not None else None
         state = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        self._start = batch_bytes + bytes_of(batch) + storage_bytes(
-            [*model.parameters(), *model.buffers(), *grads, *state])
-        self._recorder = memory_recorder(device)
+        static = [*model.parameters(), *model.buffers(), *grads, *state, *_tensors(batch)]
+        self._start = batch_bytes + storage_bytes(static)
+        self._recorder = memory_recorder(device, static)  # the gradients' frees at zero_grad count
         self._recorder.__enter__()
         self._recorder.on_mark("start")
 
@@ -150,8 +152,7 @@ class StepPeak:
             recorder.on_mark("end")
             with contextlib.suppress(Exception):
                 recorder.__exit__(None, None, None)
-            marks = recorder.marks()
-            peak = self._start + max(m.peak for m in marks) - marks[0].level
+            peak = peak_from(recorder.marks(), self._start)
         self.peak_bytes = max(self.peak_bytes, peak)
         return peak
 

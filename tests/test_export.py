@@ -14,12 +14,12 @@ import memfit
 from memfit.cli import main
 from memfit.export import export
 from memfit.formats.schedule import Schedule, model_fingerprint
-from memfit.measure.memory import memory_recorder
+from memfit.measure.memory import measured
 from memfit.scenarios import tomllib
 from memfit.zoo import gpt
 
 from .conftest import TINY, tiny_gpt
-from .test_train_step import UserLoop, _bytes
+from .test_train_step import UserLoop
 
 BLOCKS = [f"h.{i}" for i in range(4)]
 
@@ -44,15 +44,10 @@ def _trained(model, batch) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
     loop.step()
     loop.opt.zero_grad(set_to_none=True)
     state = [v for s in loop.opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    static = _bytes([*model.parameters(), *model.buffers(), *state, *(v for v in batch.values() if torch.is_tensor(v))])
-    recorder = memory_recorder(torch.device("cpu"))
     torch.manual_seed(1)
-    with recorder:
-        recorder.on_mark("start")
-        loss = loop.step()
-        recorder.on_mark("end")
-    marks = recorder.marks()
-    return loss, static + max(m.peak for m in marks) - marks[0].level, [p.grad for p in model.parameters()]
+    loss, peak, _ = measured(loop.step, lambda: [*model.parameters(), *model.buffers(), *state,
+                                                 *(v for v in batch.values() if torch.is_tensor(v))])
+    return loss, peak, [p.grad for p in model.parameters()]
 
 
 def _same(a, b) -> bool:

@@ -17,8 +17,7 @@ import torch
 import memfit
 from memfit.cache import CacheWarning
 from memfit.errors import MemfitError
-from memfit.measure.memory import memory_recorder
-from memfit.measure.step import storage_bytes
+from memfit.measure.memory import measured
 
 from .conftest import tiny_gpt
 
@@ -28,16 +27,14 @@ def _step(model, batch, opt) -> tuple[torch.Tensor, int]:
     peak: what lives at its start plus the highest rise during it."""
     opt.zero_grad(set_to_none=True)
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    start = storage_bytes([*model.parameters(), *model.buffers(), *state, *batch.values()])
-    recorder = memory_recorder(torch.device("cpu"))
-    with recorder:
-        recorder.on_mark("start")
+
+    def step() -> torch.Tensor:
         loss = memfit.default_loss(model(**batch))  # the output's .loss, the output dropped (the planned step)
         loss.backward()
         opt.step()
-        recorder.on_mark("end")
-    marks = recorder.marks()
-    return loss.detach(), start + max(m.peak for m in marks) - marks[0].level
+        return loss.detach()
+    loss, peak, _ = measured(step, lambda: [*model.parameters(), *model.buffers(), *state, *batch.values()])
+    return loss, peak
 
 
 def _hf_gpt2():

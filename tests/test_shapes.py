@@ -16,10 +16,10 @@ import torch
 import memfit
 from memfit.errors import InfeasibleBudgetError, MemfitError, PlanDriftWarning
 from memfit.formats.schedule import load_schedule
-from memfit.measure.memory import memory_recorder
+from memfit.measure.memory import measured
 from memfit.zoo import gpt
 
-from .test_train_step import UserLoop, _bytes
+from .test_train_step import UserLoop
 
 LENGTHS = (64, 128, 256)
 
@@ -38,15 +38,9 @@ def _measured_step(loop: UserLoop) -> tuple[torch.Tensor, int]:
     the exact CPU meter sees during it. Gradients are left for the caller to compare."""
     loop.opt.zero_grad(set_to_none=True)
     state = [v for s in loop.opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    static = _bytes([*loop.model.parameters(), *loop.model.buffers(), *state,
-                     *(v for v in loop.batch.values() if torch.is_tensor(v))])
-    recorder = memory_recorder(torch.device("cpu"))
-    with recorder:
-        recorder.on_mark("start")
-        loss = loop.step()
-        recorder.on_mark("end")
-    marks = recorder.marks()
-    return loss, static + max(m.peak for m in marks) - marks[0].level
+    loss, peak, _ = measured(loop.step, lambda: [*loop.model.parameters(), *loop.model.buffers(), *state,
+                                                 *(v for v in loop.batch.values() if torch.is_tensor(v))])
+    return loss, peak
 
 
 def _train_alternating(model, batches: list[dict], schedule, rounds: int = 2):
@@ -250,15 +244,12 @@ def test_a_compiled_model_switches_plans_between_shapes_outside_its_graphs():
     plain, scheduled = copy.deepcopy(model), memfit.apply(copy.deepcopy(model), schedule)
     compiled = [torch.compile(m, backend="aot_eager") for m in (plain, scheduled)]
 
-    def peak(m, n) -> int:  # one compiled forward and backward, gradients left for the caller
-        recorder = memory_recorder(torch.device("cpu"))
-        with recorder:
-            recorder.on_mark("start")
+    def peak(m, n) -> int:  # one compiled forward and backward's rise, gradients left for the caller
+        def step() -> torch.Tensor:
             loss = m(**_at(batch, n))["loss"]
             loss.backward()
-            recorder.on_mark("end")
-        marks = recorder.marks()
-        return loss.detach(), max(x.peak for x in marks) - marks[0].level
+            return loss.detach()
+        return measured(step, list)[:2]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EagerPlanCompiledWarning)  # an eager plan, compiled: said once

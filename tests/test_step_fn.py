@@ -15,7 +15,7 @@ from torch import nn
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.measure.memory import memory_recorder
+from memfit.measure.memory import measured
 
 
 class Encoder(nn.Module):
@@ -47,23 +47,14 @@ def contrastive(model: nn.Module, opt: torch.optim.Optimizer):
     return step
 
 
-def _bytes(tensors) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
 def measured_peak(model: nn.Module, views, opt, fn) -> int:
-    """The user's function's steady-state peak: what lives across steps, counted here, plus the
-    highest rise the meter sees while it runs."""
-    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    static = _bytes([*model.parameters(), *model.buffers(), *state, *grads, *views])
-    recorder = memory_recorder(torch.device("cpu"))
-    with recorder:
-        recorder.on_mark("start")
-        fn(model, views)
-        recorder.on_mark("end")
-    marks = recorder.marks()
-    return static + max(m.peak for m in marks) - marks[0].level
+    """The user's function's steady-state peak: what lives across steps, counted here (the
+    gradients too, which the function frees when it zeroes them), plus the highest rise the meter
+    sees while it runs."""
+    def static():
+        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        return [*model.parameters(), *model.buffers(), *state, *(p.grad for p in model.parameters()), *views]
+    return measured(lambda: fn(model, views), static)[1]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import memfit
 from memfit.errors import MemfitError, ScheduleMismatchError
 from memfit.formats.profile import Profile, profile_from_dict
 from memfit.formats.schedule import Schedule, model_fingerprint
-from memfit.measure.memory import memory_recorder
+from memfit.measure.memory import measured
 
 from .conftest import tiny_gpt
 
@@ -32,14 +32,6 @@ OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
     "callable": user_optimizer,
 }
-
-
-def _bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 def _loss(out) -> torch.Tensor:
@@ -86,21 +78,18 @@ class UserLoop:
         return total
 
     def peak(self) -> int:
-        """The peak of one steady-state step: what lives across steps (counted here) plus the
-        highest rise the meter sees during the step."""
+        """The peak of one steady-state step: what lives across steps (counted here, the last
+        step's output too, which goes when this step makes its own) plus the highest rise the meter
+        sees during the step."""
         self.opt.zero_grad(set_to_none=True)
-        state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        held = [v for v in (self.out or {}).values() if torch.is_tensor(v)]  # the last step's output
-        if self.scaler is not None:  # its scale and growth tracker
-            held += [self.scaler._scale, self.scaler._growth_tracker]
-        static = _bytes([*self.model.parameters(), *self.model.buffers(), *state, *self.batch.values(), *held])
-        recorder = memory_recorder(torch.device("cpu"))
-        with recorder:
-            recorder.on_mark("start")
-            self.step()
-            recorder.on_mark("end")
-        marks = recorder.marks()
-        return static + max(m.peak for m in marks) - marks[0].level
+
+        def static() -> list[torch.Tensor]:  # listed when asked: nothing here holds the last output
+            state = [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+            held = [v for v in (self.out or {}).values() if torch.is_tensor(v)]
+            if self.scaler is not None:  # its scale and growth tracker
+                held += [self.scaler._scale, self.scaler._growth_tracker]
+            return [*self.model.parameters(), *self.model.buffers(), *state, *self.batch.values(), *held]
+        return measured(self.step, static)[1]
 
 
 def _apply(model: nn.Module, policies: dict[str, str]) -> nn.Module:

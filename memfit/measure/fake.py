@@ -5,7 +5,7 @@ published figures. ``fake_meters`` hands them to the profiler, as meters.py hand
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.devices import Device
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
-from memfit.measure.step import iter_tensors, storage_key
+from memfit.measure.step import iter_tensors, local, storage_key
 from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema, saved_tensors_hooks_active
 
 CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
@@ -28,21 +28,29 @@ _WORKSPACE = {"convolution": 1, "convolution_backward": 2}
 
 def fake_meters(target: Device) -> Meters:
     """Estimate mode's meters for ``target``: live bytes of fake storages, a roofline clock."""
-    return Meters(lambda: FakeMemoryRecorder(target), lambda: RooflineClock(target))
+    return Meters(lambda alive: FakeMemoryRecorder(target, alive), lambda: RooflineClock(target))
 
 
 class FakeMemoryRecorder(TorchDispatchMode):
     """Live bytes of the storages that ops create while it is active, each counted until its
     Python storage object is collected (PyTorch keeps one per storage while the storage lives),
-    and the changes of storages resized in place (``_watch_resizes``)."""
+    and the changes of storages resized in place (``_watch_resizes``); ``alive``: the tensors
+    counted in the level the step starts from, whose frees during it count."""
 
-    def __init__(self, target: Device) -> None:
+    def __init__(self, target: Device, alive: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self._cuda = target.cuda
         self._granule = CUDA_GRANULE if target.cuda else 1
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes counted for it]
         self._level = self._peak = 0
         self._marks: list[Mark] = []
+        self._static: list[weakref.finalize] = []  # the alive storages' (weak: they must be free to go)
+        for t in alive:
+            st = local(t).untyped_storage()
+            if st not in self._seen:
+                counted = [self._rounded(st.nbytes())]
+                self._seen[st] = counted
+                self._static.append(weakref.finalize(st, self._free, counted))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -75,6 +83,8 @@ class FakeMemoryRecorder(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             self._unwatch()
+            for f in self._static:  # parameters outlive many recorders: none keeps this one
+                f.detach()
 
     def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
         """A storage resized in place: FSDP2 frees each gathered unit's buffer with ``resize_(0)``

@@ -11,15 +11,19 @@ import gc
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 import torch
 
 from memfit.devices import MemoryRecord
 from memfit.errors import MemfitError
+from memfit.measure.step import local, storage_bytes
+from memfit.torch_private import is_fake
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -32,11 +36,12 @@ class Mark:
 
 @contextmanager
 def gc_held() -> Iterator[None]:
-    """Python's cyclic collector run now and held off until the block ends (as ``timeit`` does).
-    A collection inside a measured step frees tensors of earlier steps' reference cycles (another
-    test's model, the user's last batch): the meters see those frees, so a step measured at a
-    random moment read up to tens of KiB low, and its time took the collection's."""
-    gc.collect()
+    """Python's cyclic collector held off until the block ends (as ``timeit`` does). A collection
+    inside a measured step frees tensors of earlier steps' reference cycles (another test's model,
+    the user's last batch), which the CUDA allocator's figures see, and takes its time from the
+    step; and in a fixed order of steps it lands on the same configuration round after round. No
+    collection first: a full one takes 0.2 s in a process that has imported torch, a third of a
+    small model's profile, and the meters need none (a free is seen only of a block they count)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -50,12 +55,14 @@ class CpuMemoryRecorder:
     """Exact live bytes on the CPU from the allocator's own events (the CPU allocator does not
     cache), read from the profiler's event tree (``kineto_results.experimental_event_tree()``, a
     private but long-stable surface): the public events carry neither every allocation nor the
-    block's address. A free counts only where this recording saw the block made: blocks made
-    before it were never counted, and the allocator reports some of their frees with the size of
-    an earlier block at the same address (a CPU step read up to 44 KiB low at random)."""
+    block's address. A free counts only where the block is known: made while recording, or one of
+    ``alive``, the tensors the caller counts in the level the step starts from (the static
+    level). The allocator reports frees of other blocks made earlier with the size of whatever
+    block it last saw at that address (a CPU step read up to 64 KiB low at random)."""
 
-    def __init__(self) -> None:
+    def __init__(self, alive: Iterable[torch.Tensor] = ()) -> None:
         self._prof: Any = None
+        self._alive = _blocks(alive)
 
     def __enter__(self) -> CpuMemoryRecorder:
         self._gc = gc_held()
@@ -81,7 +88,7 @@ class CpuMemoryRecorder:
 
     def marks(self) -> list[Mark]:
         out: list[Mark] = []
-        made: dict[int, int] = {}  # address -> bytes of the blocks this recording saw made
+        made = dict(self._alive)  # address -> bytes of the blocks known to be live
         level = peak = 0
         for _, nbytes, ptr, label in _cpu_events(self._prof):
             if label is not None:
@@ -94,6 +101,40 @@ class CpuMemoryRecorder:
             elif ptr in made:
                 level -= made.pop(ptr)
         return out
+
+
+def _blocks(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Address -> bytes of the CPU storages behind ``tensors`` (held by address only: a reference
+    would keep them from being freed)."""
+    out: dict[int, int] = {}
+    for t in map(local, tensors):
+        if t.device.type == "cpu" and not is_fake(t):
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def peak_from(marks: list[Mark], static: int) -> int:
+    """A measured stretch's peak: the ``static`` level it started from (the bytes of the tensors
+    the recorder was told were alive) plus the highest rise over its first mark."""
+    return static + max(m.peak for m in marks) - marks[0].level
+
+
+def measured(run: Callable[[], T], static: Callable[[], Iterable[torch.Tensor]],
+             device: torch.device | None = None) -> tuple[T, int, CudaFigures | None]:
+    """``run()``'s result, its peak and, on CUDA, the card's own figures. The peak is the bytes of
+    the tensors ``static()`` lists (those alive at the start that the caller counts) plus the
+    highest rise over them; a function, so that nothing here holds them while ``run`` may free them
+    (a step that zeroes its gradients to None)."""
+    tensors = list(static())
+    start = storage_bytes(tensors)
+    recorder = memory_recorder(device or torch.device("cpu"), tensors)
+    del tensors
+    with recorder:
+        recorder.on_mark("start")
+        out = run()
+        recorder.on_mark("end")
+    return out, peak_from(recorder.marks(), start), getattr(recorder, "figures", None)
 
 
 def _cpu_events(prof: Any) -> list[tuple[int, int, int, str | None]]:
@@ -213,9 +254,11 @@ def device_memory(device: torch.device) -> MemoryRecord | dict[str, Any]:
                                + (f"{known.name}'s ({known.source})" if known else "memfit's defaults"))
 
 
-def memory_recorder(device: torch.device) -> CpuMemoryRecorder | CudaMemoryRecorder:
+def memory_recorder(device: torch.device, alive: Iterable[torch.Tensor] = ()) -> CpuMemoryRecorder | CudaMemoryRecorder:
+    """The device's meter; ``alive``: the tensors counted in the level a step starts from, whose
+    frees during it count (the CUDA allocator sees every free without being told)."""
     if device.type == "cuda":
         return CudaMemoryRecorder(device)
     if device.type == "cpu":
-        return CpuMemoryRecorder()
+        return CpuMemoryRecorder(alive)
     raise MemfitError(f"memfit measures memory on CPU and CUDA devices, not {device.type!r}")

@@ -4,7 +4,7 @@ estimate mode's fake ones (fake.py); the profiler is handed a ``Meters`` and doe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,15 +25,16 @@ class Recorder(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Meters:
-    """A fresh memory recorder and a fresh clock for each measured step."""
+    """A fresh memory recorder and a fresh clock for each measured step; the memory recorder is
+    given the tensors counted in the level the step starts from (their frees during it count)."""
 
-    memory: Callable[[], Recorder]
+    memory: Callable[[Iterable[torch.Tensor]], Recorder]
     clock: Callable[[], Recorder]
 
 
 def real_meters(device: torch.device) -> Meters:
     """The device's own: exact live bytes (memory.py) and the wall clock."""
-    return Meters(lambda: memory_recorder(device), lambda: TimeRecorder(device))
+    return Meters(lambda alive: memory_recorder(device, alive), lambda: TimeRecorder(device))
 
 
 class TimeRecorder:

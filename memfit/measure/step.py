@@ -372,7 +372,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = No
     return total
 
 
-def static_bytes(model: nn.Module, state: StepState, inputs: Inputs) -> int:
+def static_tensors(model: nn.Module, state: StepState, inputs: Inputs) -> list[torch.Tensor]:
     """What lives across steps: parameters, buffers, optimizer state, the inputs, and gradients
     kept as zeros (the level at the start of a step, after the loop's ``zero_grad``)."""
-    return storage_bytes([*model.parameters(), *model.buffers(), *state.tensors(), *inputs.tensors()])
+    return [*model.parameters(), *model.buffers(), *state.tensors(), *inputs.tensors()]
+
+
+def static_bytes(model: nn.Module, state: StepState, inputs: Inputs) -> int:
+    """The bytes of ``static_tensors``: the level a step starts from."""
+    return storage_bytes(static_tensors(model, state, inputs))

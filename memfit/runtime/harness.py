@@ -21,9 +21,18 @@ import torch
 from torch import nn
 
 from memfit.formats.schedule import Schedule
-from memfit.measure.memory import CudaFigures, Mark, memory_recorder
+from memfit.measure.memory import CudaFigures, Mark, measured
 from memfit.measure.meters import Meters, real_meters
-from memfit.measure.step import Inputs, LossFn, StepState, default_loss, device_of, static_bytes, training_step
+from memfit.measure.step import (
+    Inputs,
+    LossFn,
+    StepState,
+    default_loss,
+    device_of,
+    static_bytes,
+    static_tensors,
+    training_step,
+)
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, timed_step
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
@@ -161,17 +170,12 @@ class StepHarness:
             state.zero_grad()
             losses.append(training_step(runner, inp, loss, state))
         state.zero_grad()
-        baseline = static_bytes(model, state, inp)
-        recorder = memory_recorder(self.device)
-        with recorder:
-            recorder.on_mark("start")
-            losses.append(training_step(runner, inp, loss, state))
-            recorder.on_mark("end")
-        marks = recorder.marks()
+        last, peak, figures = measured(lambda: training_step(runner, inp, loss, state),
+                                       lambda: static_tensors(model, state, inp), self.device)
+        losses.append(last)
         grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        return StepRun(losses, grads, buffers, baseline + max(m.peak for m in marks) - marks[0].level,
-                       getattr(recorder, "figures", None))
+        return StepRun(losses, grads, buffers, peak, figures)
 
     def step_times(self, plans: list[dict[str, str]], rounds: int) -> tuple[float, list[float], list[float]]:
         """Median step time of the plain model, the median ratio of each plan's step time to

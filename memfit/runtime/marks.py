@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.errors import MemfitError
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
-from memfit.measure.step import Inputs, LossFn, StepState, iter_tensors, training_step
+from memfit.measure.step import Inputs, LossFn, StepState, iter_tensors, static_tensors, training_step
 from memfit.measure.userstep import UserStepState
 from memfit.runtime.threads import recomputing
 
@@ -129,7 +129,7 @@ def recorded_step(
     """One training step with marks, of two micro-batches at most (every later one repeats the
     second); ``what`` is ``memory`` or ``time``."""
     state.zero_grad()
-    recorder = meters.memory() if what == "memory" else meters.clock()
+    recorder = meters.memory(static_tensors(model, state, inputs)) if what == "memory" else meters.clock()
     with recorder, UnitMarks(model, unit_names, recorder.on_mark, once=state.units_once) as marks:
         training_step(model, inputs, loss_fn, state, on_mark=marks.step_mark, micro_batches=2)
     return recorder.marks()
