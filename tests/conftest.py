@@ -80,3 +80,21 @@ def kw_net(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 def gpt_profile() -> Profile:
     model, batch = tiny_gpt()
     return memfit.profile(model, batch, repeat=1)
+
+
+def pairwise(*factors: tuple) -> list:
+    """Every combination of ``factors`` as pytest params, those outside a pairwise covering set
+    marked ``slow``: the default run still sees every pair of settings together (where bugs of
+    settings meet), the full product runs with ``-m slow`` (.ci/slow). The set is chosen greedily
+    in product order, so it is the same in every run."""
+    import itertools
+
+    combos = list(itertools.product(*factors))
+    pairs = lambda c: {(i, c[i], j, c[j]) for i, j in itertools.combinations(range(len(c)), 2)}  # noqa: E731
+    uncovered = set().union(*map(pairs, combos))
+    chosen: set[tuple] = set()
+    while uncovered:
+        best = max(combos, key=lambda c: len(pairs(c) & uncovered))  # the first of the best
+        chosen.add(best)
+        uncovered -= pairs(best)
+    return [pytest.param(*c, marks=() if c in chosen else pytest.mark.slow) for c in combos]

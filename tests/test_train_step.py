@@ -7,7 +7,6 @@ model's gradients equal the plain model's under that loop."""
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from memfit.formats.profile import Profile, profile_from_dict
 from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.measure.memory import measured
 
-from .conftest import tiny_gpt
+from .conftest import pairwise, tiny_gpt
 
 
 def user_optimizer(params):  # an optimizer of the user's own, with a learning rate that moves the weights
@@ -134,8 +133,8 @@ def check_step(build, optimizer: str, accumulate: int, precision: str, clip: flo
     return prof
 
 
-@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), list(itertools.product(
-    OPTIMIZERS, (1, 3), ("fp32", "amp-bf16"), (None, 1.0))))
+@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), pairwise(
+    OPTIMIZERS, (1, 3), ("fp32", "amp-bf16"), (None, 1.0)))
 def test_gpt_plans_hold_in_the_users_loop(optimizer, accumulate, precision, clip):
     check_step(tiny_gpt, optimizer, accumulate, precision, clip)
 
@@ -149,8 +148,8 @@ def _hf_gpt2():
     return model, {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
 
 
-@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), list(itertools.product(
-    OPTIMIZERS, (1, 3), ("fp32", "amp-bf16"), (None, 1.0))))
+@pytest.mark.parametrize(("optimizer", "accumulate", "precision", "clip"), pairwise(
+    OPTIMIZERS, (1, 3), ("fp32", "amp-bf16"), (None, 1.0)))
 def test_hf_gpt2_plans_hold_in_the_users_loop(optimizer, accumulate, precision, clip):
     check_step(_hf_gpt2, optimizer, accumulate, precision, clip)
 
