@@ -64,6 +64,25 @@ def test_cpu_meter_counts_no_free_of_a_block_made_before_it():
     assert kept.numel() == 10
 
 
+def test_cpu_meter_counts_the_frees_of_the_tensors_it_is_told_are_alive():
+    """A step function's gradients, made before the recording (the allocator reports no free of
+    them), go at its zero_grad: their bytes leave the level there, as on a GPU."""
+    from memfit.measure.memory import measured
+
+    grads = [torch.zeros(1000), torch.zeros(500)]
+    kept = torch.zeros(250)
+
+    def step() -> torch.Tensor:
+        grads.clear()  # zero_grad(set_to_none=True)
+        return torch.zeros(100)
+
+    out, peak, _ = measured(step, lambda: [*grads, kept])
+    # 7000 bytes static, 6000 of them freed, then 400 made: the peak is where the step started
+    assert out.numel() == 100 and peak == 7000 and not grads
+    out, peak, _ = measured(lambda: torch.zeros(2000), lambda: [kept])  # nothing freed: static + rise
+    assert peak == 1000 + 8000
+
+
 def test_meters_hold_the_collector_off():
     """No collection inside a measured step frees an earlier step's cycles (CUDA's figures would see
     it, and the step would pay its time), however much the step allocates."""

@@ -11,6 +11,7 @@ import gc
 import os
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,14 +56,28 @@ class CpuMemoryRecorder:
     """Exact live bytes on the CPU from the allocator's own events (the CPU allocator does not
     cache), read from the profiler's event tree (``kineto_results.experimental_event_tree()``, a
     private but long-stable surface): the public events carry neither every allocation nor the
-    block's address. A free counts only where the block is known: made while recording, or one of
-    ``alive``, the tensors the caller counts in the level the step starts from (the static
-    level). The allocator reports frees of other blocks made earlier with the size of whatever
-    block it last saw at that address (a CPU step read up to 64 KiB low at random)."""
+    block's address.
+
+    The allocator reports a free only of a block it saw made while a profiler ran, at the size it
+    noted then, and keeps that note after a free it did not report: a block made earlier at that
+    address is freed at the old size (a CPU step read up to 64 KiB low at random). So a free
+    counts only of a block made while recording, and the frees of ``alive`` (the tensors counted in
+    the level the step starts from: a step function's gradients, freed at its zero_grad) are marked
+    by the storages' own finalizers (PyTorch keeps a storage's Python object while the storage
+    lives)."""
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()) -> None:
         self._prof: Any = None
-        self._alive = _blocks(alive)
+        self._alive: dict[int, int] = {}  # address -> bytes (no reference: they must be free to go)
+        self._watch: list[weakref.finalize] = []
+        for t in map(local, alive):
+            if t.device.type != "cpu" or is_fake(t):
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr and ptr not in self._alive:
+                self._alive[ptr] = st.nbytes()
+                self._watch.append(weakref.finalize(st, _gone, ptr))
 
     def __enter__(self) -> CpuMemoryRecorder:
         self._gc = gc_held()
@@ -77,6 +92,8 @@ class CpuMemoryRecorder:
 
     def __exit__(self, *exc: object) -> None:
         try:
+            for f in self._watch:
+                f.detach()
             self._prof.__exit__(*exc)
         finally:
             self._quiet.__exit__(*exc)
@@ -88,30 +105,28 @@ class CpuMemoryRecorder:
 
     def marks(self) -> list[Mark]:
         out: list[Mark] = []
-        made = dict(self._alive)  # address -> bytes of the blocks known to be live
+        made: dict[int, int] = {}  # address -> bytes of the blocks made while recording, still live
+        alive = dict(self._alive)
         level = peak = 0
-        for _, nbytes, ptr, label in _cpu_events(self._prof):
-            if label is not None:
+        for _, kind, ptr, nbytes, label in _cpu_events(self._prof):
+            if kind == _MARK:
                 out.append(Mark(label, level, peak))
                 peak = level
-            elif nbytes > 0:
+            elif kind == _GONE or (kind == _ALLOC and ptr in alive):  # a static block went (a new
+                level -= alive.pop(ptr, 0)  # one at its address: it went unmarked, before that)
+            if kind == _ALLOC:
                 made[ptr] = nbytes
                 level += nbytes
                 peak = max(peak, level)
-            elif ptr in made:
+            elif kind == _FREE and ptr in made:
                 level -= made.pop(ptr)
         return out
 
 
-def _blocks(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
-    """Address -> bytes of the CPU storages behind ``tensors`` (held by address only: a reference
-    would keep them from being freed)."""
-    out: dict[int, int] = {}
-    for t in map(local, tensors):
-        if t.device.type == "cpu" and not is_fake(t):
-            st = t.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
+def _gone(ptr: int) -> None:
+    """A static block's storage went: a mark in the recording's events."""
+    with torch.profiler.record_function(f"memfit-gone:{ptr}"):
+        pass
 
 
 def peak_from(marks: list[Mark], static: int) -> int:
@@ -137,13 +152,15 @@ def measured(run: Callable[[], T], static: Callable[[], Iterable[torch.Tensor]],
     return out, peak_from(recorder.marks(), start), getattr(recorder, "figures", None)
 
 
-def _cpu_events(prof: Any) -> list[tuple[int, int, int, str | None]]:
-    """(time, bytes, address, None) for each CPU allocation (bytes < 0: a free) and (time, 0, 0,
-    label) for each mark, in time order (a mark before an allocation of the same time, as in the
-    events' own order)."""
+_MARK, _ALLOC, _FREE, _GONE = range(4)
+
+
+def _cpu_events(prof: Any) -> list[tuple[int, int, int, int, str]]:
+    """(time, kind, address, bytes, label) of each mark, CPU allocation, free (as the allocator
+    reported it) and static block's end, in time order (at one time: as the events came)."""
     from memfit.torch_private import ProfiledAllocation
 
-    out: list[tuple[int, int, int, str | None]] = []
+    out: list[tuple[int, int, int, int, str]] = []
     stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     while stack:  # depth first, in the tree's order
         e = stack.pop()
@@ -151,10 +168,12 @@ def _cpu_events(prof: Any) -> list[tuple[int, int, int, str | None]]:
         f = e.extra_fields
         if isinstance(f, ProfiledAllocation):
             if f.device.type == "cpu":
-                out.append((e.start_time_ns, f.alloc_size, f.ptr, None))
+                out.append((e.start_time_ns, _ALLOC if f.alloc_size > 0 else _FREE, f.ptr, f.alloc_size, ""))
         elif e.name.startswith("memfit:"):
-            out.append((e.start_time_ns, 0, 0, e.name[7:]))
-    out.sort(key=lambda x: (x[0], x[3] is None))
+            out.append((e.start_time_ns, _MARK, 0, 0, e.name[7:]))
+        elif e.name.startswith("memfit-gone:"):
+            out.append((e.start_time_ns, _GONE, int(e.name[12:]), 0, ""))
+    out.sort(key=lambda x: x[0])
     return out
 
 
