@@ -2,7 +2,8 @@
 torchvision-style ResNet (its BasicBlock and Bottleneck as torchvision writes them:
 BatchNorm, ``out += identity``, ``ReLU(inplace=True)``; torchvision itself does not install
 beside the CPU torch here), its Hugging Face twin from a config, and a LayerDrop-style net that
-leaves its loop early."""
+leaves its loop early, and torchvision's MobileNetV3-Small (hardswish, squeeze-excitation with
+hardsigmoid, in-place activations) as torchvision writes it."""
 
 from __future__ import annotations
 
@@ -169,3 +170,76 @@ class LayerDropNet(nn.Module):
             if i in scale:
                 h = h * 0.5 + 1.0
         return self.head(h)
+
+
+def _conv_bn(i: int, o: int, k: int, stride: int, groups: int = 1, act: type[nn.Module] | None = nn.Hardswish,
+             ) -> nn.Sequential:
+    """torchvision's Conv2dNormActivation: conv, BatchNorm (eps 1e-3, momentum 0.01), an in-place activation."""
+    layers: list[nn.Module] = [nn.Conv2d(i, o, k, stride, (k - 1) // 2, groups=groups, bias=False),
+                               nn.BatchNorm2d(o, eps=0.001, momentum=0.01)]
+    return nn.Sequential(*layers, act(inplace=True)) if act is not None else nn.Sequential(*layers)
+
+
+def _divisible(v: float) -> int:
+    n = max(8, int(v + 4) // 8 * 8)
+    return n + 8 if n < 0.9 * v else n
+
+
+class SqueezeExcitation(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        squeezed = _divisible(c // 4)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = nn.Conv2d(c, squeezed, 1), nn.Conv2d(squeezed, c, 1)
+        self.activation, self.scale_activation = nn.ReLU(), nn.Hardsigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x))))) * x
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, i: int, k: int, expanded: int, o: int, se: bool, hardswish: bool, stride: int) -> None:
+        super().__init__()
+        act = nn.Hardswish if hardswish else nn.ReLU
+        layers: list[nn.Module] = [] if expanded == i else [_conv_bn(i, expanded, 1, 1, act=act)]
+        layers.append(_conv_bn(expanded, expanded, k, stride, groups=expanded, act=act))
+        if se:
+            layers.append(SqueezeExcitation(expanded))
+        layers.append(_conv_bn(expanded, o, 1, 1, act=None))
+        self.block = nn.Sequential(*layers)
+        self.use_res_connect = stride == 1 and i == o
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.block(x)
+        if self.use_res_connect:
+            result += x
+        return result
+
+
+# torchvision's mobilenet_v3_small: (in, kernel, expanded, out, SE, hardswish, stride)
+MOBILENET_V3_SMALL = [(16, 3, 16, 16, True, False, 2), (16, 3, 72, 24, False, False, 2),
+                      (24, 3, 88, 24, False, False, 1), (24, 5, 96, 40, True, True, 2),
+                      (40, 5, 240, 40, True, True, 1), (40, 5, 240, 40, True, True, 1),
+                      (40, 5, 120, 48, True, True, 1), (48, 5, 144, 48, True, True, 1),
+                      (48, 5, 288, 96, True, True, 2), (96, 5, 576, 96, True, True, 1),
+                      (96, 5, 576, 96, True, True, 1)]
+
+
+class MobileNetV3Small(nn.Module):
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.features = nn.Sequential(_conv_bn(3, 16, 3, 2), *[InvertedResidual(*c) for c in MOBILENET_V3_SMALL],
+                                      _conv_bn(96, 576, 1, 1))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Linear(576, 1024), nn.Hardswish(inplace=True),
+                                        nn.Dropout(0.2, inplace=True), nn.Linear(1024, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def mobilenet_v3_small(seed: int = 0, batch: int = 4, image: int = 64) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = MobileNetV3Small()
+    perturb_batch_norms(model, seed + 1)
+    return model, torch.randn(batch, 3, image, image)
