@@ -22,7 +22,7 @@ import torch
 from memfit.devices import MemoryRecord
 from memfit.errors import MemfitError
 from memfit.measure.step import local, storage_bytes
-from memfit.torch_private import is_fake
+from memfit.torch_private import ProfiledAllocation, is_fake
 
 T = TypeVar("T")
 
@@ -158,8 +158,6 @@ _MARK, _ALLOC, _FREE, _GONE = range(4)
 def _cpu_events(prof: Any) -> list[tuple[int, int, int, int, str]]:
     """(time, kind, address, bytes, label) of each mark, CPU allocation, free (as the allocator
     reported it) and static block's end, in time order (at one time: as the events came)."""
-    from memfit.torch_private import ProfiledAllocation
-
     out: list[tuple[int, int, int, int, str]] = []
     stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     while stack:  # depth first, in the tree's order
