@@ -39,9 +39,13 @@ EFFICIENCY = 0.6  # share of the peak that real kernels of a training step reach
 # both on the machine it runs on): each ATen op's dispatch and launch, a floor under its time
 # (2,065 ops of a tiny GPT's step took 6 µs each on the CPU here, kernels included), and each op
 # that runs while a Python saved-tensor hook is in force (derive, checkpoint regions, their
-# recomputation), which hands its saved tensors to Python (5 to 8 µs per tensor measured here).
+# recomputation), which hands its saved tensors to Python (5 to 8 µs per tensor measured here),
+# and each op that passes through an op set's Python dispatch modes (PyTorch's selective
+# checkpoint: the caching mode in the forward, the cached one in the recomputation; 17 to 19 µs
+# per op the modes saw). benchmarks/host_costs.py measures all three on the machine it runs on.
 LAUNCH_S = 6e-6
 HOOK_S = 5e-6
+DISPATCH_S = 18e-6
 # Defaults until a run on the card says otherwise (docs/devices.md gives the measurements): what
 # processes on A100, A800 and H200 held outside PyTorch's allocator in out-of-memory messages
 # (0.49 to 0.51 GiB: context and library workspaces), and the reserved over allocated peaks of
@@ -87,6 +91,7 @@ class Device:
     margin: float = MARGIN
     launch_s: float = LAUNCH_S  # host time per eager op: the least an op takes
     hook_s: float = HOOK_S  # host time per op under a Python saved-tensor hook
+    dispatch_s: float = DISPATCH_S  # host time per op through an op set's Python dispatch modes
 
     @property
     def memory(self) -> MemoryRecord | None:
@@ -104,11 +109,14 @@ class Device:
         key = str(dtype).removeprefix("torch.")  # no torch import: the CLI reads this table before loading torch
         return self.tflops.get(key if key in ("bfloat16", "float16") else "float32", self.tflops["float32"]) * 1e12
 
-    def seconds(self, flops: float, nbytes: float, dtype: torch.dtype, hooked: bool = False) -> float:
+    def seconds(self, flops: float, nbytes: float, dtype: torch.dtype, hooked: bool = False,
+                dispatched: bool = False) -> float:
         """One eager op: its roofline time, or the host's launch time where that is longer (a
-        small op is launch-bound), plus the host's saved-tensor hook time when ``hooked``."""
+        small op is launch-bound), plus the host's saved-tensor hook time when ``hooked`` and
+        its Python dispatch modes' time when ``dispatched``."""
         kernel = max(flops / self.flops_per_s(dtype), nbytes / (self.bandwidth_gbs * 1e9)) / EFFICIENCY
-        return max(kernel, self.launch_s) + (self.hook_s if hooked else 0.0)
+        return (max(kernel, self.launch_s) + (self.hook_s if hooked else 0.0)
+                + (self.dispatch_s if dispatched else 0.0))
 
 
 def _gib(n: float) -> int:
@@ -227,7 +235,7 @@ def by_title(title: str) -> Device | None:
 
 
 SPEC_FIELDS = ("name", "title", "base", "memory", "context", "margin", "tflops", "bandwidth_gbs", "launch_us",
-               "hook_us", "source")
+               "hook_us", "dispatch_us", "source")
 
 
 def load_device_spec(path: str | Path) -> Device:
@@ -272,7 +280,8 @@ def load_device_spec(path: str | Path) -> Device:
         raise MemfitError(f"{path}: bandwidth_gbs must be a positive number (GB/s)")
     host: dict[str, float] = {}
     for key, default in (("launch_us", base.launch_s if base else LAUNCH_S),
-                         ("hook_us", base.hook_s if base else HOOK_S)):
+                         ("hook_us", base.hook_s if base else HOOK_S),
+                         ("dispatch_us", base.dispatch_s if base else DISPATCH_S)):
         value = data.get(key, default * 1e6)
         if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
             raise MemfitError(f"{path}: {key} must be a number of microseconds, 0 or more (the host's time per op)")

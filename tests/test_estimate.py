@@ -241,8 +241,9 @@ def test_cuda_targets_take_the_foreach_kernels():
 
 def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     """A GPT of small hidden size on an H100: its kernels take a microsecond or two, so what its
-    options cost is the host's time per op and per hooked op. Priced without them, the plan takes
-    options that look free; priced with them it takes another plan, cheaper by its own measure."""
+    options cost is the host's time per op, per hooked op and per op through a dispatch mode.
+    Priced without them, the plan takes options that look free; priced with them it takes
+    another plan, cheaper by its own measure."""
     import dataclasses
 
     from memfit import zoo
@@ -272,11 +273,30 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     assert chosen.policies != blind.policies
     cost = memfit.predict(priced, chosen.policies).recompute_s
     assert cost < 0.9 * memfit.predict(priced, blind.policies).recompute_s
+    # an op set's two Python dispatch modes (SAC's) cost the host per op they see: unpriced, the
+    # op sets look nearly free and a plan takes one; priced, it takes another, cheaper by its measure
+    assert h100.seconds(1e3, 1e3, torch.float32, dispatched=True) == h100.launch_s + h100.dispatch_s
+    undispatched = estimate(build, target=dataclasses.replace(h100, dispatch_s=0.0), granularity="fine")
+    sac = [k for k in priced.units[0].options if k.startswith("selective:")]
+    assert sac
+    for k in sac:  # the MLP's forward and recomputation pass some 9 ops each through the modes
+        extra = priced.units[0].options[k].recompute_s - undispatched.units[0].options[k].recompute_s
+        assert extra > 12 * h100.dispatch_s
+    for k in set(priced.units[0].options) - set(sac):  # no other option opens a dispatch mode
+        assert priced.units[0].options[k].recompute_s == undispatched.units[0].options[k].recompute_s
+    budget = int(full + 0.6 * (none - full))
+    chosen = memfit.plan(priced, budget, granularity="fine")
+    blind = memfit.plan(undispatched, budget, granularity="fine")
+    assert any(p.startswith("selective:") for p in blind.policies.values())
+    assert not any(p.startswith("selective:") for p in chosen.policies.values())
+    cost = memfit.predict(priced, chosen.policies).recompute_s
+    assert cost < 0.9 * memfit.predict(priced, blind.policies).recompute_s
     # a spec file sets the host's times (a card in a slower host, say), in microseconds
     spec = tmp_path / "slow-host.toml"
-    spec.write_text('base = "h100"\nlaunch_us = 12\nhook_us = 9\n')
+    spec.write_text('base = "h100"\nlaunch_us = 12\nhook_us = 9\ndispatch_us = 20\n')
     slow = load_device_spec(spec)
-    assert (slow.launch_s, slow.hook_s) == (pytest.approx(12e-6), pytest.approx(9e-6))
+    assert (slow.launch_s, slow.hook_s, slow.dispatch_s) == (
+        pytest.approx(12e-6), pytest.approx(9e-6), pytest.approx(20e-6))
     spec.write_text('base = "h100"\nlaunch_us = -1\n')
     with pytest.raises(memfit.MemfitError, match="launch_us must be a number of microseconds"):
         load_device_spec(spec)

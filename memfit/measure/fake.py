@@ -13,6 +13,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.devices import Device
+from memfit.measure.host import take_served, under_dispatch_mode
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
 from memfit.measure.step import iter_tensors, local, storage_key
@@ -148,13 +149,19 @@ def _watch_resizes(on_resize: Callable[[torch.UntypedStorage, int, int], None]) 
     return undo
 
 
+# what the dispatch modes above the clock call themselves while handling an op (the cache's
+# detached copies) and what only fake tensors dispatch (a device query): priced in the op's time
+_MODES_OWN = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
+
+
 class RooflineClock(TorchDispatchMode):
     """Estimated seconds of the ops run while it is active: ``Device.seconds`` of each op's
     FLOPs (PyTorch's own flop formulas; attention as one fused kernel) and bytes moved, no less
-    than the host's launch time, and the host's hook time for an op that runs while a Python
+    than the host's launch time, the host's hook time for an op that runs while a Python
     saved-tensor hook is in force (its saved tensors go through Python: memfit's derive,
-    checkpoint regions and their recomputation), so that options whose own cost is on the host
-    are priced on a card whose kernels take microseconds."""
+    checkpoint regions and their recomputation), and the dispatch time of one that passes
+    through an op set's Python dispatch modes (SAC's, forward and recomputation), so that
+    options whose own cost is on the host are priced on a card whose kernels take microseconds."""
 
     def __init__(self, target: Device) -> None:
         super().__init__()
@@ -165,13 +172,18 @@ class RooflineClock(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        dispatched = under_dispatch_mode()
+        if dispatched:  # the modes above pay for views too, and for the ops they will serve from a cache
+            self._seconds += self._target.dispatch_s * take_served()
         if _metadata_only(func, args, kwargs, out):  # a view, a size, a device: no kernel runs, nothing moves
+            if dispatched and func not in _MODES_OWN:  # a view the modes handle as any op
+                self._seconds += self._target.dispatch_s
             return out
         tensors = [t for t in iter_tensors((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in tensors)
         dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
-        hooked = saved_tensors_hooks_active()
-        self._seconds += self._target.seconds(_flops(func, args, kwargs, out), moved, dtype, hooked)
+        self._seconds += self._target.seconds(_flops(func, args, kwargs, out), moved, dtype,
+                                              saved_tensors_hooks_active(), dispatched)
         return out
 
     def on_mark(self, label: str) -> None:

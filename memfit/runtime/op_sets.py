@@ -8,12 +8,17 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from memfit.measure.host import served_later
+
 _aten = torch.ops.aten
 
 
 def keep(ops: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """SAC's policy function for an op set (``functools.partial(keep, OP_SETS[name])``)."""
-    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in ops:
+        served_later()
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _ops(*names: str) -> frozenset[Any]:

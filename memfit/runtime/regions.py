@@ -62,6 +62,7 @@ from torch.utils.checkpoint import noop_context_fn as _noop
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
+from memfit.measure.host import UnderDispatchMode
 from memfit.runtime.op_sets import OP_SETS, keep
 from memfit.runtime.threads import PerThread, Recomputing, Weak, opened_regions, raising, recomputing
 from memfit.torch_private import BatchNorm, checkpoint_generator
@@ -137,6 +138,8 @@ class Region(PerThread):
         BatchNorm statistics put back as they were (outside SAC's dispatch mode, which would
         take the copies for ops of the unit)."""
         made = self.compiled_context_fn()
+        if self.op_set:  # estimate mode's clock prices the op set's dispatch modes per op
+            made = (UnderDispatchMode(made[0]), UnderDispatchMode(made[1]))
         norms = self._norms()
         return (made[0], _PutBack(norms, made[1])) if norms else made
 
