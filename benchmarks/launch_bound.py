@@ -9,7 +9,7 @@ Each model (float32, CPU, one thread), every unit (``units.find_units``) under o
 time: plain (twice: the second is the A/A control, the noise of the series), ``torch.utils.checkpoint``
 (``use_reentrant=False``) around every unit (PyTorch's own, the reference for ``full``), and
 memfit's options set with ``set_policies``: ``full``, ``derive``, ``derive:products``,
-``selective:gemm``, ``selective:weights`` and the ``child:`` options the profiler offers for the
+``selective:gemm``, ``selective:weights`` and the ``child:`` and ``nested:`` options the profiler offers for the
 unit's class (``profiler.options.fine_options``; on the units that offer it, ``units`` column).
 An option that fails on a model is skipped and said so. Every configuration is a deep copy of the
 model, built at once and timed in one interleaved series (``measure.timing.alternate``: each timed
@@ -105,12 +105,12 @@ def _checkpointed(model: nn.Module, names: list[str]) -> nn.Module:
 
 
 def _child_options(model: nn.Module, names: list[str], inputs: Inputs) -> list[tuple[str, list[str]]]:
-    """The ``child:`` options the profiler offers (``fine_options``), each with the units that
-    offer it, in the profiler's order."""
+    """The ``child:`` and ``nested:`` options the profiler offers (``fine_options``), each with
+    the units that offer it, in the profiler's order."""
     probe = copy.deepcopy(model)
     facts = unit_facts(probe, names, inputs, default_loss)
     fine = fine_options(probe, names, inputs, default_loss, facts.saved)
-    order = list(dict.fromkeys(o for n in names for o in fine[n] if o.startswith("child:")))
+    order = list(dict.fromkeys(o for n in names for o in fine[n] if o.startswith(("child:", "nested:"))))
     return [(o, [n for n in names if o in fine[n]]) for o in order]
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from memfit.budget import format_bytes
 from memfit.formats.schedule import Schedule
-from memfit.policy import Children, Derive, Full, Keep, Policy, Segment, Selective, parse
+from memfit.policy import Children, Derive, Full, Keep, Nested, Policy, Segment, Selective, parse
 
 FORMS = {"hf": "Hugging Face transformers: a Python file with apply_memfit_plan(model)",
          "torchtitan": "torchtitan's [activation_checkpoint] TOML table",
@@ -92,10 +92,17 @@ def _whole_units(policies: dict[str, Policy], form: str) -> tuple[list[str], lis
         if isinstance(policy, Segment):
             if unit == policy.first:
                 notes.setdefault(_segment_note(policies, policy, "layers checkpointed each"), []).append(unit)
+        elif isinstance(policy, Nested):
+            notes.setdefault(_nested_note(policy, f"has no form in {form}", "layer"), []).append(unit)
         elif not isinstance(policy, Full):
             notes.setdefault(f"{policy} has no form in {form}: the whole layer is "
                              "checkpointed instead (no more memory, more recompute)", []).append(unit)
     return chosen, _group(notes)
+
+
+def _nested_note(policy: Nested, why: str, what: str) -> str:
+    return (f"{policy} {why}: the whole {what} is checkpointed without the regions inside it (the forward keeps "
+            "as much; its backward recomputes them at once, a higher peak: measure it)")
 
 
 def _segment_note(policies: dict[str, Policy], segment: Segment, become: str) -> str:
@@ -283,6 +290,13 @@ def _sac(policies: dict[str, Policy]) -> Exported:
             plan.append((f"{unit}.{policy.child}" if policy.child else unit, f"keep_{policy.ops}", why))
         elif isinstance(policy, Children) and all(len(r) == 1 for r in policy.regions):
             plan += [(f"{unit}.{r[0]}", None, why) for r in policy.regions]
+        elif isinstance(policy, Nested) and all(len(r) == 1 for r in policy.inner.regions):
+            # checkpoint calls nest: the unit's, and inside it each region's
+            plan += [(unit, None, why), *((f"{unit}.{r[0]}", None, why) for r in policy.inner.regions)]
+        elif isinstance(policy, Nested):
+            plan.append((unit, None, why))
+            notes.setdefault(_nested_note(policy, "has a chain of modules, which needs memfit's regions", "unit"),
+                             []).append(unit)
         elif not isinstance(policy, Keep):
             plan.append((unit, None, why))
             if isinstance(policy, Segment):

@@ -94,13 +94,22 @@ def test_hf_export_of_finer_options_checkpoints_whole_layers_and_says_so():
         assert "the whole layer is checkpointed instead (no more memory" in line
         assert f"# - {line}" in made.text
     assert any("not a transformers model" in x for x in made.lost)  # memfit.zoo.GPT has no HF layers
+    # nested regions: the layer checkpointed whole, and the note says its backward peaks higher
+    made = export(_schedule(gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=4)[0],
+                            {"h.0": "nested:attn+mlp", "h.1": "none", "h.2": "none", "h.3": "none"}), "hf")
+    assert made.checkpointed == ["h.0"]
+    line = next(x for x in made.lost if x.startswith("h.0: nested:attn+mlp "))
+    assert "checkpointed without the regions inside it" in line and "a higher peak" in line
 
 
-@pytest.mark.parametrize("kind", ["block", "fine"])
+@pytest.mark.parametrize("kind", ["block", "fine", "nested"])
 def test_sac_export_gives_memfits_peak_and_the_plain_gradients(kind):
     model, batch = tiny_gpt()
-    policies = ({"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "full"} if kind == "block" else
-                {"h.0": "selective:gemm", "h.1": "child:attn+mlp", "h.2": "selective:weights@attn", "h.3": "none"})
+    policies = {"block": {"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "full"},
+                "fine": {"h.0": "selective:gemm", "h.1": "child:attn+mlp", "h.2": "selective:weights@attn",
+                         "h.3": "none"},
+                # checkpoint calls nested as memfit nests its regions
+                "nested": {"h.0": "nested:attn+mlp", "h.1": "full", "h.2": "nested:attn+mlp", "h.3": "none"}}[kind]
     schedule = _schedule(model, policies)
     made = export(schedule, "sac")
     assert not made.lost  # every one of these options has its exact SAC form

@@ -56,14 +56,17 @@ def test_children_and_policies_are_found_and_measured(fine):
     # activation a product with another branch: no chain there
     # derive on the transformers (norm and activation outputs, dropped attention probabilities);
     # the CNN's ReLUs keep their own outputs: nothing to re-derive
+    # nested: the whole unit, with the child options' regions that do not overlap inside it
     expected = {"gpt": {"child:ln_1>attn.qkv+ln_2>mlp.0+mlp.1>mlp.2", "child:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2",
-                        "child:ln_2>mlp+ln_1>attn.qkv", "derive"},
+                        "child:ln_2>mlp+ln_1>attn.qkv", "derive", "nested:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2"},
                 "hf-gpt2": {"child:ln_1>attn.c_attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj",
                             "child:ln_1>attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj", "child:ln_2>mlp+ln_1>attn.c_attn",
-                            "derive"},
-                "hf-llama": {"child:self_attn", "child:mlp", "derive"}, "cnn": set(),
+                            "derive", "nested:ln_1>attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj"},
+                "hf-llama": {"child:self_attn", "child:mlp", "derive", "nested:self_attn+mlp+input_layernorm"},
+                "cnn": set(),
                 # written-out attention: its core (q.k^T, mask, softmax, .v) recomputed, the linears kept
-                "nano": {"selective:weights@attn", "derive"}}[name]
+                "nano": {"selective:weights@attn", "derive",
+                         "nested:ln_1>attn+ln_2>mlp.c_fc+mlp.gelu>mlp.c_proj"}}[name]
     # what is offered is fixed by the model; what survives pruning depends on measured times (an
     # option is dropped where another keeps no more and ran no slower), so check the offer
     facts = unit_facts(model, prof.unit_names, Inputs.of(inputs), default_loss)
@@ -164,6 +167,13 @@ def test_fine_options_under_compile():
                                    "h.3": "child:ln_2>mlp+ln_1>attn.qkv"})
     assert sched.peak_bytes < plain.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
+    # nested regions become nested checkpoints in the graph, which the partitioner flattens: the
+    # gradients are right and the peak is full's (what a compiled profile measures and prices)
+    nested = "nested:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2"
+    _, both = compiled_steps({"h.0": nested, "h.1": "full", "h.2": nested, "h.3": "none"})
+    _, fulls = compiled_steps({"h.0": "full", "h.1": "full", "h.2": "full", "h.3": "none"})
+    assert both.peak_bytes == fulls.peak_bytes
+    assert all(torch.equal(g, plain.grads[n]) for n, g in both.grads.items())
 
 
 def test_a_chain_recomputes_only_its_producer():
@@ -218,7 +228,7 @@ def test_named_children_replace_the_automatic_choice():
     model, batch = tiny_gpt()
     prof = memfit.profile(model, batch, repeat=1, granularity="fine", children=["mlp.0", "attn+mlp"])
     assert set(prof.units[0].options) <= {"none", "full", "child:mlp.0", "child:attn+mlp", "selective:gemm@mlp.0",
-                                          "derive"}
+                                          "derive", "nested:attn+mlp"}
     assert "child:attn+mlp" in prof.units[0].options  # frees both children's tensors: never dominated
     with pytest.raises(memfit.MemfitError, match=r"no unit has the child 'nope'.*ln_1, attn, ln_2, mlp"):
         memfit.profile(model, batch, repeat=1, granularity="fine", children=["nope"])
@@ -246,3 +256,44 @@ def test_cli_plans_fine_and_shows_what_each_unit_recomputes(tmp_path, capsys):
     assert "--children" in capsys.readouterr().err
     assert main(["plan", "--budget", "1GB", "--children", "attn"]) == 2
     assert "--granularity fine" in capsys.readouterr().err
+
+
+def _vit():
+    """Hugging Face's ViT with its attention written out: a model memfit was not built around."""
+    from memfit import hf
+
+    return hf.vit(batch=4, image=64, patch=8, n_layer=3, hidden=64, n_head=2, classes=10, attention="eager")
+
+
+@pytest.mark.parametrize("factory", [_vit, nano], ids=["hf-vit", "nano"])
+def test_nested_regions_lower_the_floor_exactly_and_train_as_the_plain_model(factory):
+    """``nested:``: the whole unit checkpointed, its attention and MLP checkpointed again inside
+    (as ``torch.utils.checkpoint`` nests). The forward keeps what ``full`` keeps, plus the inner
+    regions' RNG states; the unit's backward recomputes only what the inner regions leave out.
+    So every unit nested peaks below every unit full, the fine floor falls below the module
+    floor, a plan there is predicted to the byte, and it trains as the plain model, dropout
+    included (nanoGPT's)."""
+    pytest.importorskip("transformers")
+    model, inputs = factory()
+    prof = memfit.profile(model, inputs, repeat=1, granularity="fine")
+    nested = [o for o in prof.units[0].options if o.startswith("nested:")]
+    assert len(nested) == 1
+    option = nested[0]
+    full, inner = prof.units[0].options["full"], prof.units[0].options[option]
+    regions = option.count("+") + 1
+    assert 0 < inner.stored_bytes - full.stored_bytes <= regions * 5056 + 64  # a CPU RNG state each
+    assert inner.bwd_peak_bytes < full.bwd_peak_bytes
+    every_full = memfit.predict(prof, dict.fromkeys(prof.unit_names, "full")).peak_bytes
+    every_nested = memfit.predict(prof, dict.fromkeys(prof.unit_names, option)).peak_bytes
+    assert every_nested == prof.measured_peak_bytes[option] < every_full
+    floor = memfit.min_budget_bytes(prof, fine=True)
+    assert floor <= every_nested < memfit.min_budget_bytes(prof) == every_full
+    sched = memfit.plan(prof, floor, granularity="fine")
+    assert sched.predicted_peak_bytes <= floor
+    measured = measure_steps(memfit.apply(copy.deepcopy(model), sched), inputs).peak_bytes
+    assert measured == sched.predicted_peak_bytes
+    mixed = {n: option if k % 2 == 0 else "full" for k, n in enumerate(prof.unit_names)}
+    for policies in (dict.fromkeys(prof.unit_names, option), mixed):
+        twin = copy.deepcopy(model)
+        memfit.apply(twin, _schedule(model, policies))
+        _assert_identical(_run(copy.deepcopy(model), inputs), _run(twin, inputs))

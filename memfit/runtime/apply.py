@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
 from memfit.formats.schedule import Schedule, fingerprint_difference, model_fingerprint
-from memfit.policy import KEEP, KINDS_HELP, Children, Full, Segment, Selective, read
+from memfit.policy import KEEP, KINDS_HELP, Children, Full, Nested, Segment, Selective, read
 from memfit.policy import Derive as DerivePolicy
 from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
@@ -156,7 +156,7 @@ def _set_units(model: nn.Module, policies: dict[str, str]) -> list[Region]:
     derived = {n: d for n, p in policies.items() if isinstance(d := read(p), DerivePolicy)}
     for name in derived:
         _refuse_checkpointed(name, modules[name])
-    for members, _, _ in plan:
+    for members, _, _, _ in plan:
         for name in members:
             if name not in modules:
                 try:
@@ -167,31 +167,36 @@ def _set_units(model: nn.Module, policies: dict[str, str]) -> list[Region]:
             _refuse_checkpointed(name, modules[name])
     for name in derived:
         modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].products)
-    return [Region([modules[n] for n in members], op_set, chain=chain) for members, op_set, chain in plan]
+    return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
+            for members, op_set, chain, inner in plan]
 
 
-def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool]]:
-    """(module names, op set, chain) of each region the policies ask for, in order."""
+def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool, bool]]:
+    """(module names, op set, chain, inside a checkpointed unit) of each region the policies
+    ask for, in order."""
     names = list(policies)
-    plan: list[tuple[list[str], str, bool]] = []
+    plan: list[tuple[list[str], str, bool, bool]] = []
     j = 0
     while j < len(names):
         unit, policy = names[j], read(policies[names[j]])
         j += 1
         if isinstance(policy, Full):
-            plan.append(([unit], "", False))
+            plan.append(([unit], "", False, False))
         elif isinstance(policy, Children):  # a+b: two regions; a>b: one chain from a to b
-            plan += [([f"{unit}.{m}" for m in r], "", len(r) > 1) for r in policy.regions]
+            plan += [([f"{unit}.{m}" for m in r], "", len(r) > 1, False) for r in policy.regions]
+        elif isinstance(policy, Nested):  # the unit, and its children's regions inside it
+            plan.append(([unit], "", False, False))
+            plan += [([f"{unit}.{m}" for m in r], "", len(r) > 1, True) for r in policy.inner.regions]
         elif isinstance(policy, Selective):  # the unit, or only its child, under the op set
             if policy.ops not in OP_SETS:
                 raise MemfitError(f"unknown op set in {policy}; known: {', '.join(OP_SETS)}")
-            plan.append(([f"{unit}.{policy.child}" if policy.child else unit], policy.ops, False))
+            plan.append(([f"{unit}.{policy.child}" if policy.child else unit], policy.ops, False, False))
         elif isinstance(policy, Segment) and policy.first == unit and policy.last in names[j:]:
             k = names.index(policy.last)
             if any(policies[n] != policies[unit] for n in names[j - 1 : k + 1]):
                 raise MemfitError(f"every unit from {policy.first!r} to {policy.last!r} must have the policy "
                                   f"{policies[unit]!r}")
-            plan.append((names[j - 1 : k + 1], "", False))
+            plan.append((names[j - 1 : k + 1], "", False, False))
             j = k + 1
         elif policy != KEEP and not isinstance(policy, DerivePolicy):
             raise MemfitError(f"unit {unit!r} has the policy {policies[unit]!r}; use {KINDS_HELP} "

@@ -94,12 +94,14 @@ class Region(PerThread):
     """Units ``modules`` (one, or a segment that runs them one after another) checkpointed as
     one, keeping what ``op_set`` (a name in ``OP_SETS``, or "") says."""
 
-    def __init__(self, modules: list[nn.Module], op_set: str = "", *, chain: bool = False) -> None:
+    def __init__(self, modules: list[nn.Module], op_set: str = "", *, chain: bool = False,
+                 inner: bool = False) -> None:
         super().__init__()
         self._modules = [Weak(m) for m in modules]
         self.op_set = op_set
         self.handles: list[RemovableHandle] = []
         self._chain = chain
+        self.inner = inner  # inside a checkpointed unit (``nested:``): opens in its recomputation too
         # One unit: its own forward (memfit's, below) opens and closes the region, which spares
         # two hooks on the unit and ``nn.Module.__call__``'s slow path for hooks, forward and
         # recompute (2 points of a launch-bound step, benchmarks/launch_bound.py).
@@ -118,6 +120,15 @@ class Region(PerThread):
     @property
     def modules(self) -> list[nn.Module]:
         return [m for ref in self._modules if (m := ref()) is not None]
+
+    def _aside(self) -> bool:
+        """Steps aside while recomputing: the forward runs again inside the region's checkpoint.
+        A region nested in a checkpointed unit opens again in the unit's recomputation, as a
+        ``torch.utils.checkpoint`` call inside another does (the unit's recomputation then keeps
+        only what the region leaves out), and steps aside only in its own."""
+        if self.inner:
+            return getattr(self._tls, "recomputing", 0) > 0
+        return recomputing()
 
     @property
     def is_open(self) -> bool:
@@ -172,7 +183,7 @@ class Region(PerThread):
                 module.__dict__["forward"] = prior
 
     def _pre_hook(self, k: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if self._aside() or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return  # no_grad: nothing is saved, nothing to checkpoint
         st: _Open | None = getattr(self._tls, "open", None)
         if st is not None and st.ran and k == st.k + 1 and (takes_first := _takes(st.last, args)) is not None:
@@ -210,7 +221,7 @@ class Region(PerThread):
             kwargs: dict[str, Any]) -> Any:
         """A single unit's call of its forward, inside the region (outside it while recomputing,
         or where nothing is saved)."""
-        if recomputing() or not torch.is_grad_enabled():
+        if self._aside() or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         gen, _ = self._enter(0, module, args, kwargs)
         try:
@@ -222,7 +233,7 @@ class Region(PerThread):
         return out
 
     def _post_hook(self, k: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if recomputing() or torch.compiler.is_compiling():
+        if self._aside() or torch.compiler.is_compiling():
             return
         st: _Open | None = getattr(self._tls, "open", None)
         if st is None or st.k != k or st.ran:
@@ -258,7 +269,7 @@ class Region(PerThread):
     def _recompute(self, calls: list[_Call], kwargs: dict[str, Any]) -> Callable[..., None]:
         def run(*args: Any) -> None:
             modules = self.modules
-            with Recomputing():
+            with Recomputing(), _Own(self._tls):
                 out: Any = None
                 for i, call in enumerate(calls):
                     if i == 0:
@@ -309,6 +320,21 @@ def _substituted(module: nn.Module, tables: list[dict[str, Any]]) -> dict[str, t
         return None
     return {**dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False))}
+
+
+class _Own:
+    """This thread recomputes this region (``Region._aside``), nested recomputations counted."""
+
+    __slots__ = ("tls",)
+
+    def __init__(self, tls: Any) -> None:
+        self.tls = tls
+
+    def __enter__(self) -> None:
+        self.tls.recomputing = getattr(self.tls, "recomputing", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tls.recomputing -= 1
 
 
 class _PutBack:
