@@ -12,7 +12,7 @@ and the planner cannot tell the difference, except by ``mode``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from memfit.errors import MemfitError
 from memfit.formats.profile import ParallelLayout, Profile
 from memfit.measure.fake import fake_meters
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
+from memfit.profiler.autocast_lists import cuda_lists
 from memfit.torch_private import FakeTensorMode, fake_store
 from memfit.trainstep import TrainStep, step_of
 from memfit.units import find_units
@@ -100,12 +101,14 @@ def estimate(
     ``step``: the training step (memfit.TrainStep; ``optimizer=`` alone is short for
     ``step=TrainStep(optimizer=...)``). A plainly named optimizer runs the kernels PyTorch picks
     on the target: foreach on CUDA (a temporary per state tensor in the step), which fake CPU
-    tensors would not take without being told. Autocast (``amp-*``) runs CPU autocast's op lists
-    on the fake tensors; CUDA's differ in a few ops (softmax, layer_norm kept in fp32 there)."""
+    tensors would not take without being told. Autocast (``amp-*``) runs CUDA's op lists for a
+    CUDA target (softmax, layer_norm, the losses in float32: profiler/autocast_lists.py), CPU's
+    for the CPU."""
     from memfit.profiler import profile
 
     spec = target if isinstance(target, Device) else device_spec(target)
-    with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), _fused_attention(spec.cuda):
+    lists = cuda_lists() if spec.cuda else nullcontext()
+    with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), _fused_attention(spec.cuda), lists:
         built = build()
         if not (isinstance(built, tuple) and len(built) == 2):
             raise MemfitError("build() must return (model, inputs)")
