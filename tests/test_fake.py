@@ -55,3 +55,19 @@ def test_dropout_masks_take_one_byte_per_element_on_cuda_targets():
                 recorder.on_mark("end")
             assert recorder.marks()[-1].level - recorder.marks()[0].level == 4 * 2**20 + mask_bytes, target
             del y
+
+
+def test_a_units_saved_bytes_count_masks_as_the_target_keeps_them():
+    """What a unit saves for backward (the report's "saves" column, and its check that an option
+    keeps no more than that) counts dropout's masks as the step's meter does: a byte per element
+    for a CUDA target. A GPT block with dropout then saves exactly what its unplanned forward
+    keeps (4,341,760 B here; 4,734,976 when its masks were counted in float32), on the CPU too."""
+    from memfit import zoo
+    from memfit.profiler.estimate import estimate
+
+    def build():
+        return zoo.gpt(batch=4, seq=128, vocab=512, d_model=128, n_head=4, n_layer=2, dropout=0.1)
+
+    for target in ("h100", "cpu"):
+        unit = estimate(build, target=target).units[0]
+        assert unit.saved_bytes == unit.options["none"].stored_bytes, target

@@ -29,7 +29,7 @@ _WORKSPACE = {"convolution": 1, "convolution_backward": 2}
 
 def fake_meters(target: Device) -> Meters:
     """Estimate mode's meters for ``target``: live bytes of fake storages, a roofline clock."""
-    return Meters(lambda alive: FakeMemoryRecorder(target, alive), lambda: RooflineClock(target))
+    return Meters(lambda alive: FakeMemoryRecorder(target, alive), lambda: RooflineClock(target), target.cuda)
 
 
 class FakeMemoryRecorder(TorchDispatchMode):

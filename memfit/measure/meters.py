@@ -30,6 +30,7 @@ class Meters:
 
     memory: Callable[[Iterable[torch.Tensor]], Recorder]
     clock: Callable[[], Recorder]
+    byte_masks: bool = False  # the target keeps dropout's masks at one byte per element (CUDA, estimated)
 
 
 def real_meters(device: torch.device) -> Meters:

@@ -88,7 +88,8 @@ def profile(
         say("saved-for-backward bytes")
         with state.autocast():
             facts = unit_facts(model, names, inp, loss, None if step_fn is None else
-                               lambda on_mark: training_step(model, inp, loss, state, on_mark))
+                               lambda on_mark: training_step(model, inp, loss, state, on_mark),
+                               byte_masks=meters is not None and meters.byte_masks)
             finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
         options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
         _check_children(model, names, options, children)

@@ -16,15 +16,19 @@ from memfit.torch_private import TorchDispatchMode
 
 
 class _Producers(TorchDispatchMode):
-    """Remembers which unit's forward created each storage (the first op that returned it), and
-    which storages are casts of parameters (autocast's, which its cache holds to the forward's end)."""
+    """Remembers which unit's forward created each storage (the first op that returned it),
+    which storages are casts of parameters (autocast's, which its cache holds to the forward's
+    end), and with ``byte_masks`` which hold dropout's mask (``bernoulli_``), which a CUDA target
+    keeps as one byte per element (fake CPU tensors make it in the input's dtype)."""
 
-    def __init__(self, params: set[int]) -> None:
+    def __init__(self, params: set[int], byte_masks: bool = False) -> None:
         super().__init__()
         self.current: int | None = None
         self.owner: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.casts: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
+        self.masks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
         self._params = params
+        self._byte_masks = byte_masks
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -35,6 +39,8 @@ class _Producers(TorchDispatchMode):
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and isinstance(
                 out, torch.Tensor) and storage_key(local(args[0]).untyped_storage()) in self._params:
             self.casts[out.untyped_storage()] = True
+        if self._byte_masks and func is torch.ops.aten.bernoulli_.float:
+            self.masks[args[0].untyped_storage()] = True
         return out
 
 
@@ -49,17 +55,18 @@ class UnitFacts:
 
 
 def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn,
-               run: Callable[[Callable[[str], None]], Any] | None = None) -> UnitFacts:
+               run: Callable[[Callable[[str], None]], Any] | None = None, byte_masks: bool = False) -> UnitFacts:
     """One forward pass, watched: bytes packed for backward (deduplicated by storage, parameters
     and buffers excluded, counted for the unit that produced them), bytes in and out of each
     unit, and whether the units form a chain that segments can checkpoint as one region.
     ``run(on_mark)``: a user's whole step in place of the forward, of which each unit's first
-    run counts (a unit that runs twice is no chain)."""
+    run counts (a unit that runs twice is no chain). ``byte_masks``: dropout's masks counted at one
+    byte per element, as a CUDA target keeps them (estimate mode)."""
     n = len(unit_names)
     known = WeakIdKeyDictionary()  # storages that exist before the step: parameters, buffers, inputs
     for t in [*model.parameters(), *model.buffers(), *inputs.tensors()]:
         known[local(t).untyped_storage()] = True
-    producers = _Producers({storage_key(local(p).untyped_storage()) for p in model.parameters()})
+    producers = _Producers({storage_key(local(p).untyped_storage()) for p in model.parameters()}, byte_masks)
     saved_casts = [0] * n
     seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
     input_bytes = [0] * n
@@ -84,7 +91,7 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
             seen[st] = True
             owner = producers.owner.get(st)
             if owner is not None:
-                saved_bytes[owner] += st.nbytes()
+                saved_bytes[owner] += st.nbytes() // t.element_size() if st in producers.masks else st.nbytes()
                 if st in producers.casts:
                     saved_casts[owner] += st.nbytes()
         return t
