@@ -124,6 +124,48 @@ def test_mobilenet_v3_small_plans_fit_and_train_as_the_plain_model(image):
     train_and_compare(plain, scheduled, x)
 
 
+@pytest.mark.parametrize("image", [64, 96])
+@pytest.mark.parametrize("family", ["convnext", "efficientnet"])
+def test_convnext_and_efficientnet_plans_fit_and_train_as_the_plain_model(family, image):
+    """torchvision's ConvNeXt (layer scale, channels-last LayerNorm, stochastic depth) and
+    EfficientNet (squeeze-excitation, in-place SiLU, BatchNorm, stochastic depth) blocks, written as
+    torchvision writes them, with the units memfit finds itself, planned at three budgets and two
+    resolutions: the user's loop (AdamW) measures the predicted peak to the byte in steady state,
+    no more in its first step (whose backward runs before AdamW's state exists), never over the
+    budget, and a plan trains as the plain copy, each sample's stochastic depth drawn alike."""
+    from memfit.measure.memory import measured
+
+    from .vision_models import convnext, efficientnet
+
+    plain, x = {"convnext": convnext, "efficientnet": efficientnet}[family](image=image)
+    prof = memfit.profile(copy.deepcopy(plain), x, optimizer="adamw", repeat=1)
+    assert len(prof.unit_names) == {"convnext": 6, "efficientnet": 11}[family]
+    full, none = prof.measured_peak_bytes["full"], prof.measured_peak_bytes["none"]
+    mixed = None
+    for share in (0.25, 0.5, 0.75):
+        budget = int(full + share * (none - full))
+        sched = memfit.plan(prof, budget)
+        assert sched.checkpointed
+        mixed = mixed or (sched if len(sched.checkpointed) < len(prof.unit_names) else None)
+        scheduled = memfit.apply(copy.deepcopy(plain), sched)
+        opt = torch.optim.AdamW(scheduled.parameters(), lr=1e-3)
+
+        def step(model=scheduled, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()  # the loss memfit's profile used
+            opt.step()
+        scheduled.train()
+        predicted = memfit.predict(prof, sched.policies).peak_bytes
+        assert predicted <= budget
+        for first in (True, False):  # the first step (AdamW's state made at its end), then steady state
+            peak = measured(step, lambda m=scheduled, o=opt: [*m.parameters(), *m.buffers(), x,
+                                                              *(t for st in o.state.values() for t in st.values())])[1]
+            assert peak <= predicted if first else peak == predicted, (share, first, peak, predicted)
+    assert mixed is not None
+    scheduled = memfit.apply(copy.deepcopy(plain), mixed)
+    train_and_compare(plain, scheduled, x)
+
+
 def _old_contexts(self):
     """The bug this file guards against: BatchNorm's outputs kept with
     ``allow_cache_entry_mutation=True``, so the recompute read ``out += identity`` back."""
