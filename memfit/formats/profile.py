@@ -120,6 +120,9 @@ class Profile:
     phases: list[Phase]
     fingerprint: dict[str, Any]
     measured_peak_bytes: dict[str, int] = field(default_factory=dict)  # per all-units option
+    # estimated for a CUDA target: what the caching allocator's model (measure/allocator.py)
+    # reserves at the peak of each all-units option's step, beside its allocated peak; {} otherwise
+    reserved_peak_bytes: dict[str, int] = field(default_factory=dict)
     chain: bool = False  # each unit's output is the next one's only input: segments are possible
     recompute_factor: float = 1.0  # measured recompute time / first forward time, all units
     rng_state_bytes: int = 0  # device bytes of the RNG state a checkpoint keeps (CPU: 5056, CUDA: 0)
@@ -190,7 +193,7 @@ class Profile:
             for key in ("later", "releases"):
                 if not p[key]:
                     del p[key]
-        for key in ("step", "memory"):
+        for key in ("step", "memory", "reserved_peak_bytes"):
             if not data[key]:
                 del data[key]
         return data
@@ -240,6 +243,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
     if not float(data.get("recompute_factor", 1.0)) > 0:
         raise_field(where, "recompute_factor", data.get("recompute_factor"))
     measured = f.obj("measured_peak_bytes")
+    reserved = f.obj("reserved_peak_bytes") if "reserved_peak_bytes" in data else None
     return Profile(
         model_class=f.str("model_class"),
         device=f.str("device"),
@@ -256,6 +260,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         phases=phases,
         fingerprint=f.obj("fingerprint").data,
         measured_peak_bytes={k: measured.int(k) for k in measured.data},
+        reserved_peak_bytes={k: reserved.int(k) for k in reserved.data} if reserved is not None else {},
         torch_version=str(data.get("torch_version", "")),
         chain=bool(data.get("chain", False)),
         rng_state_bytes=int(data.get("rng_state_bytes", 0)),

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.devices import Device
+from memfit.measure.allocator import CachingAllocator
 from memfit.measure.host import take_served, under_dispatch_mode
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
@@ -27,9 +28,12 @@ CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
 _WORKSPACE = {"convolution": 1, "convolution_backward": 2}
 
 
-def fake_meters(target: Device) -> Meters:
-    """Estimate mode's meters for ``target``: live bytes of fake storages, a roofline clock."""
-    return Meters(lambda alive: FakeMemoryRecorder(target, alive), lambda: RooflineClock(target), target.cuda)
+def fake_meters(target: Device, reserved: list[tuple[int, int]] | None = None) -> Meters:
+    """Estimate mode's meters for ``target``: live bytes of fake storages, a roofline clock;
+    ``reserved`` gets each measured step's (allocated, reserved) peaks by the caching allocator's
+    model (measure/allocator.py) on a CUDA target."""
+    return Meters(lambda alive: FakeMemoryRecorder(target, alive, reserved), lambda: RooflineClock(target),
+                  target.cuda)
 
 
 class FakeMemoryRecorder(TorchDispatchMode):
@@ -38,7 +42,8 @@ class FakeMemoryRecorder(TorchDispatchMode):
     and the changes of storages resized in place (``_watch_resizes``); ``alive``: the tensors
     counted in the level the step starts from, whose frees during it count."""
 
-    def __init__(self, target: Device, alive: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, target: Device, alive: Iterable[torch.Tensor] = (),
+                 reserved: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
         self._cuda = target.cuda
         self._granule = CUDA_GRANULE if target.cuda else 1
@@ -46,12 +51,18 @@ class FakeMemoryRecorder(TorchDispatchMode):
         self._level = self._peak = 0
         self._marks: list[Mark] = []
         self._static: list[weakref.finalize] = []  # the alive storages' (weak: they must be free to go)
+        # the caching allocator's model, fed the same storages: ``reserved`` gets the step's
+        # (allocated peak, reserved peak) when it ends
+        self._allocator = CachingAllocator() if reserved is not None and target.cuda else None
+        self._reserved_log = reserved
         for t in alive:
             st = local(t).untyped_storage()
             if st not in self._seen:
                 counted = [self._rounded(st.nbytes())]
                 self._seen[st] = counted
                 self._static.append(weakref.finalize(st, self._free, counted))
+                if self._allocator is not None:
+                    self._allocator.malloc(id(counted), st.nbytes())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -63,6 +74,8 @@ class FakeMemoryRecorder(TorchDispatchMode):
                 self._level += counted[0]
                 self._peak = max(self._peak, self._level)
                 weakref.finalize(st, self._free, counted)
+                if self._allocator is not None:
+                    self._allocator.malloc(id(counted), st.nbytes())
         if self._cuda and func is torch.ops.aten.bernoulli_.float:
             self._as_byte_mask(args[0])
         workspace = _WORKSPACE.get(func._overloadpacket.__name__, 0)
@@ -86,6 +99,9 @@ class FakeMemoryRecorder(TorchDispatchMode):
             self._unwatch()
             for f in self._static:  # parameters outlive many recorders: none keeps this one
                 f.detach()
+            if self._allocator is not None and self._reserved_log is not None:
+                self._reserved_log.append((self._allocator.peak_allocated, self._allocator.peak_reserved))
+                self._allocator = None  # the storages that outlive the step free nothing here any more
 
     def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
         """A storage resized in place: FSDP2 frees each gathered unit's buffer with ``resize_(0)``
@@ -96,6 +112,10 @@ class FakeMemoryRecorder(TorchDispatchMode):
             self._seen[st] = counted
             weakref.finalize(st, self._free, counted)
         delta = self._rounded(new) - self._rounded(old)
+        if self._allocator is not None:  # FSDP2's gathered buffers: freed with resize_(0), made again with resize_(n)
+            self._allocator.free(id(counted))
+            if new:
+                self._allocator.malloc(id(counted), new)
         counted[0] += delta
         self._level += delta
         self._peak = max(self._peak, self._level)
@@ -111,9 +131,14 @@ class FakeMemoryRecorder(TorchDispatchMode):
             smaller = self._rounded(mask.numel())
             self._level -= counted[0] - smaller
             counted[0] = smaller
+            if self._allocator is not None:
+                self._allocator.free(id(counted))
+                self._allocator.malloc(id(counted), mask.numel())
 
     def _free(self, counted: list[int]) -> None:
         self._level -= counted[0]
+        if self._allocator is not None:
+            self._allocator.free(id(counted))
 
     def on_mark(self, label: str) -> None:
         self._marks.append(Mark(label, self._level, self._peak))

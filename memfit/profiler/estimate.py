@@ -108,6 +108,7 @@ def estimate(
 
     spec = target if isinstance(target, Device) else device_spec(target)
     lists = cuda_lists() if spec.cuda else nullcontext()
+    reserved: list[tuple[int, int]] = []  # each memory step's (allocated, reserved) peaks, in the profile's order
     with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), _fused_attention(spec.cuda), lists:
         built = build()
         if not (isinstance(built, tuple) and len(built) == 2):
@@ -117,12 +118,14 @@ def estimate(
         if parallel and mesh is not None:  # FSDP2: its fake ranks' mesh
             shard(model, names, parallel, mesh)
         prof = profile(model, inputs, loss_fn=loss_fn, units=names, step=step_of(step, optimizer), repeat=1,
-                       progress=progress, granularity=granularity, children=children, meters=fake_meters(spec),
-                       foreach_default=True if spec.cuda else None)
+                       progress=progress, granularity=granularity, children=children,
+                       meters=fake_meters(spec, reserved), foreach_default=True if spec.cuda else None)
         if parallel is not None:
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)
     prof.mode, prof.target, prof.memory = "estimated", spec.name, spec.memory or {}
+    if len(reserved) == len(prof.measured_peak_bytes):  # one memory step per all-units option, in order
+        prof.reserved_peak_bytes = {o: r for o, (_, r) in zip(prof.measured_peak_bytes, reserved, strict=True)}
     if spec.cuda:
         prof.device = "cuda"
         prof.rng_state_bytes = 0  # a CUDA checkpoint keeps its RNG state on the host
