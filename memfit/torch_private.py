@@ -18,7 +18,9 @@ from torch import nn
 from torch._C._profiler import _ExtraFields_Allocation as ProfiledAllocation
 
 # Fake tensors: estimate mode builds and runs the model without memory. Since torch 2.0.
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+# ``unset_fake_temporarily``: a small computation run for real while a model is built (its values
+# read in Python: drop-path rates, relative position tables). Since torch 2.1.
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 
 # A weak reference to a storage, which outlives every tensor object that views it: derive
 # (runtime/derive.py) asks whether a storage an op made is still the live one at its address.
@@ -46,7 +48,7 @@ __all__ = ["BatchNorm", "FakeTensorMode", "ProfiledAllocation", "StorageWeakRef"
            "allow_in_compiled_graph",
            "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors",
            "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map",
-           "tree_unflatten"]
+           "tree_unflatten", "unset_fake_temporarily"]
 
 
 def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:

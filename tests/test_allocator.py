@@ -2,7 +2,7 @@
 whose reserved bytes follow from them, and what estimate mode records with it."""
 
 import memfit
-from memfit.measure.allocator import MiB, CachingAllocator, round_size, segment_size
+from memfit.measure.allocator import CachingAllocator, MiB, round_size, segment_size
 
 
 def test_requests_round_and_segments_are_sized_as_pytorchs_allocator_does():

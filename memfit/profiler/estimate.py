@@ -23,6 +23,7 @@ from memfit.formats.profile import ParallelLayout, Profile
 from memfit.measure.fake import fake_meters
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
 from memfit.profiler.autocast_lists import cuda_lists
+from memfit.profiler.fake_build import fake_build, real_to_fake
 from memfit.torch_private import FakeTensorMode, fake_store
 from memfit.trainstep import TrainStep, step_of
 from memfit.units import find_units
@@ -109,8 +110,11 @@ def estimate(
     spec = target if isinstance(target, Device) else device_spec(target)
     lists = cuda_lists() if spec.cuda else nullcontext()
     reserved: list[tuple[int, int]] = []  # each memory step's (allocated, reserved) peaks, in the profile's order
-    with _fake_ranks(parallel, world_size) as mesh, FakeTensorMode(), _fused_attention(spec.cuda), lists:
-        built = build()
+    fake = FakeTensorMode()
+    with _fake_ranks(parallel, world_size) as mesh, fake, _fused_attention(spec.cuda), lists:
+        with fake_build(fake):
+            built = build()
+        built = real_to_fake(fake, built)
         if not (isinstance(built, tuple) and len(built) == 2):
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built
