@@ -28,7 +28,7 @@ from memfit.formats.schedule import Schedule, load_schedule, model_fingerprint
 from memfit.measure.step import Inputs, LossFn
 from memfit.torch_private import tree_map
 from memfit.trainstep import TrainStep, step_of
-from memfit.units import find_units
+from memfit.units import find_units, require_module
 
 log = logging.getLogger("memfit")
 
@@ -66,6 +66,7 @@ def fit(
     pass ``cache_dir=False``, when you change what one does to memory.
     """
     started = time.perf_counter()
+    require_module(model, "memfit.fit")
     if "_memfit_applied" in model.__dict__:
         memfit.remove(model)  # fit again (a new budget, say): plan the plain model
     train_step = step_of(step)

@@ -46,9 +46,10 @@ BatchNorm = nn.modules.batchnorm._BatchNorm
 
 __all__ = ["BatchNorm", "FakeTensorMode", "ProfiledAllocation", "StorageWeakRef", "TorchDispatchMode",
            "allow_in_compiled_graph",
-           "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "fake_store", "grad_scaler_tensors",
+           "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "destroy_library", "fake_store",
+           "grad_scaler_tensors",
            "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map",
-           "tree_unflatten", "unset_fake_temporarily"]
+           "tree_unflatten", "unset_fake_temporarily", "without_autocast_cpu"]
 
 
 def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -66,6 +67,18 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 def op_schema(func: Any) -> Any:
     """An ATen op's schema (mutability, argument names): ``OpOverload._schema``. Since torch 1.13."""
     return func._schema
+
+
+def without_autocast_cpu() -> Any:
+    """A context in which CPU autocast's kernels are skipped, as autocast's own C++ wrappers leave
+    it around the op they wrap (``torch._C._ExcludeDispatchKeyGuard``; since torch 1.10)."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
+
+
+def destroy_library(lib: Any) -> None:
+    """Remove a ``torch.library.Library``'s registrations now (``Library._destroy``, what its own
+    teardown calls; since torch 2.0), the kernels it replaced in force again."""
+    lib._destroy()
 
 
 def saved_tensors_hooks_active() -> bool:

@@ -7,7 +7,20 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from memfit.errors import UnitSelectionError
+from memfit.errors import MemfitError, UnitSelectionError
+
+
+def require_module(model: object, call: str) -> None:
+    """A ``MemfitError`` saying what to pass where a model object was expected and something
+    else came (a class, a scenario's name)."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise MemfitError(f"{call} takes a model, not its class: build it first, {call}({model.__name__}(...), ...)")
+    if isinstance(model, str):
+        raise MemfitError(f"{call} takes the model itself (a torch.nn.Module), not a name; for a built-in model or "
+                          f"a scenario use the command line: memfit plan --scenario {model} --budget 24GB")
+    raise MemfitError(f"{call} takes a torch.nn.Module, not a {type(model).__name__}")
 
 
 def find_units(model: nn.Module, spec: str | Sequence[str] = "auto") -> list[str]:
@@ -16,6 +29,7 @@ def find_units(model: nn.Module, spec: str | Sequence[str] = "auto") -> list[str
     ``"auto"`` picks the repeated blocks (``_auto_units``); otherwise ``spec`` lists module
     names or glob patterns (``"model.layers.*"``), matched against ``model.named_modules()``.
     """
+    require_module(model, "memfit")
     if isinstance(spec, str) and spec == "auto":
         return _auto_units(model)
     patterns = [spec] if isinstance(spec, str) else list(spec)

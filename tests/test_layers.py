@@ -125,7 +125,7 @@ def test_private_torch_symbols_are_imported_in_one_module():
     other module asks it (grep for the private paths memfit has used)."""
     private = ("torch.utils._python_dispatch", "torch.utils._pytree", "torch._subclasses", "torch.testing._internal",
                "_checkpoint_without_reentrant_generator", "batchnorm._BatchNorm", "._schema", "torch._C._autograd",
-               "torch._dynamo.")
+               "torch._dynamo.", "torch._C._Exclude", "._destroy(")
     for path in ROOT.rglob("*.py"):
         if path.name == "torch_private.py":
             continue
@@ -137,7 +137,7 @@ def test_private_torch_symbols_are_imported_in_one_module():
 def test_the_policy_grammar_is_spelled_in_one_module():
     """Only memfit/policy.py writes a policy's kind into a string (docstrings aside): everything
     else builds and reads policies through its types."""
-    kinds = ("child:", "segment:", "selective:")
+    kinds = ("child:", "nested:", "segment:", "selective:")
     for path in ROOT.rglob("*.py"):
         if path.name == "policy.py":
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,15 @@ class Inputs:
 
     def tensors(self) -> list[torch.Tensor]:
         return list(iter_tensors((self.args, self.kwargs)))
+
+    def unknown_to(self, model: nn.Module) -> list[str]:
+        """The keyword inputs that ``model.forward`` does not name (a misspelt ``pixels`` for
+        ``pixel_values``), though a ``**kwargs`` of its own may take them."""
+        try:
+            params = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            return []
+        return [k for k in self.kwargs if k not in params]
 
     def describe(self) -> str:
         """Shapes and dtypes, one entry per tensor: ``float32[4,16]`` for a positional argument,

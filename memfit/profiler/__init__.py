@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from memfit.runtime.apply import is_checkpointed
 from memfit.runtime.harness import StepHarness
 from memfit.runtime.marks import Stretch, check_same_shape, stretches
 from memfit.trainstep import OptimizerFactory, TrainStep, step_of
-from memfit.units import find_units
+from memfit.units import find_units, require_module
 
 Progress = Callable[[str], None]
 
@@ -66,6 +67,7 @@ def profile(
     the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
     they were.
     """
+    require_module(model, "memfit.profile")
     _check_arguments(model, repeat, granularity, children)
     if step_fn is not None and (step is not None or optimizer != "adamw" or granularity != "module"):
         raise MemfitError("step_fn= is the whole step, optimizer included: give it alone, without step= or "
@@ -84,7 +86,16 @@ def profile(
         state = harness.new_state()
         say("warm-up step")
         state.zero_grad()
-        training_step(model, inp, loss, state)  # creates the optimizer state: steady state follows
+        try:
+            training_step(model, inp, loss, state)  # creates the optimizer state: steady state follows
+        except Exception as exc:
+            unknown = [] if step_fn is not None else inp.unknown_to(model)
+            if not unknown:
+                raise
+            params = [n for n in inspect.signature(model.forward).parameters if n not in ("args", "kwargs")]
+            raise MemfitError(f"the model's forward failed ({type(exc).__name__}: {exc}) with inputs "
+                              f"{', '.join(map(repr, unknown))}, which forward does not name; it takes "
+                              f"{', '.join(params)}: check the inputs' keys") from exc
         say("saved-for-backward bytes")
         with state.autocast():
             facts = unit_facts(model, names, inp, loss, None if step_fn is None else

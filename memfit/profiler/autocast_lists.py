@@ -19,8 +19,8 @@ The low-precision casts here do not go through autocast's weight-cast cache (CPU
 low-precision ops, the matrix products, convolutions and attention, keep it): a weight cast for an
 ``einsum`` is made at each call, as with ``cache_enabled=False``.
 
-Private API: ``torch._C._ExcludeDispatchKeyGuard`` and ``DispatchKeySet`` (leaving autocast
-around the op, the C++ wrappers' ``ExcludeDispatchKeyGuard``); ``torch.library.Library._destroy``
+Private API (through torch_private): ``torch._C._ExcludeDispatchKeyGuard`` (leaving autocast
+around the op, as the C++ wrappers do), an op's schema, ``torch.library.Library._destroy``
 (removing the registrations: the library object's own teardown).
 """
 
@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from memfit.torch_private import destroy_library, op_schema, without_autocast_cpu
 
 _aten = torch.ops.aten
 
@@ -78,7 +80,7 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _outside(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+    with without_autocast_cpu():
         return op(*args, **kwargs)
 
 
@@ -90,7 +92,7 @@ def _casting(op: Any, dtype: Callable[[], torch.dtype]) -> Callable[..., Any]:
 
 
 def _opt_dtype(op: Any, name: str) -> Callable[..., Any]:
-    index = next(i for i, a in enumerate(op._schema.arguments) if a.name == "dtype")
+    index = next(i for i, a in enumerate(op_schema(op).arguments) if a.name == "dtype")
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         given = args[index] if len(args) > index else kwargs.get("dtype")
@@ -121,7 +123,7 @@ def cuda_lists() -> Iterator[None]:
             _register(lib)
         yield
     finally:
-        lib._destroy()
+        destroy_library(lib)
 
 
 def _register(lib: Any) -> None:

@@ -3,6 +3,7 @@ state_dict unchanged; undo it, step down to a tighter plan, warn when the inputs
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
-from memfit.formats.schedule import Schedule, fingerprint_difference, model_fingerprint
+from memfit.formats.schedule import Schedule, fingerprint_difference, load_schedule, model_fingerprint
 from memfit.policy import KEEP, KINDS_HELP, Children, Full, Nested, Segment, Selective, read
 from memfit.policy import Derive as DerivePolicy
 from memfit.runtime.caches import cache_off
@@ -18,14 +19,23 @@ from memfit.runtime.derive import Derive
 from memfit.runtime.op_sets import OP_SETS
 from memfit.runtime.regions import Region, guard
 from memfit.runtime.watch import Watch
+from memfit.units import require_module
 
 
-def apply(model: nn.Module, schedule: Schedule) -> nn.Module:
-    """Checkpoint the units ``schedule`` chose, in place, and return ``model``.
+def apply(model: nn.Module, schedule: Schedule | str | os.PathLike[str]) -> nn.Module:
+    """Checkpoint the units ``schedule`` chose, in place, and return ``model``. ``schedule``: a
+    ``Schedule`` (``memfit.plan``, ``memfit.load_schedule``) or the path of a schedule file.
 
     Refuses (``ScheduleMismatchError``) a schedule made for another model, and (``MemfitError``)
     a unit that is already checkpointed.
     """
+    require_module(model, "memfit.apply")
+    if isinstance(schedule, (str, os.PathLike)):
+        schedule = load_schedule(schedule)
+    elif not isinstance(schedule, Schedule):
+        raise MemfitError(
+            f"memfit.apply takes a Schedule or a schedule file's path, not a {type(schedule).__name__}: "
+            "memfit.apply(model, memfit.load_schedule('schedule.json')), or the schedule memfit.plan returned")
     unit_names = list(schedule.policies)
     expected = schedule.fingerprint
     missing = [n for n in unit_names if not _has_module(model, n)]

@@ -1,0 +1,48 @@
+"""The Python API's most natural slips, as a user types them: each a MemfitError saying what to
+pass, never an AttributeError from deep inside (issue 39, item 2)."""
+
+import copy
+
+import pytest
+import torch
+
+import memfit
+
+from .conftest import tiny_gpt
+
+
+def test_apply_takes_a_schedule_file_path_and_refuses_other_things(tmp_path):
+    model, batch = tiny_gpt()
+    prof = memfit.profile(copy.deepcopy(model), batch, repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    sched = memfit.plan(prof, (lo + hi) // 2)
+    sched.save(tmp_path / "schedule.json")
+    by_path = memfit.apply(copy.deepcopy(model), str(tmp_path / "schedule.json"))  # what users type first
+    assert by_path.__dict__["_memfit_applied"].policies == sched.policies
+    memfit.apply(copy.deepcopy(model), tmp_path / "schedule.json")  # a Path too
+    with pytest.raises(memfit.MemfitError, match=r"takes a Schedule or a schedule file's path, not a dict.*"
+                                                 r"load_schedule"):
+        memfit.apply(copy.deepcopy(model), dict(sched.policies))
+    with pytest.raises(memfit.MemfitError, match=r"no such file|not found|does not exist"):
+        memfit.apply(copy.deepcopy(model), str(tmp_path / "missing.json"))
+
+
+def test_fit_and_profile_say_what_to_pass_for_a_name_or_a_class():
+    x = torch.randn(4, 8)
+    with pytest.raises(memfit.MemfitError, match=r"not a name.*memfit plan --scenario vit"):
+        memfit.fit("vit", x, "1GB", cache_dir=False)
+    with pytest.raises(memfit.MemfitError, match=r"not its class: build it first, memfit.fit\(Linear\(...\)"):
+        memfit.fit(torch.nn.Linear, x, "1GB", cache_dir=False)
+    with pytest.raises(memfit.MemfitError, match=r"takes a torch\.nn\.Module, not a int"):
+        memfit.profile(3, x)
+    with pytest.raises(memfit.MemfitError, match=r"memfit.apply takes a model, not its class"):
+        memfit.apply(torch.nn.Linear, "schedule.json")
+
+
+def test_a_misspelt_input_key_is_named_with_what_forward_takes():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(image_size=32, patch_size=16, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, intermediate_size=64, num_labels=2)
+    model = transformers.ViTForImageClassification(config)
+    with pytest.raises(memfit.MemfitError, match=r"'pixels', which forward does not name; it takes pixel_values"):
+        memfit.fit(model, {"pixels": torch.randn(2, 3, 32, 32)}, "1GB", cache_dir=False)
