@@ -65,9 +65,10 @@ def _auto_units(model: nn.Module) -> list[str]:
     residual blocks of all of a ResNet's stages are units (``layer1.0`` … ``layer4.2``, not only
     the longest stage). Not blocks: containers themselves, and stages, whose children are
     containers of blocks and at most one more module (a downsample); their blocks are. Of the
-    classes left, the outermost (not inside another's blocks), then the one with the most
-    blocks, then parameters. A heuristic: name the units (``units=``/``--units``) where it
-    picks wrong."""
+    classes left, every outermost one (none of its blocks inside another's: an encoder's layers
+    and a decoder's both), in the model's order; where every class nests in another, the one with
+    the most blocks, then parameters. A heuristic: name the units (``units=``/``--units``) where
+    it picks wrong."""
     named = list(model.named_modules())
     classes: set[type[nn.Module]] = set()
     for _, module in named:
@@ -94,7 +95,10 @@ def _auto_units(model: nn.Module) -> list[str]:
               if not issubclass(k, _CONTAINERS) and not all(stage(m) for _, m in v)} or groups
     names = {k: [n for n, _ in v] for k, v in blocks.items()}
     every = [n for v in names.values() for n in v]
-    outer = {k: v for k, v in names.items() if not any(n.startswith(o + ".") for n in v for o in every)} or names
-    best = max(outer, key=lambda k: (len(outer[k]), sum(p.numel() for _, m in blocks[k] for p in m.parameters())))
-    chosen = outer[best]
+    outer = {k: v for k, v in names.items() if not any(n.startswith(o + ".") for n in v for o in every)}
+    if outer:  # every outermost class: an encoder's layers and a decoder's, a U-Net's down and up blocks
+        order = {n: i for i, (n, _) in enumerate(named)}
+        return sorted((n for v in outer.values() for n in v), key=order.__getitem__)
+    best = max(names, key=lambda k: (len(names[k]), sum(p.numel() for _, m in blocks[k] for p in m.parameters())))
+    chosen = names[best]
     return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen)]  # outermost, if a class nests
