@@ -12,6 +12,21 @@ _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGTkmgt]?)([iI]?)([Bb]?)\s*$")
 
 
+def parse_share(text: str) -> float | None:
+    """``"60%"`` -> 0.6: a budget as a share of the unplanned peak (as torch.compile's
+    ``activation_memory_budget`` is a fraction); None for a size."""
+    if not isinstance(text, str) or not text.strip().endswith("%"):
+        return None
+    try:
+        value = float(text.strip()[:-1])
+    except ValueError:
+        raise BudgetFormatError(f"cannot read the share {text!r}: write a percentage such as 60%") from None
+    if not 0 < value <= 100:
+        raise BudgetFormatError(f"a budget share must be more than 0% and at most 100% of the unplanned peak, "
+                                f"got {text!r}")
+    return value / 100
+
+
 def parse_bytes(text: str | int | float) -> int:
     """Parse a size such as ``24GB``, ``24GiB``, ``24G``, ``1536MB``, ``0.5TB`` or ``1000`` (bytes).
 
@@ -23,6 +38,8 @@ def parse_bytes(text: str | int | float) -> int:
     if isinstance(text, (int, float)):
         value, power = float(text), 0
     else:
+        if text.strip().startswith("-"):
+            raise BudgetFormatError(f"a memory size must be positive, got {text!r}")
         match = _PATTERN.match(text)
         if match is None:
             raise BudgetFormatError(

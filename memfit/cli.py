@@ -23,7 +23,7 @@ from memfit.trainstep import OPTIMIZERS, PRECISIONS, ZERO_GRADS
 
 EPILOG = """\
 examples:
-  memfit plan --budget 24GB                       # the default 1.1B GPT: estimated for an RTX 4090 without a GPU
+  memfit plan --budget 24GB                       # the default 0.73B GPT (gpt-750m): estimated for an RTX 4090
   memfit plan --budget 80GB --scenario llama2-7b --target h100   # any scenario, estimated for any device
   memfit plan --budget 300MB --scenario gpt-small # a small GPT, measured here (CPU or GPU)
   memfit plan --budget 8GiB --model mypkg.models:build --input-shape 8x3x224x224
@@ -63,12 +63,24 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
+def _negative_sizes(argv: list[str]) -> list[str]:
+    """``--budget -1GB`` as ``--budget=-1GB``: argparse takes a value that starts with a dash for an
+    option and says only "expected one argument"; joined, the size's own check says what is wrong."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if out and out[-1] in ("--budget", "--budgets") and arg[:1] == "-" and arg[1:2].isdigit() and i:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     install_interrupt_handler()  # first, so that a Ctrl-C from here on always ends the run with 130
     debug, args = False, None
     try:
         parser = _parser()
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_negative_sizes(sys.argv[1:] if argv is None else argv))
         debug = bool(getattr(args, "debug", False))
         if not getattr(args, "command", None):
             parser.print_help()
@@ -169,7 +181,8 @@ def _parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=commands.cmd_profile)
 
     plan = command("plan", "profile (or read a profile) and solve for the cheapest schedule within a budget")
-    plan.add_argument("--budget", required=True, help="memory budget for the whole step, e.g. 24GB, 1536MB")
+    plan.add_argument("--budget", required=True, help="memory budget for the whole step, e.g. 24GB, 1536MB, or a "
+                      "share of the unplanned peak, e.g. 60%%")
     plan.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
     plan.add_argument("--trust-source", action="store_true",
                     help="rebuild the model that the --profile file names (imports and runs its code); without it, "

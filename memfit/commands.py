@@ -35,13 +35,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from memfit.budget import parse_bytes
+    from memfit.budget import format_bytes, parse_bytes, parse_share
     from memfit.formats.profile import load_profiles
     from memfit.planning.planner import plan
     from memfit.plots import check_plot_path, timeline
     from memfit.report import schedule_report, shapes_report
 
-    budget = parse_bytes(args.budget)  # fail on a bad budget before minutes of profiling
+    share = parse_share(args.budget)  # "60%": of the unplanned peak, known once profiled
+    budget = parse_bytes(args.budget) if share is None else 0  # fail on a bad budget before minutes of profiling
     settings = _plan_options(args)
     if (args.no_segments or args.compile) and args.strategy == "sqrt":
         raise MemfitError(f"{'--compile' if args.compile else '--no-segments'} rules out --strategy sqrt, which "
@@ -65,6 +66,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "apart): plan each shape with --compile on its own")
     shares = modelflags.shares_of(args, profs)
     prof = profs[-1]
+    if share is not None:
+        from memfit.planning.memory import predict
+
+        budget = max(1, round(share * max(predict(p, {}).peak_bytes for p in profs)))
+        print(f"budget {args.budget.strip()} of the unplanned peak: {format_bytes(budget)}")
     if args.compile:
         options = {k: v for k, v in asdict(settings).items() if k not in ("segments", "fallbacks")}
         schedule = _plan_compiled(args, prof, budget, options)
@@ -75,7 +81,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     idle = not any(p.checkpointed for p in schedule.plans)
     write = args.output is not None or not idle
     if write:
+        replaced = _schedule_for_another_model(output, schedule)
         write_output(schedule.save, output)
+        if replaced:
+            print(f"memfit: note: {output} was a schedule for {replaced}; replaced by this one for "
+                  f"{schedule.fingerprint.get('model_class', 'this model')}", file=sys.stderr)
     if args.timeline:
         write_output(lambda path: timeline(schedule.levels, path, title=_title(prof, f"{schedule.strategy} plan"),
                                            budget=schedule.budget_bytes, checkpointed=schedule.checkpointed),
@@ -161,6 +171,23 @@ def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: di
 
     return plan_compiled(model, inputs, prof, budget, args.compile, step=prof.train_step, progress=progress,
                          **options)
+
+
+def _schedule_for_another_model(path: str, schedule: Any) -> str | None:
+    """The model class of the schedule already at ``path``, where it is another model's."""
+    from memfit.formats.schedule import load_schedule
+
+    if not Path(path).is_file():
+        return None
+    try:
+        old = load_schedule(path)
+    except MemfitError:
+        return None
+    mine, theirs = schedule.fingerprint, old.fingerprint
+    if mine.get("params_sha256") == theirs.get("params_sha256") and mine.get("model_class") == theirs.get(
+            "model_class"):
+        return None
+    return str(theirs.get("model_class", "another model"))
 
 
 def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]) -> None:

@@ -17,11 +17,13 @@ from memfit.errors import FileFormatError, MemfitError
 
 def check_writable(path: str | os.PathLike[str], what: str = "output file") -> Path:
     """Fail now, not after minutes of profiling, if ``path`` cannot be written: empty, a
-    directory, under a file, or in a place this process may not create files in."""
+    directory, in a directory that does not exist, under a file, or in a place this process may
+    not create files in."""
     target = _target(path, what)
     parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
+    if not parent.exists():  # a typo in a path would otherwise become a tree of new directories
+        raise MemfitError(f"{target}: cannot write the {what}: the directory {parent} does not exist (create it "
+                          f"first: mkdir -p {parent})")
     if not parent.is_dir():
         raise MemfitError(f"{target}: cannot write the {what}: {parent} is a file, not a directory")
     try:  # os.access says yes to root on a read-only file system: try it

@@ -110,7 +110,11 @@ def test_wheel_ships_the_builtin_scenarios():
         (["-o", "."], "is a directory"),
         (["-o", ""], "name is empty"),
         (["-o", "profile.json/s.json"], "is a file, not a directory"),
-        (["-o", "/proc/memfit-test/s.json"], "cannot write the schedule file there"),
+        (["-o", "/proc/s.json"], "cannot write the schedule file there"),
+        (["-o", "nope/dir/s.json"], "the directory nope/dir does not exist (create it first: mkdir -p nope/dir)"),
+        (["--budget", "-1GB"], "a memory size must be positive, got '-1GB'"),
+        (["--budget", "0%"], "a budget share must be more than 0% and at most 100% of the unplanned peak"),
+        (["--budget", "sixty%"], "write a percentage such as 60%"),
     ],
 )
 def test_plan_mistakes_from_a_profile(work, args, message):
@@ -580,3 +584,20 @@ def test_a_broken_invariant_is_a_bug_report_not_a_user_error(monkeypatch, tmp_pa
     assert code == 70 and "Traceback (most recent call last)" in err and "InternalError" in err
     assert "a bug in memfit rather than a mistake of yours" in err and "please report it" in err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_a_budget_as_a_share_of_the_unplanned_peak_and_a_schedule_replaced_says_so(work):
+    """``--budget 90%``, as torch.compile's users write its memory budget: 90% of the unplanned
+    peak the profile predicts. Writing over a schedule made for another model is said, not silent."""
+    prof = memfit.Profile.load(work / "profile.json")
+    other = work / "other.json"
+    memfit.plan(random_profile(4, 0, chain=True), 10**12).save(other)  # another model's schedule
+    proc = run("plan", "--profile", "profile.json", "--budget", "90%", "-o", "other.json", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    budget = round(0.9 * memfit.predict(prof, {}).peak_bytes)
+    assert memfit.load_schedule(other).budget_bytes == budget
+    assert "budget 90% of the unplanned peak" in proc.stdout
+    assert "other.json was a schedule for" in proc.stderr and "replaced by this one" in proc.stderr
+    again = run("plan", "--profile", "profile.json", "--budget", "90%", "-o", "other.json", cwd=work)
+    assert again.returncode == 0 and "replaced" not in again.stderr  # the same model's: no note
+    other.unlink()
