@@ -307,6 +307,9 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     g = p.add_argument_group(title)
     g.add_argument("--scenario", help="a built-in scenario name or a scenario .toml file")
     g.add_argument("--model", help="your own model: module:factory returning a model or (model, inputs)")
+    g.add_argument("--args", nargs="+", metavar="NAME=VALUE",
+                   help="keyword arguments for the factory, typed as in a scenario's [args] (batch=64 image=1024 "
+                   "name='tiny' dims=[64,128]); over the scenario's own")
     if validate:
         g.add_argument("--input-shape", help="random input shape when the factory returns only a model, e.g. "
                        "8x3x224x224")

@@ -13,8 +13,8 @@ from memfit.errors import MemfitError
 
 STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output",
               "autocast_cache")
-MODEL_FLAGS = ("scenario", "model", "input_shape", "seq_lens", "units", *STEP_FLAGS, "device", "repeat", "children",
-               "target", "parallel", "world_size")
+MODEL_FLAGS = ("scenario", "model", "args", "input_shape", "seq_lens", "units", *STEP_FLAGS, "device", "repeat",
+               "children", "target", "parallel", "world_size")
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...] = MODEL_FLAGS) -> list[str]:
@@ -34,6 +34,8 @@ def scenario_of(args: argparse.Namespace) -> Any:
         sc = load_scenario(args.scenario or DEFAULT)
         if shapes:
             sc.input_shape = shapes[0]
+    if getattr(args, "args", None):
+        sc.args = {**sc.args, **factory_args(args.args)}
     if args.units:
         sc.units = args.units
     for flag in STEP_FLAGS:
@@ -46,6 +48,23 @@ def scenario_of(args: argparse.Namespace) -> Any:
 
 
 _PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # amp-*: float32
+
+
+def factory_args(items: list[str]) -> dict[str, Any]:
+    """``--args batch=64 image=1024 name=tiny``: each value read as a TOML value, as a scenario's
+    ``[args]`` are (64 an integer, 0.1 a float, true, [64, 128], 'text'), else taken as a string."""
+    from memfit.scenarios import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip().isidentifier():
+            raise MemfitError(f"--args {item!r}: write NAME=VALUE, e.g. --args batch=64 image=1024")
+        try:
+            out[name.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[name.strip()] = value
+    return out
 
 
 def input_shapes(args: argparse.Namespace) -> list[list[int]]:

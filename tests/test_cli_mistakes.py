@@ -50,6 +50,12 @@ def frozen():
 def broken():
     size = 3
     raise ValueError(f"my factory cannot build size {size}")
+
+
+def sized(batch=2, width=10):  # a factory with arguments, as users write one
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Linear(width, width) for _ in range(3)))
+    return net, torch.randn(batch, width)
 '''
 
 
@@ -601,3 +607,17 @@ def test_a_budget_as_a_share_of_the_unplanned_peak_and_a_schedule_replaced_says_
     again = run("plan", "--profile", "profile.json", "--budget", "90%", "-o", "other.json", cwd=work)
     assert again.returncode == 0 and "replaced" not in again.stderr  # the same model's: no note
     other.unlink()
+
+
+def test_a_factorys_arguments_from_the_command_line(work):
+    """``--args`` sets a factory's keyword arguments, typed as a scenario's [args]: the profile is of
+    the batch and width given, not the factory's defaults; mistakes exit 2 saying what to write."""
+    proc = run("profile", "--model", "usermodels:sized", "--args", "batch=8", "width=32", "--repeat", "1",
+               "-o", "sized.json", cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    assert memfit.Profile.load(work / "sized.json").input_shapes == "float32[8,32]"
+    (work / "sized.json").unlink()
+    for args, says in ((["batch8"], "write NAME=VALUE, e.g. --args batch=64 image=1024"),
+                       (["bacth=8"], "unexpected keyword argument 'bacth'")):
+        proc = run("plan", "--model", "usermodels:sized", "--args", *args, "--budget", "1GB", cwd=work)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
