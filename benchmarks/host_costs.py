@@ -31,22 +31,12 @@ import time
 from typing import Any
 
 import torch
+from launch_bound import _Count  # the ATen ops a call runs
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from memfit import zoo
 from memfit.measure.timing import alternate
 from memfit.runtime.op_sets import OP_SETS, keep
-from memfit.torch_private import TorchDispatchMode
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _Both:
