@@ -37,8 +37,8 @@ MAX_CHILDREN = 3  # child options per unit class, the largest savers first
 def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: LossFn,
                  unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[str]]:
     """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
-    ``nested:<the child option of most regions>``, ``selective:gemm[@<name>]``, ``derive``,
-    ``derive:products``), in a fixed order.
+    ``nested:<the child options' regions that do not overlap>``, ``selective:gemm[@<name>]``,
+    ``derive``, ``derive:products``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
     out: dict[str, list[str]] = {}
@@ -84,9 +84,10 @@ def _nested(unit: nn.Module, options: list[Children]) -> Nested | None:
     modules of their own first (attention, MLP: where the saved tensors are), then those of more
     regions, each region taken unless it overlaps one taken already; None where no region holds
     such a module (a ResNet block's convolutions, nested, peaked 10 KB above ``full``: leaf
-    regions take nothing off the unit's recomputation, and each adds its RNG state). Of a GPT block's three child
-    options nested alone, this one's backward peaked lowest (686 KB against 885 and 919, full's
-    952); a Llama block's two (``self_attn``, ``mlp``) become one."""
+    regions take nothing off the unit's recomputation, and each adds its RNG state). Of a GPT
+    block's three child options nested alone, the one this takes peaked lowest in the backward
+    (686 KB against 885 and 919, full's 952); a Llama block's two (``self_attn``, ``mlp``)
+    become one."""
 
     def inner(region: tuple[str, ...]) -> int:
         return sum(1 for m in region if any(True for _ in unit.get_submodule(m).children()))
