@@ -269,7 +269,7 @@ class Region(PerThread):
     def _recompute(self, calls: list[_Call], kwargs: dict[str, Any]) -> Callable[..., None]:
         def run(*args: Any) -> None:
             modules = self.modules
-            with Recomputing(), _Own(self._tls):
+            with Recomputing(self._tls):
                 out: Any = None
                 for i, call in enumerate(calls):
                     if i == 0:
@@ -320,21 +320,6 @@ def _substituted(module: nn.Module, tables: list[dict[str, Any]]) -> dict[str, t
         return None
     return {**dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False))}
-
-
-class _Own:
-    """This thread recomputes this region (``Region._aside``), nested recomputations counted."""
-
-    __slots__ = ("tls",)
-
-    def __init__(self, tls: Any) -> None:
-        self.tls = tls
-
-    def __enter__(self) -> None:
-        self.tls.recomputing = getattr(self.tls, "recomputing", 0) + 1
-
-    def __exit__(self, *exc: Any) -> None:
-        self.tls.recomputing -= 1
 
 
 class _PutBack:

@@ -55,13 +55,23 @@ class PerThread:
 
 
 class Recomputing:
-    """This thread recomputes a region's forward while inside (nested regions count)."""
+    """This thread recomputes a region's forward while inside (nested regions count); with
+    ``own``, the region's per-thread state, that region in particular (``Region._aside``)."""
+
+    __slots__ = ("own",)
+
+    def __init__(self, own: Any = None) -> None:
+        self.own = own
 
     def __enter__(self) -> None:
         _thread.recomputing = getattr(_thread, "recomputing", 0) + 1
+        if self.own is not None:
+            self.own.recomputing = getattr(self.own, "recomputing", 0) + 1
 
     def __exit__(self, *exc: Any) -> None:
         _thread.recomputing -= 1
+        if self.own is not None:
+            self.own.recomputing -= 1
 
 
 def raising(output: Any) -> bool:
