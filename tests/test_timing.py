@@ -104,22 +104,41 @@ def test_two_profiles_agree_within_their_recorded_uncertainty():
     from memfit.profiler.costs import NoisyTimesWarning
 
     model, inputs = zoo.gpt(batch=2, seq=32, vocab=128, d_model=64, n_head=2, n_layer=4, dropout=0.0)
-    for _ in range(2):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", NoisyTimesWarning)
-            a, b = (memfit.profile(model, inputs, repeat=7, granularity="fine") for _ in range(2))
-        if not any(issubclass(w.category, NoisyTimesWarning) for w in caught):
+
+    def pair() -> tuple[memfit.Profile, memfit.Profile] | None:
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", NoisyTimesWarning)
+                a, b = (memfit.profile(model, inputs, repeat=7, granularity="fine") for _ in range(2))
+            if not any(issubclass(w.category, NoisyTimesWarning) for w in caught):
+                return a, b
+        return None
+
+    def outside(a: memfit.Profile, b: memfit.Profile) -> tuple[list[str], int]:
+        """The options whose two costs differ by more than their uncertainties, and how many were compared."""
+        out, compared = [], 0
+        for ua, ub in zip(a.units, b.units, strict=True):
+            for o in set(ua.options) & set(ub.options):
+                ca, cb = ua.options[o], ub.options[o]
+                differ = abs(ca.recompute_s / a.step_s - cb.recompute_s / b.step_s)
+                if differ > ca.recompute_uncertainty_s / a.step_s + cb.recompute_uncertainty_s / b.step_s:
+                    out.append(o)
+                compared += o != "none"
+        return out, compared
+
+    # Each of a dozen options is within two standard errors about 95% of the time: one of them
+    # can fall outside by chance (CI met one at 0.115 against 0.102 of the step, the two plain
+    # steps 19% apart). A second pair, measured anew, must then agree on every option: an
+    # uncertainty recorded too small fails both.
+    for attempt in range(2):
+        made = pair()
+        if made is None:
+            pytest.skip("both pairs of profiles warned that the machine was busy (NoisyTimesWarning)")
+        failing, compared = outside(*made)
+        assert compared >= 4 * len(made[0].units)  # finer options were compared, not only none and full
+        if not failing:
             break
-    else:
-        pytest.skip("both pairs of profiles warned that the machine was busy (NoisyTimesWarning)")
-    compared = 0
-    for ua, ub in zip(a.units, b.units, strict=True):
-        for o in set(ua.options) & set(ub.options):
-            ca, cb = ua.options[o], ub.options[o]
-            differ = abs(ca.recompute_s / a.step_s - cb.recompute_s / b.step_s)
-            assert differ <= ca.recompute_uncertainty_s / a.step_s + cb.recompute_uncertainty_s / b.step_s, o
-            compared += o != "none"
-    assert compared >= 4 * len(a.units)  # finer options were compared, not only none and full
+        assert attempt == 0, failing
 
 
 def test_scattered_times_of_identical_units_are_warned_of_and_a_steady_outlier_is_not():
