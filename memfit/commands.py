@@ -213,12 +213,15 @@ def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]
 
 
 def _title(made: Any, what: str) -> str:
-    """Model, inputs, dtype, device and optimizer of a profile or a schedule, for a picture."""
+    """Model, inputs, precision (the step's: amp-bf16, not the weights' float32), the device or the
+    target it was estimated for, and optimizer of a profile or a schedule, for a picture."""
     source = made.source
     name = (Path(str(source["scenario"])).stem if source.get("scenario")
             else source.get("model") or made.fingerprint.get("model_class", "model"))
-    dtype = f" - {source['dtype']}" if source.get("dtype") else ""
-    return f"{name}: {what}\ninputs {made.input_shapes}{dtype} - {made.device}, optimizer {made.optimizer}"
+    precision = (made.step or {}).get("precision") or source.get("dtype")  # amp-bf16 over float32 weights
+    dtype = f" - {precision}" if precision else ""
+    where = f"estimated for {made.target}" if made.target else made.device
+    return f"{name}: {what}\ninputs {made.input_shapes}{dtype} - {where}, optimizer {made.optimizer}"
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -230,3 +230,19 @@ def test_sweep_command_measures_and_writes(tmp_path):
     assert ((ilp["predicted_uncertainty"] > 0) == (ilp["recompute_s"] > 0)).all()
     assert (frame["measured_uncertainty"] > 0).all() and " ±" in proc.stdout
     assert (tmp_path / "s.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_a_pictures_title_names_the_steps_precision_and_the_target_estimated_for():
+    """Issue 39 item 4: an amp-bf16 plan estimated for an RTX 4090 was titled "float32 - cuda"."""
+    from types import SimpleNamespace
+
+    from memfit.commands import _title
+
+    made = SimpleNamespace(source={"scenario": "gpt-750m", "dtype": "float32"}, fingerprint={},
+                           step={"precision": "amp-bf16"}, target="rtx4090", device="cuda",
+                           input_shapes="idx=int64[8,1024]", optimizer="adamw")
+    title = _title(made, "memory vs slowdown")
+    assert title == ("gpt-750m: memory vs slowdown\ninputs idx=int64[8,1024] - amp-bf16 - estimated for rtx4090, "
+                     "optimizer adamw")
+    measured = SimpleNamespace(**{**vars(made), "step": {}, "target": "", "device": "cpu"})
+    assert "float32 - cpu" in _title(measured, "plan")
