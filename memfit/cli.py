@@ -67,8 +67,8 @@ def _negative_sizes(argv: list[str]) -> list[str]:
     """``--budget -1GB`` as ``--budget=-1GB``: argparse takes a value that starts with a dash for an
     option and says only "expected one argument"; joined, the size's own check says what is wrong."""
     out: list[str] = []
-    for i, arg in enumerate(argv):
-        if out and out[-1] in ("--budget", "--budgets") and arg[:1] == "-" and arg[1:2].isdigit() and i:
+    for arg in argv:
+        if out and out[-1] in ("--budget", "--budgets") and arg[:1] == "-" and arg[1:2].isdigit():
             out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)

@@ -13,14 +13,13 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.devices import Device
-from memfit.measure.allocator import CachingAllocator
+from memfit.measure.allocator import MIN_BLOCK, CachingAllocator
 from memfit.measure.host import take_served, under_dispatch_mode
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
 from memfit.measure.step import iter_tensors, local, storage_key
 from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema, saved_tensors_hooks_active
 
-CUDA_GRANULE = 512  # the caching allocator hands out multiples of 512 bytes
 # Convolution kernels reorder their operands into scratch buffers (oneDNN on the CPU, cuDNN
 # workspaces on CUDA) that fake tensors cannot show: allowed for as this many copies of the op's
 # largest operand, live during the op. Fitted on the CPU to the ResNet-style test CNN, whose
@@ -46,7 +45,7 @@ class FakeMemoryRecorder(TorchDispatchMode):
                  reserved: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
         self._cuda = target.cuda
-        self._granule = CUDA_GRANULE if target.cuda else 1
+        self._granule = MIN_BLOCK if target.cuda else 1  # the caching allocator's multiple
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes counted for it]
         self._level = self._peak = 0
         self._marks: list[Mark] = []

@@ -26,6 +26,16 @@ LossFn = Callable[[Any], torch.Tensor]
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+def forward_names(model: nn.Module) -> list[str] | None:
+    """The parameters ``model.forward`` names (not ``*args``, ``**kwargs``); None where Python
+    cannot read its signature."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 @dataclass(slots=True)
 class Inputs:
     """Positional and keyword arguments of the model's forward."""
@@ -55,11 +65,8 @@ class Inputs:
     def unknown_to(self, model: nn.Module) -> list[str]:
         """The keyword inputs that ``model.forward`` does not name (a misspelt ``pixels`` for
         ``pixel_values``), though a ``**kwargs`` of its own may take them."""
-        try:
-            params = inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            return []
-        return [k for k in self.kwargs if k not in params]
+        names = forward_names(model)
+        return [] if names is None else [k for k in self.kwargs if k not in names]
 
     def describe(self) -> str:
         """Shapes and dtypes, one entry per tensor: ``float32[4,16]`` for a positional argument,

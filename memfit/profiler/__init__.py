@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 from collections.abc import Callable
@@ -16,7 +15,16 @@ from memfit.formats.profile import OptionCost, Profile
 from memfit.formats.schedule import model_fingerprint
 from memfit.measure.memory import device_memory
 from memfit.measure.meters import Meters
-from memfit.measure.step import Inputs, LossFn, StepState, default_loss, static_bytes, storage_bytes, training_step
+from memfit.measure.step import (
+    Inputs,
+    LossFn,
+    StepState,
+    default_loss,
+    forward_names,
+    static_bytes,
+    storage_bytes,
+    training_step,
+)
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
@@ -92,10 +100,9 @@ def profile(
             unknown = [] if step_fn is not None else inp.unknown_to(model)
             if not unknown:
                 raise
-            params = [n for n in inspect.signature(model.forward).parameters if n not in ("args", "kwargs")]
             raise MemfitError(f"the model's forward failed ({type(exc).__name__}: {exc}) with inputs "
                               f"{', '.join(map(repr, unknown))}, which forward does not name; it takes "
-                              f"{', '.join(params)}: check the inputs' keys") from exc
+                              f"{', '.join(forward_names(model) or [])}: check the inputs' keys") from exc
         say("saved-for-backward bytes")
         with state.autocast():
             facts = unit_facts(model, names, inp, loss, None if step_fn is None else
