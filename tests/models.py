@@ -243,3 +243,39 @@ def mobilenet_v3_small(seed: int = 0, batch: int = 4, image: int = 64) -> tuple[
     model = MobileNetV3Small()
     perturb_batch_norms(model, seed + 1)
     return model, torch.randn(batch, 3, image, image)
+
+
+class ResidualOutside(nn.Module):
+    """Blocks whose residual add the model's own loop does (``x = x + block(x)``), each block
+    ending in a ReLU that saves its output; with ``shared``, every block also takes a tensor the
+    model makes before the loop and no block saves (a bias, as attention masks are passed)."""
+
+    def __init__(self, width: int = 16, depth: int = 4, shared: bool = False) -> None:
+        super().__init__()
+        self.shared = shared
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(ConvReLU(width) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.stem(pixel_values)
+        bias = torch.full_like(x, 0.5) if self.shared else None
+        for block in self.blocks:
+            x = x + block(x, bias)
+        return self.head(x.mean((2, 3)))
+
+
+class ConvReLU(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.conv(x)
+        return torch.relu(y if bias is None else y + bias)
+
+
+def residual_outside(shared: bool = False, seed: int = 0, batch: int = 4,
+                     image: int = 32) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    return ResidualOutside(shared=shared), {"pixel_values": torch.randn(batch, 3, image, image)}

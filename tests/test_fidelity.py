@@ -1,6 +1,7 @@
 """Predicted peak = measured peak: plan at several budgets, run the step, measure on the CPU."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -106,3 +107,25 @@ def test_every_schedule_of_a_cnn_chain_is_predicted_safely(norm):
     assert all(torch.equal(plain.grads[k], seg.grads[k]) for k in plain.grads)
     assert plain.buffers.keys() == seg.buffers.keys()
     assert all(torch.equal(plain.buffers[k], seg.buffers[k]) for k in plain.buffers)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["residual", "residual-shared-input"])
+def test_every_schedule_of_a_residual_loop_is_predicted_exactly(shared):
+    """``x = x + block(x)`` with a closing ReLU: a checkpointed block's output goes right after the
+    add, a kept one's at its backward; with an input every block takes and none saves, any
+    checkpoint keeps that input too, in the same remainder. All 2^4 none/full schedules are
+    predicted to the byte, so the smallest budget is the all-checkpointed step's real peak."""
+    from .models import residual_outside
+
+    model, inputs = residual_outside(shared)
+    prof = memfit.profile(model, inputs, units="blocks.*", optimizer="sgd-momentum", repeat=1)
+    names = prof.unit_names
+    assert not prof.chain and all(u.options["full"].freed_after_bytes == u.output_bytes for u in prof.units[:-1])
+    peaks = {}
+    for roles in itertools.product(["none", "full"], repeat=len(names)):
+        policies = dict(zip(names, roles, strict=True))
+        twin = copy.deepcopy(model)
+        memfit.runtime.apply.set_policies(twin, policies)
+        peaks[roles] = measure_steps(twin, inputs, optimizer="sgd-momentum").peak_bytes
+        assert memfit.predict(prof, policies).peak_bytes == peaks[roles], policies
+    assert memfit.min_budget_bytes(prof) == min(peaks.values()) < peaks[("none",) * len(names)]

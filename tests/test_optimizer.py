@@ -6,6 +6,7 @@ import random
 import pytest
 
 import memfit
+from memfit.planning.dp import dp_exact
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
 from memfit.planning.planner import min_budget_bytes
@@ -45,10 +46,13 @@ def brute_force(profile, budget, max_segment):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_optimum_equals_brute_force(seed):
-    """Up to 12 units with none/full, up to 8 with segments too: every solver hits the optimum."""
+    """Up to 12 units with none/full, up to 8 with segments too: every solver hits the optimum;
+    on a third of the seeds a checkpointed unit lets the remainder after it free bytes."""
     chain = seed % 2 == 0
     n = 4 + seed % 5 if chain else 6 + seed % 7  # 4..8 chained, 6..12 without segments
-    prof = random_profile(n, seed, chain=chain)
+    prof = random_profile(n, seed, chain=chain, frees=seed % 3 == 2)
+    assert any(u.options["full"].freed_after_bytes for u in prof.units) == (seed % 3 == 2)
+    assert dp_exact(IntModel.of(prof))  # one net per unit, freed bytes counted
     assert IntModel.of(prof).quantum == 1  # small integers: the scaled model is exact
     hi = memfit.predict(prof, {}).peak_bytes
     _, lo = brute_force(prof, hi, 4)
@@ -181,8 +185,8 @@ def fine_assignments(profile, max_segment):
 @pytest.mark.parametrize("seed", range(6))
 def test_fine_options_optimum_equals_brute_force(seed):
     """With two finer options per unit, every solver hits the optimum of the memory model, and
-    no plan of module granularity is cheaper."""
-    prof = random_profile(4 + seed % 3, seed, fine=2)
+    no plan of module granularity is cheaper; from seed 3 on, options free bytes after their unit."""
+    prof = random_profile(4 + seed % 3, seed, fine=2, frees=seed >= 3)
     names = prof.unit_names
     hi = memfit.predict(prof, {}).peak_bytes
     best_peak = min(memfit.predict(prof, {n: r.policy(names) for n, r in zip(names, roles, strict=True)}).peak_bytes

@@ -9,6 +9,7 @@ Walking the timeline from ``baseline_bytes`` gives the step's peak for any choic
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -54,6 +55,10 @@ class OptionCost:
     # (measure/timing.ratio_uncertainty), split as the cost is (profiler/costs.py); 0: not measured
     # (estimates, repeat < 3)
     recompute_uncertainty_s: float = 0.0
+    # what the remainder after each forward of the unit frees beyond what it frees when the unit
+    # is ``none``: an output the unit kept for its backward, dropped by the model's own code once
+    # checkpointed (``x = x + block(x)`` with a closing ReLU); freed at that remainder's end
+    freed_after_bytes: int = 0
 
     def backward(self, later: bool) -> tuple[int, int]:
         """(peak, end) of the backward: the first run's, or a later run's."""
@@ -101,6 +106,13 @@ class Phase:
     ckpt_end_bytes: int = 0
     later: bool = False  # a unit's backward after its first in the step: OptionCost.backward(later=True)
     releases: bool = False  # leaving autocast: the level also falls by each unit's option's release_bytes
+
+
+def after_forwards(phases: list[Phase]) -> dict[int, int]:
+    """Each remainder phase that directly follows a unit's forward, mapped to that unit: the
+    phase at whose end the unit's option's ``freed_after_bytes`` leave the level."""
+    return {t + 1: prev.unit for t, (prev, p) in enumerate(itertools.pairwise(phases))
+            if prev.kind == "forward" and prev.unit is not None and p.unit is None and not p.releases}
 
 
 @dataclass(slots=True)
@@ -186,7 +198,7 @@ class Profile:
         for u in data["units"]:
             for o in u["options"].values():
                 for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0),
-                                   ("recompute_uncertainty_s", 0.0)):
+                                   ("recompute_uncertainty_s", 0.0), ("freed_after_bytes", 0)):
                     if o[key] == unset:
                         del o[key]
         for p in data["phases"]:
@@ -311,6 +323,7 @@ def _unit(u: Fields) -> UnitProfile:
             *(o.int(k) if o.data.get(k) is not None else None for k in ("later_bwd_peak_bytes", "later_bwd_end_bytes")),
             o.int("release_bytes", minimum=0) if "release_bytes" in o.data else 0,
             o.float("recompute_uncertainty_s", minimum=0.0) if "recompute_uncertainty_s" in o.data else 0.0,
+            o.int("freed_after_bytes", minimum=0) if "freed_after_bytes" in o.data else 0,
         )
     return UnitProfile(
         u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),

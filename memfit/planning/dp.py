@@ -84,21 +84,22 @@ class _Walk:
         return move
 
     def _block(self, i: int, role: Role) -> tuple[int, int]:
-        model, lay, n, p0 = self.model, self.lay, self.model.n, 0
+        model, lay, p0 = self.model, self.lay, 0
         last = role.last if role.is_segment else i
         members = range(i, last + 1)
         w, pf = -(2**62), p0
-        for j in members:  # each member's forward, then the remainder after it
-            fp, fe, *_ = model.costs[j, role]
-            w = max(w, self.level(lay.fwd[j], pf) + fp)
-            pf += fe
-            if j < n - 1:
-                w = max([w, *(self.level(t, pf) + model.phases[t].peak for t in lay.after_fwd[j])])
+        for j in members:  # each member's forward, then the remainder after it, which frees its freed
+            c = model.costs[j, role]
+            w = max(w, self.level(lay.fwd[j], pf) + c.fwd_peak)
+            pf += c.fwd_end
+            for k, t in enumerate(lay.after_fwd[j]):  # the first frees them at its end
+                w = max(w, self.level(t, pf) + model.phases[t].peak)
+                pf -= c.freed if k == 0 else 0
         ub = self.netsuf[last + 1] + pf  # unit bytes as the block's backward begins
         for j in reversed(members):
             _, fe, bp, be, *_ = model.costs[j, role]
             if not role.is_segment:  # one net per unit, the largest over its roles
-                be = model.net[j] - fe
+                be = model.net[j] - fe + model.costs[j, role].freed
             w = max(w, self.level(lay.bwd[j], ub) + bp)
             ub += be
             if j > 0:
@@ -109,9 +110,8 @@ class _Walk:
         """floors[i]: the least that the highest level from unit i's forward on can exceed the
         bytes kept before unit i, over every choice for units i.. (a lower bound for pruning)."""
         n = self.model.n
-        lay, phases = self.lay, self.model.phases
         floor = [0] * (n + 1)
-        floor[n] = max([self.level(t, 0) + phases[t].peak for t in lay.after_fwd[n - 1]], default=-(2**62))
+        floor[n] = -(2**62)  # the last unit's block walks the remainder after its forward
         for i in reversed(range(n)):
             best = 2**62
             for role in self.blocks(i, any_ckpt):
@@ -122,10 +122,10 @@ class _Walk:
         return floor
 
     def finish(self, p: int) -> int:
-        """The highest level after the last unit's forward and after the first unit's backward."""
-        lay, phases, n = self.lay, self.model.phases, self.model.n
-        w = max([self.level(t, p) + phases[t].peak for t in lay.after_fwd[n - 1]], default=-(2**62))
-        return max([w, *(self.level(t, self.netsuf[0]) + phases[t].peak for t in lay.after_bwd[0])])
+        """The highest level after the first unit's backward (``p``, the bytes the forward kept,
+        does not reach it: every unit has run its backward)."""
+        lay, phases = self.lay, self.model.phases
+        return max([self.level(t, self.netsuf[0]) + phases[t].peak for t in lay.after_bwd[0]], default=-(2**62))
 
     def _cost(self, i: int, role: Role) -> int:
         last = role.last if role.is_segment else i

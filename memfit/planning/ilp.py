@@ -115,6 +115,8 @@ def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: 
             if ph.releases:
                 end_expr = end_expr - b.expr([(model.costs[j, r].release, v) for j in range(model.n)
                                               for r, v in x[j].items()])
+            if ph.after is not None:
+                end_expr = end_expr - b.expr([(model.costs[ph.after, r].freed, v) for r, v in x[ph.after].items()])
         else:
             fwd, costs = ph.kind == "forward", [(model.costs[ph.unit, r], v) for r, v in x[ph.unit].items()]
             moves = [((c.fwd_peak, c.fwd_end) if fwd else c.backward(ph.later), v) for c, v in costs]
@@ -149,8 +151,8 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
     hinted = 0
     for j in range(n):  # may only be over-estimated, as every level
         v = b.integer(-big, big, f"P{j}")
-        b.add_le(kept[j] + unit(j, "fwd_end") - v, 0)
-        hinted += model.costs[j, FULL].fwd_end
+        b.add_le(kept[j] + unit(j, "fwd_end") - unit(j, "freed") - v, 0)  # freed by the remainder after it
+        hinted += model.costs[j, FULL].fwd_end - model.costs[j, FULL].freed
         b.hint(v, hinted)  # its value when every unit is checkpointed (the hinted roles)
         kept.append(b.expr([(1, v)]))
     for j in reversed(range(n)):
@@ -160,7 +162,8 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
     peaks = [at(t, model.phases[t].peak) for t in lay.pre]
     for j in range(n):
         peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, "fwd_peak"))
-        peaks += [at(t, model.phases[t].peak) + kept[j + 1] for t in lay.after_fwd[j]]
+        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + (unit(j, "freed") if k == 0 else 0)
+                  for k, t in enumerate(lay.after_fwd[j])]  # the first frees them only at its end
         peaks.append(at(lay.bwd[j], 0) + kept[j + 1] + after[j + 1] + unit(j, "bwd_peak"))
         peaks += [at(t, model.phases[t].peak) + kept[j + 1] + after[j + 1] + unit(j, "bwd_end")
                   for t in lay.after_bwd[j]]

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from memfit.formats.profile import Profile
+from memfit.formats.profile import Profile, after_forwards
 from memfit.planning.roles import FULL, NONE, Role, segment_roles, unit_costs
 
 RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
@@ -24,6 +24,7 @@ class IntPhase:
     ckpt_end: int = 0  # remainder's end when some unit is checkpointed
     later: bool = False  # a unit's later backward (IntCosts.backward)
     releases: bool = False  # leaving autocast: each unit's IntCosts.release is freed
+    after: int | None = None  # the unit whose forward it follows: that unit's IntCosts.freed leave at its end
 
 
 class IntCosts(NamedTuple):
@@ -36,12 +37,13 @@ class IntCosts(NamedTuple):
     later_bwd_peak: int
     later_bwd_end: int
     release: int = 0  # rounded down: the level may only be over-estimated
+    freed: int = 0  # the same
 
     @property
     def net(self) -> int:
-        """The level change over a forward and its first backward (the chain solvers' step, whose
-        units run once)."""
-        return self.fwd_end + self.bwd_end
+        """The level change over a forward, the remainder after it and its first backward (the
+        chain solvers' step, whose units run once)."""
+        return self.fwd_end - self.freed + self.bwd_end
 
     def backward(self, later: bool) -> tuple[int, int]:
         return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
@@ -75,11 +77,13 @@ class IntModel:
         def up(x: float) -> int:
             return -int((-x) // q)
 
+        after = after_forwards(profile.phases)
         phases = [
-            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes), releases=p.releases)
+            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes), releases=p.releases,
+                     after=after.get(t))
             if p.unit is None
             else IntPhase(p.unit, p.kind, later=p.later)
-            for p in profile.phases
+            for t, p in enumerate(profile.phases)
         ]
         units = profile.units
         roles: list[list[Role]] = [
@@ -97,7 +101,8 @@ class IntModel:
             for role in roles[j]:
                 c = unit_costs(profile, j, role)
                 costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end),
-                                          up(c.later_bwd_peak), up(c.later_bwd_end), int(c.release // q))
+                                          up(c.later_bwd_peak), up(c.later_bwd_end), int(c.release // q),
+                                          int(c.freed // q))
                 recompute[j, role] = round(c.recompute_s * 1e9)
         net = [max(costs[j, r].net for r in roles[j] if not r.is_segment) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.devices import usable_bytes
-from memfit.formats.profile import Profile
+from memfit.formats.profile import Profile, after_forwards
 from memfit.planning.roles import NONE, member_input, roles_of, unit_costs
 
 
@@ -37,10 +37,12 @@ def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
     levels = []
     any_ckpt = any(r != NONE for r in roles)
     pending = 0  # a segment member's input, freed in the gap after the member (roles.member_input)
-    for phase in profile.phases:
+    after = after_forwards(profile.phases)
+    for t, phase in enumerate(profile.phases):
         if phase.unit is None:
             p, e = phase.peak_bytes, phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
             e -= sum(c.release for c in costs) if phase.releases else 0
+            e -= costs[after[t]].freed if t in after else 0
         elif phase.kind == "forward":
             p, e = costs[phase.unit].fwd_peak, costs[phase.unit].fwd_end
         else:

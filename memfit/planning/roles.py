@@ -55,6 +55,7 @@ class Costs:
     later_bwd_end: int | float
     release: int | float = 0  # freed on leaving autocast (profile.OptionCost.release_bytes)
     uncertainty_s: float = 0.0  # how sure recompute_s is (profile.OptionCost.recompute_uncertainty_s)
+    freed: int | float = 0  # freed at the end of the remainder after its forward (profile.OptionCost.freed_after_bytes)
 
     def backward(self, later: bool) -> tuple[int | float, int | float]:
         return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
@@ -110,7 +111,7 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
     if not role.is_segment:
         o = u.options[role.option]
         return Costs(o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.recompute_s,
-                     *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s)
+                     *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s, o.freed_after_bytes)
     full = u.options[FULL.option]
     rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
     head = j == role.first
@@ -123,11 +124,11 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
         (p0, e0), (p1, e1) = none.backward(False), none.backward(True)
         head_rng = rng if head else 0
         return Costs(*fwd, p0, e0 - head_rng, full.recompute_s, p1, e1 - head_rng, full.release_bytes,
-                     full.recompute_uncertainty_s)
+                     full.recompute_uncertainty_s, full.freed_after_bytes)
     back = rematerialised(profile, role)
     (p0, e0), (p1, e1) = full.backward(False), full.backward(True)
     return Costs(*fwd, back + p0, back + e0 + rng, full.recompute_s, back + p1, back + e1 + rng, full.release_bytes,
-                 full.recompute_uncertainty_s)
+                 full.recompute_uncertainty_s, full.freed_after_bytes)
 
 
 def member_input(profile: Profile, j: int, role: Role) -> int:

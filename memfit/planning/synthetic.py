@@ -8,13 +8,17 @@ from memfit.formats.profile import OptionCost, Phase, Profile, UnitProfile
 from memfit.policy import Children
 
 
-def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0) -> Profile:
+def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0,
+                   frees: bool = False) -> Profile:
     """A synthetic chain profile with integer bytes (times ``scale``), for solver checks against
     brute force and for timing the solvers. As in a real step, each unit's net change (its
     gradients) is the same whether it is checkpointed. ``fine`` finer options per unit
     (``child:c0`` …), each keeping between what ``full`` and ``none`` keep, at a cost between
-    theirs."""
+    theirs. ``frees``: checkpointing a unit lets the remainder after it free part of its output
+    (``freed_after_bytes``, as ``x = x + block(x)`` does), which its kept backward would free; in a
+    chain only the last unit's output can go so (the others are the next units' inputs)."""
     r = random.Random(seed)
+    rr = random.Random(seed + 2 * 10**6)
     rf = random.Random(seed + 10**6)  # its own stream: profiles without finer options stay as they were
     units, phases = [], [Phase("pre", None, "remainder", r.randint(0, 50), r.randint(0, 50), r.randint(50, 60))]
     for i in range(n):
@@ -33,11 +37,15 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
             )
         )
         full = units[-1].options["full"]
+        if frees and (i == n - 1 or not chain):  # in a chain, outputs live on as the next inputs
+            full.freed_after_bytes = rr.randint(0, s)
+            full.bwd_end_bytes += full.freed_after_bytes
         for m in range(fine):
             kept = rf.randint(s, a)
+            freed = rr.randint(0, full.freed_after_bytes)
             units[-1].options[str(Children.of(f"c{m}"))] = OptionCost(
-                kept + rf.randint(0, 30), kept, rf.randint(0, a - kept + 40), grads - kept,
-                full.recompute_s * rf.uniform(0.1, 1.0))
+                kept + rf.randint(0, 30), kept, rf.randint(0, a - kept + 40), grads - kept + freed,
+                full.recompute_s * rf.uniform(0.1, 1.0), freed_after_bytes=freed)
         phases.append(Phase(f"forward u{i}", i, "forward"))
         phases.append(Phase(f"gap{i}", None, "remainder", r.randint(0, 5), 0, 0))
     phases.append(Phase("head", None, "remainder", r.randint(0, 80), r.randint(-10, 10), r.randint(-10, 10)))
@@ -53,8 +61,9 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
             u.input_bytes, u.saved_bytes, u.output_bytes = (v * scale for v in (u.input_bytes, u.saved_bytes,
                                                                                 u.output_bytes))
             for o in u.options.values():
-                o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes = (
-                    v * scale for v in (o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes))
+                o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.freed_after_bytes = (
+                    v * scale for v in (o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes,
+                                        o.freed_after_bytes))
     return Profile("Synthetic", "cpu", "adamw", "", 100 * scale, 0, 0, 0, 0, 0, 0.1, units, phases,
                    {"model_class": "Synthetic", "units": [u.name for u in units], "params_sha256": "0"},
                    chain=chain)

@@ -112,7 +112,7 @@ def profile(
         options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
         _check_children(model, names, options, children)
         configs = [{n: o if o in COARSE or o in finer[n] else "none" for n in names} for o in options]
-        memory = _memory(harness, state, names, dict(zip(options, configs, strict=True)), meters, say)
+        memory = _memory(harness, state, names, dict(zip(options, configs, strict=True)), meters, say, facts)
         times, full_times, *finer_times = _times(harness, state, names, dict(zip(options, configs, strict=True)),
                                                  repeat, meters, say)
         state.zero_grad()
@@ -179,8 +179,11 @@ def _check_children(model: nn.Module, names: list[str], options: list[str], chil
 
 
 def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[str],
-            configs: dict[str, dict[str, str]], meters: Meters | None, say: Progress) -> dict[str, list[Stretch]]:
-    """The memory stretches of a steady-state step with every unit running each option."""
+            configs: dict[str, dict[str, str]], meters: Meters | None, say: Progress,
+            facts: UnitFacts) -> dict[str, list[Stretch]]:
+    """The memory stretches of a steady-state step with every unit running each option, and where
+    a unit's checkpoint may free what the model's own code drops after it, with alternate units
+    checkpointed (``timeline.separate``)."""
     model, inp, loss = harness.model, harness.inputs, harness.loss_fn
     memory: dict[str, list[Stretch]] = {}
     for option, policies in configs.items():
@@ -191,6 +194,14 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
             memory[option] = stretches(harness.marked_step(state, names, "memory", meters))
         check_same_shape(memory["none"], memory[option], f"every unit was {option}")
     timeline.check_order(memory["none"], names)
+    if len(names) > 1 and timeline.needs_alternating(memory, facts):
+        for key, policies in timeline.alternating(names).items():
+            say(f"memory with {key.replace(':', ' ')} units checkpointed")
+            with harness.options(policies):
+                state.zero_grad()
+                training_step(model, inp, loss, state)
+                memory[key] = stretches(harness.marked_step(state, names, "memory", meters))
+            check_same_shape(memory["none"], memory[key], key)
     return memory
 
 
@@ -305,9 +316,12 @@ def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretc
 
     units = [j for j in range(len(prof.units)) if has[j]]
     share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
+    frees = timeline.option_frees(memory, plain_memory, has)
     for j in units:
-        prof.units[j].options[option] = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share[j],
-                                                             released[j], uncertainty_s * share[j])
+        cost = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share[j], released[j],
+                                    uncertainty_s * share[j])
+        cost.freed_after_bytes = frees[j]
+        prof.units[j].options[option] = cost
     prof.measured_peak_bytes[option] = prof.baseline_bytes + max(0, max(s.peak for s in _cumulative(memory)))
 
 
@@ -325,5 +339,6 @@ def _dominates(a: OptionCost, b: OptionCost) -> bool:
     (an op set that keeps more than autograd would, say)."""
     (a_peak, a_end), (b_peak, b_end) = a.backward(later=True), b.backward(later=True)
     return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes and a_end == b_end
+            and a.freed_after_bytes == b.freed_after_bytes
             and a.stored_bytes <= b.stored_bytes and a.fwd_peak_bytes <= b.fwd_peak_bytes
             and a.bwd_peak_bytes <= b.bwd_peak_bytes and a_peak <= b_peak and a.recompute_s <= b.recompute_s)

@@ -52,6 +52,9 @@ class UnitFacts:
     chain: bool  # each unit's single tensor output is the next unit's only positional input
     keeps_output: list[bool]  # the unit saves its own output for backward and the next unit takes it
     saved_casts: list[int]  # bytes of parameter casts (autocast's) the unit saves for backward
+    # the unit saves its own output for backward and the next unit does not take it: checkpointed,
+    # the model's own code may drop it right after the unit (``x = x + block(x)``)
+    may_free_output: list[bool] | None = None
 
 
 def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn,
@@ -122,17 +125,19 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
                 run(marks.step_mark)
         outputs = [storage_bytes(list(iter_tensors(out))) for _, _, out in calls]
         chain = len(calls) == n and _is_chain(calls) and (run is None or all(c == 1 for c in marks.runs))
-        keeps = [False] * n
-        for j in range(min(n, len(calls)) - 1):
+        keeps, frees = [False] * n, [False] * n
+        for j in range(min(n, len(calls))):
             out = next(iter_tensors(calls[j][2]), None)
-            taken = {t.untyped_storage() for t in iter_tensors((calls[j + 1][0], calls[j + 1][1]))}
-            if out is not None and out.untyped_storage() in taken:
-                keeps[j] = j in packed_by.get(out.untyped_storage(), set())
+            taken = {t.untyped_storage() for t in iter_tensors((calls[j + 1][0], calls[j + 1][1]))} if (
+                j + 1 < len(calls)) else set()
+            saves = out is not None and j in packed_by.get(out.untyped_storage(), set())
+            keeps[j] = saves and out.untyped_storage() in taken  # type: ignore[union-attr]
+            frees[j] = saves and not keeps[j]
         calls.clear()
     finally:
         for h in handles:
             h.remove()
-    return UnitFacts(saved_bytes, input_bytes, outputs, chain, keeps, saved_casts)
+    return UnitFacts(saved_bytes, input_bytes, outputs, chain, keeps, saved_casts, frees)
 
 
 def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:
