@@ -151,7 +151,7 @@ def timeline(levels: Mapping[str, Levels], path: str | os.PathLike[str] | None, 
     plt = _pyplot()
     plan = levels["plan"]
     unit, scale = _unit(max([budget or 0, *(peak for series in levels.values() for _, _, peak in series)]))
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
+    fig, ax = plt.subplots(figsize=(11, 5.5), dpi=100)
     style = {"none": ("no checkpointing", "#7f7f7f", {}), "plan": ("this plan", "#1f77b4", {}),
              "measured": ("this plan, measured", "#d62728", {"linestyle": "--", "marker": "o",
                                                               "markerfacecolor": "none", "markersize": 4})}
@@ -165,7 +165,7 @@ def timeline(levels: Mapping[str, Levels], path: str | os.PathLike[str] | None, 
     shaded = [k for k, name in enumerate(names) if name.partition(" ")[2] in set(checkpointed)]
     for n, k in enumerate(shaded):
         ax.axvspan(k - 0.5, k + 0.5, color="#1f77b4", alpha=0.12, linewidth=0,
-                   label="checkpointed unit (forward; backward with its recompute)" if n == 0 else None)
+                   label="checkpointed unit (its forward,\nbackward and recompute)" if n == 0 else None)
     top = max(range(len(plan)), key=lambda k: plan[k][2])
     right = top > 0.6 * len(plan)  # keep the label inside the axes
     ax.annotate(f"peak {plan[top][2] / scale:.1f} {unit}\n{plan[top][0]}", (top, plan[top][2] / scale),
@@ -176,17 +176,45 @@ def timeline(levels: Mapping[str, Levels], path: str | os.PathLike[str] | None, 
         ax.axhline(budget / scale, color="black", linestyle=":", label=f"budget {budget / scale:.1f} {unit}", zorder=1)
     step = max(1, -(-len(names) // 20))
     ax.set_xticks(range(0, len(names), step))
-    ax.set_xticklabels([names[k] for k in range(0, len(names), step)], rotation=60, fontsize=8, ha="right",
+    short = tick_labels(names)
+    ax.set_xticklabels([short[k] for k in range(0, len(names), step)], rotation=45, fontsize=8, ha="right",
                        rotation_mode="anchor")
     ax.set_xlabel("phase of the training step (forward, loss, backward with recompute, optimizer)")
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title("\n".join(textwrap.fill(line, 90) for line in title.splitlines()), fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # off the curves
     fig.tight_layout()
     if path is not None:
         _save(fig, path)
     return fig
+
+
+def tick_labels(names: Sequence[str], width: int = 30) -> list[str]:
+    """Phase names short enough to read on an axis: ``fwd``/``bwd`` for forward/backward, the
+    dotted prefix every unit name shares dropped (``model.decoder.layers.10`` beside
+    ``model.encoder.layers.3``: ``decoder.layers.10``; ``transformer.h.10``: ``h.10``), ``mb2`` for a
+    later micro-batch, and what is still longer than ``width`` cut in its middle."""
+    words = (("forward after ", "after "), ("backward before ", "bwd before "), ("forward before the units", "embed"),
+             ("backward of loss and head", "bwd head, loss"), ("forward ", "fwd "), ("backward ", "bwd "),
+             (" (head, loss)", ", head"), ("gradient clipping", "clip"), ("optimizer step", "optimizer"),
+             (" (micro-batch ", " mb"), (" (run ", " run"))
+    units = {n.split()[1] for n in names if n.startswith(("forward ", "backward ")) and len(n.split()) > 1
+             and n.split()[1] not in ("after", "before", "of")}
+    parts = [u.split(".")[:-1] for u in units] if len(units) > 1 else [[]]
+    shared = next((k for k, c in enumerate(zip(*parts, strict=False)) if len(set(c)) > 1), min(map(len, parts)))
+    if any(len(rest := u.split(".")[shared:]) == 1 and rest[0].isdigit() for u in units):
+        shared = max(0, shared - 1)  # h.10, not 10
+    common = ".".join(parts[0][:shared]) + "." if shared else ""
+    out = []
+    for name in names:
+        later = name.endswith(")") and ("(micro-batch " in name or "(run " in name)
+        for long, brief in words:
+            name = name.replace(long, brief)
+        name = name[:-1] if later else name
+        name = " ".join(w[len(common):] if common and w.startswith(common) else w for w in name.split())
+        out.append(name if len(name) <= width else name[:width // 2 - 1] + "…" + name[-(width // 2 - 1):])
+    return out
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> None:

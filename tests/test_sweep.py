@@ -246,3 +246,30 @@ def test_a_pictures_title_names_the_steps_precision_and_the_target_estimated_for
                      "optimizer adamw")
     measured = SimpleNamespace(**{**vars(made), "step": {}, "target": "", "device": "cpu"})
     assert "float32 - cpu" in _title(measured, "plan")
+
+
+def test_timeline_ticks_are_short_and_the_legend_leaves_the_curves_alone():
+    """Whisper's units (``model.encoder.layers.N``, ``model.decoder.layers.N``) made tick labels
+    such as "forward after model.decoder.layers.10" that took half the figure, and the legend sat
+    on the curves' start: ticks now drop the shared prefix and the phase words' length, and the
+    legend sits right of the axes."""
+    names = [f"model.{part}.layers.{i}" for part in ("encoder", "decoder") for i in range(12)]
+    phases = ["forward before the units"]
+    for n in names:
+        phases += [f"forward {n}", f"forward after {n}" + (" (head, loss)" if n == names[-1] else "")]
+    phases += ["backward of loss and head"]
+    for n in reversed(names):
+        phases += [f"backward {n}", f"backward before {n}"]
+    phases += ["optimizer step"]
+    levels = {"plan": [[p, 100 + k, 120 + k] for k, p in enumerate(phases)],
+              "none": [[p, 100 + 2 * k, 130 + 2 * k] for k, p in enumerate(phases)]}
+    fig = timeline(levels, None, title="whisper", budget=200, checkpointed=names[::2])
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks and max(map(len, ticks)) <= 30 and not any(t.startswith(("forward", "backward")) for t in ticks)
+    assert any("encoder.layers" in t and "model." not in t for t in ticks)
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1  # beside the axes, on no curve
+    tick_height = max(t.get_window_extent().height for t in ax.get_xticklabels())
+    assert tick_height < 0.25 * fig.bbox.height
