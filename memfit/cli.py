@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn
 
 from memfit import commands, validatecmd
@@ -75,6 +76,23 @@ def _negative_sizes(argv: list[str]) -> list[str]:
     return out
 
 
+def shadowing_folder(cwd: Path) -> str | None:
+    """A folder named memfit in ``cwd`` that is not this package: Python puts a script's folder
+    first on sys.path, so ``import memfit`` in a train.py beside it finds the folder (an empty
+    namespace: "module 'memfit' has no attribute 'apply'"), and so does ``python -m memfit.cli``."""
+    from importlib.machinery import PathFinder
+
+    folder = cwd / "memfit"
+    if not folder.is_dir() or folder.resolve() == Path(__file__).resolve().parent:
+        return None
+    spec = PathFinder.find_spec("memfit", [str(cwd), *sys.path[1:]])  # as a script's import would search
+    if spec is not None and spec.origin is not None and not Path(spec.origin).resolve().is_relative_to(
+            folder.resolve()):
+        return None  # an installed package comes first (a folder without __init__.py is only a namespace)
+    return (f"the folder {folder} hides the memfit package from Python run in {cwd} (`import memfit` in a script "
+            "there finds the folder, which has no memfit.apply); rename the folder, e.g. to memfit-out")
+
+
 def main(argv: list[str] | None = None) -> int:
     install_interrupt_handler()  # first, so that a Ctrl-C from here on always ends the run with 130
     debug, args = False, None
@@ -85,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "command", None):
             parser.print_help()
             return 2
+        if (note := shadowing_folder(Path.cwd())) is not None:
+            print(f"memfit: warning: {note}", file=sys.stderr)
         from memfit.measure.malloc import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()  # steadier, additive CPU step times (see its docstring)
@@ -213,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="plan for the step under torch.compile with this backend (inductor, aot_eager): each "
                       "candidate plan is compiled and its peak measured until one fits")
     plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
+    _save_profile(plan)
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
     plan.set_defaults(func=commands.cmd_plan)
 
@@ -233,6 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--solver", choices=SOLVERS, default="cpsat",
                     help="ILP backend for units that are not a chain; chains use the exact frontier DP")
     sw.add_argument("--max-segment", type=int, default=8, help="longest checkpointed run of units (default: 8)")
+    _save_profile(sw)
     sw.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
     _granularity(sw, "let the ILP choose checkpoints inside units too (as plan --granularity fine)")
     sw.add_argument("--measure", action="store_true",
@@ -299,6 +321,12 @@ def _granularity(p: argparse.ArgumentParser, fine: str) -> None:
     p.add_argument("--children", nargs="+", metavar="NAME",
                    help="with --granularity fine: the unit children to offer, by relative name (attn mlp.0 "
                    "attn+mlp), instead of the ones memfit picks")
+
+
+def _save_profile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-profile", metavar="FILE",
+                   help="also keep the profile this run measures, to plan again with --profile FILE without "
+                   "profiling (nothing else is written unasked)")
 
 
 def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:

@@ -36,7 +36,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.budget import format_bytes, parse_bytes, parse_share
-    from memfit.formats.profile import load_profiles
     from memfit.planning.planner import plan
     from memfit.plots import check_plot_path, timeline
     from memfit.report import schedule_report, shapes_report
@@ -54,13 +53,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.fallbacks:
             raise MemfitError("--fallbacks is planned for the eager step only; drop it with --compile")
     output = "schedule.json" if args.output is None else args.output
-    _check_outputs(args, {"-o": (output, "schedule file")})
+    _check_outputs(args, {"-o": (output, "schedule file"), **modelflags.profile_output(args)})
     if args.timeline:
         check_plot_path(args.timeline)
     several = len(modelflags.input_shapes(args)) > 1 or args.seq_lens
     if args.seq_hist and not Path(args.seq_hist).is_file():
         raise MemfitError(f"--seq-hist {args.seq_hist}: no such file (a CSV of length,count rows)")
-    profs = load_profiles(args.profile) if args.profile else modelflags.profiles_of(args)
+    profs = modelflags.plan_profiles(args)
     if args.compile and (several or len(profs) > 1):
         raise MemfitError("--compile plans one input shape (each shape compiles to a graph of its own, measured "
                           "apart): plan each shape with --compile on its own")
@@ -106,9 +105,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _say_nothing_to_do(args: argparse.Namespace, profs: list[Any], schedule: Any, budget: int, output: str,
                        write: bool) -> None:
     """The budget fits the plain step (of every shape planned): say so, where checkpointing would
-    matter, and keep the profiles."""
+    matter."""
     from memfit.budget import format_bytes
-    from memfit.formats.profile import save_profiles
     from memfit.planning.planner import min_budget_bytes
     from memfit.report import device_notes
 
@@ -128,15 +126,9 @@ def _say_nothing_to_do(args: argparse.Namespace, profs: list[Any], schedule: Any
           "the spare memory, raise the batch size or sequence length and plan again.")
     print(f"\nwrote {output} (it checkpoints nothing)" if write else
           "\nno schedule written (give -o FILE to write the do-nothing schedule anyway)")
-    if not args.profile:  # the profile took the time; keep it for the next budget
-        kept = Path(output).with_name("profile.json")
-        if kept.exists():
-            print(f"to plan again without profiling, save the profile: memfit profile … -o FILE, then "
-                  f"memfit plan --profile FILE ({kept} exists, so it was not written)")
-        else:
-            write_output(lambda path: save_profiles(profs, path), str(kept))
-            print(f"wrote {kept}: plan at another budget without profiling again: memfit plan --profile "
-                  f"{kept} --budget SIZE")
+    if not args.profile and not args.save_profile:
+        print("to plan at another budget without profiling again, add --save-profile FILE, then: memfit plan "
+              "--profile FILE --budget SIZE")
 
 
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
@@ -328,16 +320,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise MemfitError("--steps must be at least 1")
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
     outputs = {"--csv": (args.csv, "CSV file")} if args.csv else {}
-    _check_outputs(args, outputs)
+    _check_outputs(args, {**outputs, **modelflags.profile_output(args)})
     if args.plot:
         check_plot_path(args.plot)
-    from memfit.formats.profile import load_profiles
     from memfit.jsonio import write_atomic
     from memfit.planning.sweep import sweep
     from memfit.plots import shape_curves
     from memfit.report import shape_name, sweep_report
 
-    profs = load_profiles(args.profile) if args.profile else modelflags.profiles_of(args)
+    profs = modelflags.plan_profiles(args)
     if budgets is None and len(profs) > 1:  # one range for every shape: rows side by side, curves on one axis
         from memfit.planning.sweep import default_budgets
 

@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from memfit.console import check_interrupt
+from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
 
 STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output",
@@ -104,6 +104,29 @@ def profiles_of(args: argparse.Namespace) -> list[Any]:
             print(f"shape {k + 1} of {len(variants)}: {what}", file=sys.stderr)
         out.append(profile_of(args, sc))
     return out
+
+
+def profile_output(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """``--save-profile``'s file, for the outputs checked before any profiling."""
+    if args.save_profile and args.profile:
+        raise MemfitError(f"--save-profile keeps a profile this run measures; with --profile {args.profile} it "
+                          "measures none: drop one of them")
+    return {"--save-profile": (args.save_profile, "profile file")} if args.save_profile else {}
+
+
+def plan_profiles(args: argparse.Namespace) -> list[Any]:
+    """The profiles to plan from: read from --profile, or measured (and kept with --save-profile,
+    before any planning, so that a budget that cannot be met still leaves them)."""
+    from memfit.formats.profile import load_profiles, save_profiles
+
+    if args.profile:
+        return load_profiles(args.profile)
+    profs = profiles_of(args)
+    if args.save_profile:
+        write_output(lambda path: save_profiles(profs, path), args.save_profile)
+        print(f"wrote {args.save_profile}: plan at another budget without profiling again: memfit plan --profile "
+              f"{args.save_profile} --budget SIZE", file=sys.stderr)  # stdout may be --json
+    return profs
 
 
 def shares_of(args: argparse.Namespace, profiles: list[Any]) -> list[float] | None:

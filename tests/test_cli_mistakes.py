@@ -483,17 +483,22 @@ def test_missing_optional_packages_are_named_before_any_work(work, monkeypatch, 
     assert "pip install 'memfit[hf]'" in out
 
 
-def test_a_fits_answer_keeps_the_profile_and_says_what_the_device_leaves(tmp_path):
-    """A model that fits: the profile it took is kept beside, the range where checkpointing matters
-    is printed; an estimate whose budget is more than the GPU leaves after its CUDA context and
-    allocator margin says so, as a plan does."""
+def test_a_fits_answer_writes_nothing_unasked_and_says_what_the_device_leaves(tmp_path):
+    """A model that fits: nothing is written unasked (no schedule, no profile), the range where
+    checkpointing matters is printed with how to keep the profile; --save-profile keeps it (also
+    when no plan meets the budget), and is refused with --profile; an estimate whose budget is
+    more than the GPU leaves after its CUDA context and allocator margin says so, as a plan does."""
     (tmp_path / "tiny.toml").write_text(TINY)
     proc = run("plan", "--scenario", "tiny.toml", "--repeat", "1", "--budget", "100GB", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "checkpointing matters between" in proc.stdout and "wrote profile.json" in proc.stdout, proc.stdout
+    assert "checkpointing matters between" in proc.stdout and "add --save-profile FILE" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.toml"]
+    proc = run("plan", "--scenario", "tiny.toml", "--repeat", "1", "--budget", "1KB", "--save-profile",
+               "profile.json", cwd=tmp_path)  # a budget no plan meets still leaves the profile it took
+    assert proc.returncode == 2 and "smallest budget" in proc.stderr and "wrote profile.json" in proc.stderr
     prof = memfit.Profile.load(tmp_path / "profile.json")
     low = memfit.min_budget_bytes(prof)
-    assert memfit.format_bytes(low) in proc.stdout
+    assert memfit.format_bytes(low) in proc.stderr
     proc = run("plan", "--profile", "profile.json", "--budget", str(low), cwd=tmp_path)  # no profiling again
     assert proc.returncode == 0 and "wrote schedule.json" in proc.stdout, proc.stderr
     proc = run("plan", "--scenario", "tiny.toml", "--target", "t4", "--budget", "30GB", cwd=tmp_path)  # fits a T4
@@ -501,7 +506,8 @@ def test_a_fits_answer_keeps_the_profile_and_says_what_the_device_leaves(tmp_pat
     assert "fits without checkpointing" in proc.stdout and "estimated for Tesla T4 (t4)" in proc.stdout
     assert "device memory: 12.73 GiB usable on Tesla T4" in proc.stdout
     assert "the budget asked for, 30.00 GiB, is more than that: planned for 12.73 GiB" in proc.stdout
-    assert "(profile.json exists, so it was not written)" in proc.stdout
+    proc = run("plan", "--profile", "profile.json", "--budget", "1GB", "--save-profile", "p2.json", cwd=tmp_path)
+    assert proc.returncode == 2 and "drop one of them" in proc.stderr and not (tmp_path / "p2.json").exists()
 
 
 def test_ctrl_c_in_a_parallel_run_prints_no_rank_tracebacks(work):
@@ -621,3 +627,23 @@ def test_a_factorys_arguments_from_the_command_line(work):
                        (["bacth=8"], "unexpected keyword argument 'bacth'")):
         proc = run("plan", "--model", "usermodels:sized", "--args", *args, "--budget", "1GB", cwd=work)
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_folder_named_memfit_in_the_working_directory_is_named_as_the_trouble(tmp_path, monkeypatch, capsys):
+    """``-o memfit/schedule.json`` made a folder that hides the package from a train.py run beside it
+    (Python finds the folder first: "module 'memfit' has no attribute 'apply'"): every command run
+    there says so and what to do; the package's own folder (a checkout) is not warned about."""
+    from memfit.cli import main
+
+    (tmp_path / "memfit").mkdir()
+    (tmp_path / "memfit" / "__init__.py").write_text("")  # hides an installed wheel too (a bare folder: editable)
+    monkeypatch.chdir(tmp_path)
+    assert main(["scenarios"]) == 0
+    err = capsys.readouterr().err
+    assert "memfit: warning: the folder" in err and "rename the folder" in err and "no memfit.apply" in err
+    monkeypatch.chdir(Path(memfit.__file__).resolve().parent.parent)
+    assert main(["scenarios"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    shadowed = subprocess.run([sys.executable, "-c", "import memfit; memfit.apply"], cwd=tmp_path,
+                              capture_output=True, text=True)
+    assert shadowed.returncode != 0 and "memfit" in shadowed.stderr  # the trouble the warning names
