@@ -243,6 +243,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
                           granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt(),
                           parallel=parallel, world_size=ranks if parallel else 1)
         result.source = sc.source()
+        _say_units(sc, result)
         return result
     device = parse_device(args.device)
     try:
@@ -252,6 +253,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
             f"{sc.name} does not fit {device} unplanned, and memfit measures the plain step: estimate it instead "
             f"with --target (one of {', '.join(DEVICES)}), which needs no GPU memory"
         ) from None
+    _say_units(sc, measured)
     if getattr(args, "device_spec", None) and measured.memory:  # this card's own context and margin
         from memfit.devices import load_device_spec
 
@@ -259,6 +261,14 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
         measured.memory = {**measured.memory, "context_bytes": spec.context_bytes, "margin": spec.margin,
                            "source": f"total: torch.cuda.mem_get_info; context and margin: {args.device_spec}"}
     return measured
+
+
+def _say_units(sc: Any, prof: Any) -> None:
+    """Which blocks the automatic choice took, so that a class it left out shows before the plan."""
+    if sc.units == "auto":
+        from memfit.units import summary
+
+        print(f"units: {summary(prof.unit_names)} (the repeated blocks; --units names others)", file=sys.stderr)
 
 
 def _measured(args: argparse.Namespace, sc: Any, device: str, step: Any, repeat: int) -> Any:

@@ -102,3 +102,18 @@ def _auto_units(model: nn.Module) -> list[str]:
     best = max(names, key=lambda k: (len(names[k]), sum(p.numel() for _, m in blocks[k] for p in m.parameters())))
     chosen = names[best]
     return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen)]  # outermost, if a class nests
+
+
+def summary(names: Sequence[str]) -> str:
+    """The units by the container holding them, in forward order: ``model.encoder.layers.0-11 (12),
+    model.decoder.layers.0-11 (12)``; what the automatic choice took, said so that one left out shows."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        head, _, last = n.rpartition(".")
+        groups.setdefault(head, []).append(last)
+    out = []
+    for head, lasts in groups.items():
+        prefix = head + "." if head else ""
+        span = f"{lasts[0]}-{lasts[-1]}" if len(lasts) > 1 and all(x.isdigit() for x in lasts) else None
+        out.append(f"{prefix}{span} ({len(lasts)})" if span else ", ".join(prefix + x for x in lasts))
+    return ", ".join(out)

@@ -28,6 +28,7 @@ def workdir(tmp_path_factory):
     proc = run("profile", "--scenario", "tiny.toml", "--repeat", "1", "-o", "profile.json", cwd=d)
     assert proc.returncode == 0, proc.stderr
     assert "h.3" in proc.stdout and "wrote profile.json" in proc.stdout
+    assert "units: h.0-3 (4) (the repeated blocks; --units names others)" in proc.stderr  # what auto took
     return d
 
 

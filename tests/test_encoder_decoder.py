@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.units import find_units
+from memfit.units import find_units, summary
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,6 +46,8 @@ def test_default_units_take_the_encoder_and_the_decoder(factory):
     model, inputs = factory()
     units = find_units(model, "auto")
     assert any(".encoder." in f".{u}" for u in units) and any(".decoder." in f".{u}" for u in units)
+    said = summary(units)  # what the command line prints: both stacks, each as one range
+    assert said.count(" (") == 2 and "encoder." in said and "decoder." in said, said
     decoder_only = [u for u in units if ".decoder." in f".{u}"]
     both = memfit.profile(copy.deepcopy(model), inputs, repeat=1)
     alone = memfit.profile(copy.deepcopy(model), inputs, units=decoder_only, repeat=1)
