@@ -629,21 +629,22 @@ def test_a_factorys_arguments_from_the_command_line(work):
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_a_folder_named_memfit_in_the_working_directory_is_named_as_the_trouble(tmp_path, monkeypatch, capsys):
+def test_a_folder_named_memfit_in_the_working_directory_is_named_as_the_trouble(tmp_path):
     """``-o memfit/schedule.json`` made a folder that hides the package from a train.py run beside it
     (Python finds the folder first: "module 'memfit' has no attribute 'apply'"): every command run
-    there says so and what to do; the package's own folder (a checkout) is not warned about."""
-    from memfit.cli import main
+    there says so and what to do; the package's own folder (a checkout) is not warned about. Run
+    as a user runs it, in a process of its own (a test that changed its own working directory
+    would leave it in multiprocessing's ORIGINAL_DIR, which spawned ranks put on their sys.path)."""
+    from memfit.cli import shadowing_folder
 
     (tmp_path / "memfit").mkdir()
     (tmp_path / "memfit" / "__init__.py").write_text("")  # hides an installed wheel too (a bare folder: editable)
-    monkeypatch.chdir(tmp_path)
-    assert main(["scenarios"]) == 0
-    err = capsys.readouterr().err
-    assert "memfit: warning: the folder" in err and "rename the folder" in err and "no memfit.apply" in err
-    monkeypatch.chdir(Path(memfit.__file__).resolve().parent.parent)
-    assert main(["scenarios"]) == 0
-    assert "warning" not in capsys.readouterr().err
+    proc = subprocess.run([str(Path(sys.executable).parent / "memfit"), "scenarios"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "gpt-750m" in proc.stdout, proc.stderr
+    assert "memfit: warning: the folder" in proc.stderr and "rename the folder" in proc.stderr
+    assert "no memfit.apply" in proc.stderr
+    assert shadowing_folder(Path(memfit.__file__).resolve().parent.parent) is None  # a checkout's own
     shadowed = subprocess.run([sys.executable, "-c", "import memfit; memfit.apply"], cwd=tmp_path,
                               capture_output=True, text=True)
     assert shadowed.returncode != 0 and "memfit" in shadowed.stderr  # the trouble the warning names
