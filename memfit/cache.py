@@ -18,14 +18,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import MemfitError, MemfitWarning
+from memfit.errors import CacheWarning, MemfitError
 from memfit.jsonio import read_json, write_json_atomic
 
 KEY_FORMAT = "memfit.cache-key/1"
-
-
-class CacheWarning(MemfitWarning):
-    """A cache entry memfit could not trust: it profiles again and overwrites it."""
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | bool | None) -> Path | None:

@@ -12,8 +12,8 @@ from typing import Any
 
 from memfit import modelflags
 from memfit.console import check_interrupt, write_output
-from memfit.errors import MemfitError
-from memfit.planning.options import PlanOptionError, PlanOptions, check_strategies
+from memfit.errors import MemfitError, PlanOptionError
+from memfit.planning.options import PlanOptions, check_strategies
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class MemfitError(Exception):
     """Base class: something the user can fix; the message says how."""
@@ -41,6 +43,22 @@ class UnitSelectionError(MemfitError):
     """Units that cannot be found or do not form a chain."""
 
 
+class PolicyError(MemfitError, ValueError):
+    """A string that is no policy (memfit/policy.py); callers say where it came from and what to do."""
+
+
+class PlanOptionError(MemfitError):
+    """A planning setting out of range; ``spelled`` says it again with the setting's name (the
+    command line's flag, or the API's keyword)."""
+
+    def __init__(self, setting: str, template: str) -> None:
+        self.setting, self.template = setting, template
+        super().__init__(template.format(name=setting))
+
+    def spelled(self, spell: Callable[[str], str]) -> MemfitError:
+        return MemfitError(self.template.format(name=spell(self.setting)))
+
+
 class MemfitWarning(UserWarning):
     """Something memfit noticed that makes the step differ from its plan."""
 
@@ -48,6 +66,15 @@ class MemfitWarning(UserWarning):
 class EagerPlanCompiledWarning(MemfitWarning):
     """A model scheduled with a plan for the eager step runs under ``torch.compile``, whose
     partitioner saves other tensors: plan the compiled step (``memfit plan --compile``)."""
+
+
+class CacheWarning(MemfitWarning):
+    """A cache entry memfit could not trust: it profiles again and overwrites it."""
+
+
+class NoisyTimesWarning(MemfitWarning):
+    """Units of one structure ran at clearly different speeds in the plain step: the machine was
+    busy, and the profile's times are less sure than its uncertainties say."""
 
 
 class PlanDriftWarning(MemfitWarning):

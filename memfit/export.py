@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from memfit.budget import format_bytes
+from memfit.errors import MemfitError
 from memfit.formats.schedule import Schedule
 from memfit.policy import Children, Derive, Full, Keep, Nested, Policy, Segment, Selective, parse
 
@@ -42,7 +43,7 @@ class Exported:
 def export(schedule: Schedule, to: str, source: str = "schedule.json") -> Exported:
     """``schedule`` in the form ``to`` (a key of ``FORMS``); ``source`` names it in the file."""
     if to not in FORMS:
-        raise ValueError(f"unknown form {to!r}; expected one of {', '.join(FORMS)}")
+        raise MemfitError(f"unknown form {to!r}; expected one of {', '.join(FORMS)}")
     policies = {unit: parse(text) for unit, text in schedule.policies.items()}
     made = _hf(policies, str(schedule.fingerprint.get("model_class", ""))) if to == "hf" else (
         _torchtitan(policies) if to == "torchtitan" else _sac(policies))

@@ -85,7 +85,7 @@ def bert(
     if task == "classify":
         return tf.BertForSequenceClassification(config), {"input_ids": ids, "labels": torch.randint(0, 2, (batch,))}
     if task != "mlm":
-        raise ValueError(f"task is 'mlm' or 'classify', got {task!r}")
+        raise MemfitError(f"task is 'mlm' or 'classify', got {task!r}")
     return tf.BertForMaskedLM(config), {"input_ids": ids, "labels": ids.clone()}
 
 

@@ -22,13 +22,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from memfit.errors import PolicyError
+
 SEGMENT_HELP = "segment:<first>..<last>"
 KINDS_HELP = (f"none, full, child:<children>, nested:<children>, selective:<op set>, derive, derive:products or "
               f"{SEGMENT_HELP}")
-
-
-class PolicyError(ValueError):
-    """A string that is no policy; callers say where it came from and what to do."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,3 +46,26 @@ def test_a_misspelt_input_key_is_named_with_what_forward_takes():
     model = transformers.ViTForImageClassification(config)
     with pytest.raises(memfit.MemfitError, match=r"'pixels', which forward does not name; it takes pixel_values"):
         memfit.fit(model, {"pixels": torch.randn(2, 3, 32, 32)}, "1GB", cache_dir=False)
+
+
+def test_every_error_and_warning_lives_in_errors_and_is_exported():
+    """One place for what memfit raises and warns (issue 40): every Exception or Warning class that
+    any memfit module defines is defined in memfit.errors and exported by the package, so that a
+    user can catch it by name; a user's mistake is a MemfitError (export's unknown form, say)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import memfit.errors
+
+    defined = {}
+    for info in pkgutil.walk_packages(memfit.__path__, "memfit."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, (Exception, Warning)) and obj.__module__ == info.name:
+                defined[name] = info.name
+    assert defined and set(defined.values()) == {"memfit.errors"}, defined
+    assert set(defined) <= set(memfit.__all__)
+    assert all(getattr(memfit, n) is getattr(memfit.errors, n) for n in defined)
+    with pytest.raises(memfit.MemfitError, match="unknown form"):
+        memfit.export.export(memfit.Schedule({}, 1, 0, 0.0, 0.0, "t", "none", "none", 0.0, {}), "deepspeed")

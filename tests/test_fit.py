@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.cache import CacheWarning
-from memfit.errors import MemfitError
+from memfit.errors import CacheWarning, MemfitError
 from memfit.measure.memory import measured
 
 from .conftest import tiny_gpt

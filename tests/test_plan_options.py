@@ -4,8 +4,8 @@ sweep() and the command line share it, each naming a wrong setting its own way."
 import pytest
 
 import memfit
-from memfit.errors import MemfitError
-from memfit.planning.options import PlanOptionError, PlanOptions, check_strategies
+from memfit.errors import MemfitError, PlanOptionError
+from memfit.planning.options import PlanOptions, check_strategies
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [

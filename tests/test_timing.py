@@ -101,7 +101,7 @@ def test_two_profiles_agree_within_their_recorded_uncertainty():
     once; a second busy pair skips, saying so, rather than judging noise the profile disowned."""
     import warnings
 
-    from memfit.profiler.costs import NoisyTimesWarning
+    from memfit.errors import NoisyTimesWarning
 
     model, inputs = zoo.gpt(batch=2, seq=32, vocab=128, d_model=64, n_head=2, n_layer=4, dropout=0.0)
 
@@ -144,7 +144,8 @@ def test_two_profiles_agree_within_their_recorded_uncertainty():
 def test_scattered_times_of_identical_units_are_warned_of_and_a_steady_outlier_is_not():
     import warnings
 
-    from memfit.profiler.costs import NoisyTimesWarning, check_alike
+    from memfit.errors import NoisyTimesWarning
+    from memfit.profiler.costs import check_alike
 
     names = [f"h.{j}" for j in range(4)]
     steady = [[0.8, 0.8, 0.8], [0.3, 0.31, 0.3], [0.3, 0.3, 0.29], [0.3, 0.3, 0.31]]  # the first unit's stretch

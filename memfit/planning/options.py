@@ -5,25 +5,14 @@ and it checks itself once, when it is made. A mistake names the setting as its m
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, PlanOptionError
 from memfit.planning import SOLVERS, STRATEGY_NAMES
 
 GRANULARITIES = ("module", "fine")
 MAX_FALLBACKS = 20
-
-
-class PlanOptionError(MemfitError):
-    """A planning setting out of range; ``spelled`` says it again with the setting's name."""
-
-    def __init__(self, setting: str, template: str) -> None:
-        self.setting, self.template = setting, template
-        super().__init__(template.format(name=setting))
-
-    def spelled(self, spell: Callable[[str], str]) -> MemfitError:
-        return MemfitError(self.template.format(name=spell(self.setting)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,17 +24,12 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from memfit.errors import MemfitWarning
+from memfit.errors import NoisyTimesWarning
 from memfit.measure.timing import iqr
 from memfit.profiler.saved import UnitFacts
 
 CLEAR = 2.0  # a difference counts when its median exceeds this many IQR / sqrt(samples) (~2 standard errors)
 STRAY = 0.3  # identical units whose plain times scatter by more than this fraction are warned of
-
-
-class NoisyTimesWarning(MemfitWarning):
-    """Units of one structure ran at clearly different speeds in the plain step: the machine was
-    busy, and the profile's times are less sure than its uncertainties say."""
 
 
 def structures(model: nn.Module, names: list[str], facts: UnitFacts) -> list[int]:

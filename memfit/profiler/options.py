@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, PolicyError
 from memfit.measure.step import Inputs, LossFn, storage_key
-from memfit.policy import DERIVE, DERIVE_PRODUCTS, Children, Nested, PolicyError, Selective, read
+from memfit.policy import DERIVE, DERIVE_PRODUCTS, Children, Nested, Selective, read
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
 from memfit.runtime.op_sets import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
