@@ -98,3 +98,12 @@ def pairwise(*factors: tuple) -> list:
         chosen.add(best)
         uncovered -= pairs(best)
     return [pytest.param(*c, marks=() if c in chosen else pytest.mark.slow) for c in combos]
+
+
+def plain_state(model: nn.Module) -> list[tuple]:
+    """What memfit must leave as it found it on every module: its class, its hooks (forward,
+    pre-forward, backward, state-dict) and no memfit region or derive; compare before and after."""
+    from memfit.runtime.apply import is_checkpointed
+
+    return [(name, type(m), len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+             len(m._backward_pre_hooks), is_checkpointed(m)) for name, m in model.named_modules()]

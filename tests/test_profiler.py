@@ -12,7 +12,7 @@ from memfit.profiler.saved import unit_facts
 from memfit.runtime.harness import measure_steps
 from memfit.units import find_units
 
-from .conftest import kw_net, tiny_gpt
+from .conftest import kw_net, plain_state, tiny_gpt
 
 
 def test_cpu_meter_agrees_with_memtracker():
@@ -144,12 +144,13 @@ def test_profile_leaves_model_as_found():
     model.eval()
     state = copy.deepcopy(model.state_dict())
     rng = torch.get_rng_state()
-    memfit.profile(model, inputs, units="blocks.*", repeat=1)
+    before = plain_state(model)
+    memfit.profile(model, inputs, units="blocks.*", repeat=1, granularity="fine")
     assert not model.training
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
-    assert not any(hasattr(type(m), "_memfit_base") for m in model.modules())
+    assert plain_state(model) == before  # no region, hook or class swap left behind
 
 
 def test_profile_kwargs_model_and_inputs_forms():
