@@ -19,13 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-import memfit
+from memfit import __version__
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cache import Entry, cache_root, digest
 from memfit.errors import MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule, load_schedule, model_fingerprint
 from memfit.measure.step import Inputs, LossFn
+from memfit.planning.planner import plan
+from memfit.profiler import profile
+from memfit.profiler.estimate import estimate
+from memfit.runtime.apply import apply, remove
 from memfit.torch_private import tree_map
 from memfit.trainstep import TrainStep, step_of
 from memfit.units import find_units, require_module
@@ -68,7 +72,7 @@ def fit(
     started = time.perf_counter()
     require_module(model, "memfit.fit")
     if "_memfit_applied" in model.__dict__:
-        memfit.remove(model)  # fit again (a new budget, say): plan the plain model
+        remove(model)  # fit again (a new budget, say): plan the plain model
     train_step = step_of(step)
     device = _device(model)
     budget_bytes, said = resolve_budget(budget, device, target)
@@ -81,7 +85,7 @@ def fit(
         "step": [train_step.optimizer_name, dict(train_step.record())],
         "loss_fn": None if loss_fn is None else getattr(loss_fn, "__qualname__", type(loss_fn).__name__),
         "device": target or _device_name(device),
-        "memfit": memfit.__version__,
+        "memfit": __version__,
         "torch": torch.__version__,
         "granularity": granularity,
     }
@@ -99,10 +103,10 @@ def fit(
             how = f"{'estimated for ' + target if target else 'profiled'} in {time.perf_counter() - started:.1f} s"
         else:
             how = "planned from the cached profile"
-        schedule = memfit.plan(prof, budget_bytes, **plan_options)
+        schedule = plan(prof, budget_bytes, **plan_options)
         if entry:
             entry.write(plan_name, schedule.save)
-    memfit.apply(model, schedule)
+    apply(model, schedule)
     _announce(schedule, said, how, entry.folder if entry else None)
     return schedule
 
@@ -133,9 +137,9 @@ def resolve_budget(budget: str | int, device: torch.device, target: str | None =
 def _measure(model: nn.Module, inputs: Any, loss_fn: LossFn | None, step: TrainStep, names: list[str],
              target: str | None, repeat: int, granularity: str) -> Profile:
     if target is None:
-        return memfit.profile(model, inputs, loss_fn=loss_fn, step=step, units=names, repeat=repeat,
+        return profile(model, inputs, loss_fn=loss_fn, step=step, units=names, repeat=repeat,
                               granularity=granularity)
-    return memfit.estimate(lambda: _fake_copy(model, inputs), target=target, step=step, loss_fn=loss_fn,
+    return estimate(lambda: _fake_copy(model, inputs), target=target, step=step, loss_fn=loss_fn,
                            units=names, granularity=granularity)
 
 

@@ -112,14 +112,16 @@ def test_a_second_process_loads_the_plan_from_the_cache(tmp_path):
 
 class _Counted:
     def __init__(self, monkeypatch):
+        import memfit.fitting
+
         self.calls = 0
-        real = memfit.profile
+        real = memfit.fitting.profile
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(memfit, "profile", counted)
+        monkeypatch.setattr(memfit.fitting, "profile", counted)  # what fit calls
 
 
 def test_a_changed_model_shape_step_or_version_misses_the_cache(tmp_path, monkeypatch):
@@ -144,7 +146,7 @@ def test_a_changed_model_shape_step_or_version_misses_the_cache(tmp_path, monkey
     assert profiles.calls == 4
     fit(step=memfit.TrainStep(optimizer="sgd"))  # another step
     assert profiles.calls == 5
-    monkeypatch.setattr(memfit, "__version__", "99.0")
+    monkeypatch.setattr(memfit.fitting, "__version__", "99.0")  # the version fit keys its cache by
     fit()
     assert profiles.calls == 6
     assert len(list(tmp_path.iterdir())) == 6  # an entry each
