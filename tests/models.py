@@ -3,11 +3,14 @@ torchvision-style ResNet (its BasicBlock and Bottleneck as torchvision writes th
 BatchNorm, ``out += identity``, ``ReLU(inplace=True)``; torchvision itself does not install
 beside the CPU torch here), its Hugging Face twin from a config, and a LayerDrop-style net that
 leaves its loop early, and torchvision's MobileNetV3-Small (hardswish, squeeze-excitation with
-hardsigmoid, in-place activations) as torchvision writes it."""
+hardsigmoid, in-place activations) as torchvision writes it; a loop that adds each block's output
+itself (``x = x + block(x)``) and a DDPM-style U-Net with skip concatenations, as users write
+them."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -279,3 +282,58 @@ def residual_outside(shared: bool = False, seed: int = 0, batch: int = 4,
                      image: int = 32) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     torch.manual_seed(seed)
     return ResidualOutside(shared=shared), {"pixel_values": torch.randn(batch, 3, image, image)}
+
+
+class TimeResBlock(nn.Module):
+    """A DDPM U-Net's residual block: GroupNorm, SiLU, the time embedding added, a 1x1 skip."""
+
+    def __init__(self, cin: int, cout: int, tdim: int) -> None:
+        super().__init__()
+        self.n1, self.c1 = nn.GroupNorm(4, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.t = nn.Linear(tdim, cout)
+        self.n2, self.c2 = nn.GroupNorm(4, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.c1(F.silu(self.n1(x)))
+        h = h + self.t(F.silu(temb))[:, :, None, None]
+        h = self.c2(F.silu(self.n2(h)))
+        return self.skip(x) + h
+
+class DDPMUNet(nn.Module):
+    """A small DDPM-style U-Net as diffusion users write it: sinusoidal time embedding made in
+    forward, skip tensors kept in a list and concatenated on the way up."""
+
+    def __init__(self, ch: int = 16, tdim: int = 32) -> None:
+        super().__init__()
+        self.tdim = tdim
+        self.temb = nn.Sequential(nn.Linear(tdim, tdim), nn.SiLU(), nn.Linear(tdim, tdim))
+        self.inc = nn.Conv2d(3, ch, 3, padding=1)
+        self.down = nn.ModuleList([TimeResBlock(ch, ch, tdim), TimeResBlock(ch, 2 * ch, tdim)])
+        self.mid = TimeResBlock(2 * ch, 2 * ch, tdim)
+        self.up = nn.ModuleList([TimeResBlock(4 * ch, ch, tdim), TimeResBlock(2 * ch, ch, tdim)])
+        self.out = nn.Conv2d(ch, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        half = self.tdim // 2
+        freqs = torch.exp(-torch.arange(half, dtype=torch.float32) / half)
+        e = torch.cat([torch.sin(t[:, None] * freqs), torch.cos(t[:, None] * freqs)], 1)
+        temb = self.temb(e)
+        h = self.inc(x)
+        hs: list[torch.Tensor] = []
+        for i, b in enumerate(self.down):
+            h = b(h, temb)
+            hs.append(h)
+            if i == 0:
+                h = F.avg_pool2d(h, 2)
+        h = self.mid(h, temb)
+        for i, b in enumerate(self.up):
+            h = b(torch.cat([h, hs.pop()], 1), temb)
+            if i == 0:
+                h = F.interpolate(h, scale_factor=2)
+        return self.out(h)
+
+
+def ddpm_unet(seed: int = 0, batch: int = 4, image: int = 32) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    return DDPMUNet(), {"x": torch.randn(batch, 3, image, image), "t": torch.rand(batch) * 1000}
