@@ -197,6 +197,10 @@ def _check_outputs(args: argparse.Namespace, outputs: dict[str, tuple[str, str]]
         for flag, (path, _) in outputs.items():
             if Path(args.profile).resolve() == Path(path).resolve():
                 raise MemfitError(f"{flag} {path} would overwrite the profile it plans from; write elsewhere")
+    seen: dict[Path, str] = {}
+    for flag, (path, _) in outputs.items():
+        if (other := seen.setdefault(Path(path).resolve(), flag)) != flag:
+            raise MemfitError(f"{other} and {flag} both name {path}: one would overwrite the other; give two files")
     for path, what in outputs.values():
         if str(path).lower().endswith(".csv"):
             check_writable(path, what)

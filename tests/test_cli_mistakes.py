@@ -508,6 +508,9 @@ def test_a_fits_answer_writes_nothing_unasked_and_says_what_the_device_leaves(tm
     assert "the budget asked for, 30.00 GiB, is more than that: planned for 12.73 GiB" in proc.stdout
     proc = run("plan", "--profile", "profile.json", "--budget", "1GB", "--save-profile", "p2.json", cwd=tmp_path)
     assert proc.returncode == 2 and "drop one of them" in proc.stderr and not (tmp_path / "p2.json").exists()
+    proc = run("plan", "--scenario", "tiny.toml", "--budget", "1GB", "-o", "same.json", "--save-profile", "./same.json",
+               cwd=tmp_path)  # refused before any profiling
+    assert proc.returncode == 2 and "-o and --save-profile both name ./same.json" in proc.stderr, proc.stderr
 
 
 def test_ctrl_c_in_a_parallel_run_prints_no_rank_tracebacks(work):
