@@ -139,8 +139,6 @@ def test_a_diffusion_unet_with_skip_concatenations_is_predicted_to_the_byte():
     to the byte."""
     import random
 
-    from memfit.formats.schedule import Schedule, model_fingerprint
-
     from .models import ddpm_unet
 
     model, inputs = ddpm_unet()
@@ -152,7 +150,7 @@ def test_a_diffusion_unet_with_skip_concatenations_is_predicted_to_the_byte():
     mixes = [dict.fromkeys(names, "full")] + [
         {n: rng.choice(list(prof.units[i].options)) for i, n in enumerate(names)} for _ in range(5)]
     for policies in mixes:
-        sched = Schedule(policies, 1, 0, 0.0, 0.0, "t", "none", "none", 0.0, model_fingerprint(model, names))
-        twin = memfit.apply(copy.deepcopy(model), sched)
+        twin = copy.deepcopy(model)
+        memfit.runtime.apply.set_policies(twin, policies)
         measured = measure_steps(twin, inputs, loss_fn=loss).peak_bytes
         assert memfit.predict(prof, policies).peak_bytes == measured, policies

@@ -194,7 +194,7 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
             memory[option] = stretches(harness.marked_step(state, names, "memory", meters))
         check_same_shape(memory["none"], memory[option], f"every unit was {option}")
     timeline.check_order(memory["none"], names)
-    if len(names) > 1 and timeline.needs_alternating(memory, facts):
+    if len(names) > 1 and timeline.needs_alternating(memory, names, facts):
         for key, policies in timeline.alternating(names).items():
             say(f"memory with {key.replace(':', ' ')} units checkpointed")
             with harness.options(policies):
@@ -226,7 +226,9 @@ def _assemble(
     recompute factor and its uncertainty."""
     params = list(model.parameters())
     unit_params = [storage_bytes(list(model.get_submodule(n).parameters())) for n in names]
-    units = timeline.units(names, memory, times, facts, *factor, per_step, unit_params, groups)
+    steps = timeline.phases(memory, names, "micro-batch")
+    freed = timeline.separate(memory, steps, len(names))
+    units = timeline.units(names, memory, times, facts, *factor, per_step, unit_params, groups, freed)
     extra = per_step - measured  # micro-batches like the last one measured
     step_s = statistics.median(_seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
@@ -244,7 +246,7 @@ def _assemble(
         input_bytes=storage_bytes(inp.tensors()),
         step_s=step_s,
         units=units,
-        phases=timeline.phases(memory, names, "micro-batch"),
+        phases=steps,
         fingerprint=model_fingerprint(model, names),
         measured_peak_bytes=measured,
         torch_version=torch.__version__,
@@ -316,7 +318,7 @@ def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretc
 
     units = [j for j in range(len(prof.units)) if has[j]]
     share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
-    frees = timeline.option_frees(memory, plain_memory, has)
+    frees = timeline.option_frees(memory, plain_memory, prof.phases, has)
     for j in units:
         cost = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share[j], released[j],
                                     uncertainty_s * share[j])

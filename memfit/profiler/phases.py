@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import OptionCost, Phase, UnitProfile
+from memfit.formats.profile import OptionCost, Phase, UnitProfile, after_forwards
 from memfit.policy import COARSE
 from memfit.profiler import costs
 from memfit.profiler.saved import UnitFacts
@@ -58,11 +58,12 @@ class Runs:
 
 def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[Stretch]], facts: UnitFacts,
           factor: float, sure: float, runs_per_step: int, param_bytes: list[int],
-          groups: list[int]) -> list[UnitProfile]:
+          groups: list[int], freed: list[int]) -> list[UnitProfile]:
     """Each unit's times and its coarse options' memory figures. A checkpointed unit runs its
     forward once more inside each backward, at the cost measured for all units together
     (``factor``, sure within ``sure`` of it), ``runs_per_step`` times a step. Units of one
-    structure (``groups``: profiler/costs.py) share their times' samples."""
+    structure (``groups``: profiler/costs.py) share their times' samples; ``freed``: what
+    checkpointing each frees right after its forward (``separate``)."""
     runs = Runs.of(memory["none"], len(names))
     every = [True] * len(names)
     released = {o: releases(memory["none"], memory[o], every, facts.saved_casts) for o in COARSE}
@@ -83,8 +84,8 @@ def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[S
         out.append(UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], param_bytes[i], options,
                                facts.outputs[i]))
     _share_outputs(out, facts)
-    for u, freed in zip(out, separate(memory, len(names)).freed, strict=True):
-        u.options["full"].freed_after_bytes = freed
+    for u, f in zip(out, freed, strict=True):
+        u.options["full"].freed_after_bytes = f
     return out
 
 
@@ -140,67 +141,47 @@ def alternating(names: list[str]) -> dict[str, dict[str, str]]:
             for parity, key in enumerate(ALTERNATE)}
 
 
-def needs_alternating(memory: dict[str, list[Stretch]], facts: UnitFacts) -> bool:
+def needs_alternating(memory: dict[str, list[Stretch]], names: list[str], facts: UnitFacts) -> bool:
     """Whether some remainder right after a unit's forward may end otherwise with that unit
     checkpointed (a unit saves an output the next does not take, or the all-checkpointed step
     ends such a remainder elsewhere): the alternating runs tell what that unit's option frees
     from what any checkpoint keeps, which can cancel out in the all-checkpointed step."""
-    return any(facts.may_free_output or []) or any(
-        memory["full"][t].end != memory["none"][t].end for t in _after_forwards(memory["none"]))
+    after = after_forwards(phases(memory, names, "run"))
+    return any(facts.may_free_output) or any(memory["full"][t].end != memory["none"][t].end for t in after)
 
 
-@dataclass(slots=True)
-class Separated:
-    """After-forward remainders split into what any checkpoint keeps (``ckpt_end``: the phase's
-    end when some unit is checkpointed, unit ``j`` kept) and what checkpointing unit ``j`` frees
-    (``freed``, per unit: the least over its runs)."""
-
-    ckpt_end: dict[int, int]
-    freed: list[int]
-
-
-def separate(memory: dict[str, list[Stretch]], n: int) -> Separated:
-    """The remainders right after a unit's forward, split with the alternating runs where they were
-    made: in the one where unit ``j`` is kept the phase shows what the other checkpoints keep, in
-    the one where it is checkpointed also what that frees. A phase that does not add up (the all-
-    checkpointed run ends elsewhere, or a part comes out negative) keeps the cautious rule."""
+def separate(memory: dict[str, list[Stretch]], steps: list[Phase], n: int) -> list[int]:
+    """Split the remainders right after a unit's forward (of ``steps``, the step's phases) with the
+    alternating runs where they were made: in the one where unit ``j`` is kept the phase shows what
+    the other checkpoints keep (its ``ckpt_end_bytes``, set here), in the one where it is
+    checkpointed also what that frees. Returns what checkpointing each unit frees there (the
+    least over its runs). A phase that does not add up (the all-checkpointed run ends elsewhere,
+    or a part comes out negative) keeps the cautious rule and frees nothing."""
     none, full = memory["none"], memory["full"]
     runs = (memory[ALTERNATE[0]], memory[ALTERNATE[1]]) if ALTERNATE[0] in memory else None
     if n == 1:
         runs = (full, none)
-    out = Separated({}, [0] * n)
     by_unit: dict[int, list[int]] = {}
-    for t, j in _after_forwards(none).items():
+    for t, j in after_forwards(steps).items():
         freed = 0
         if runs is not None:
             kept, ckpt = runs[1 - j % 2][t].end, runs[j % 2][t].end  # unit j kept; unit j checkpointed
             if ckpt == full[t].end and kept >= none[t].end and kept >= ckpt:
-                out.ckpt_end[t], freed = kept, kept - ckpt
+                steps[t].ckpt_end_bytes, freed = kept, kept - ckpt
         by_unit.setdefault(j, []).append(freed)
-    out.freed = [min(by_unit.get(j, [0])) for j in range(n)]
-    return out
+    return [min(by_unit.get(j, [0])) for j in range(n)]
 
 
-def option_frees(memory: list[Stretch], plain: list[Stretch], has: list[bool]) -> list[int]:
+def option_frees(memory: list[Stretch], plain: list[Stretch], steps: list[Phase], has: list[bool]) -> list[int]:
     """What the remainder after each forward of a unit that ``has`` a finer option frees beyond
-    the plain step: only what the option's own run ends below the plain one (the least over the
-    unit's runs), so never more than the option frees whatever the other units do."""
+    the plain step (``steps``: its phases): only what the option's own run ends below the plain
+    one (the least over the unit's runs), so never more than the option frees whatever the other
+    units do."""
     by_unit: dict[int, list[int]] = {}
-    for t, j in _after_forwards(plain).items():
+    for t, j in after_forwards(steps).items():
         if has[j]:
             by_unit.setdefault(j, []).append(max(0, plain[t].end - memory[t].end))
     return [min(by_unit.get(j, [0])) for j in range(len(has))]
-
-
-def _after_forwards(run: list[Stretch]) -> dict[int, int]:
-    """Each remainder stretch right after a unit's forward, mapped to the unit (autocast's
-    release excluded: it has rules of its own)."""
-    out = {}
-    for t in range(1, len(run)):
-        prev, cur = Label.of(run[t - 1].label), Label.of(run[t].label)
-        if prev.kind == "fwd" and prev.unit is not None and cur.kind not in ("fwd", "bwd", "release"):
-            out[t] = prev.unit
-    return out
 
 
 def phases(memory: dict[str, list[Stretch]], names: list[str], word: str) -> list[Phase]:
@@ -208,8 +189,7 @@ def phases(memory: dict[str, list[Stretch]], names: list[str], word: str) -> lis
     ``word`` names a unit's later runs (``micro-batch``, or ``run`` for a user's step)."""
     out = []
     seen: set[int] = set()
-    split = separate(memory, len(names)).ckpt_end
-    for t, (s_none, s_full) in enumerate(zip(memory["none"], memory["full"], strict=True)):
+    for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
         lab = Label.of(s_none.label)
         if lab.kind in ("fwd", "bwd") and lab.unit is not None:
             label = f"{'forward' if lab.kind == 'fwd' else 'backward'} {names[lab.unit]}" + _nth(lab.run, word)
@@ -221,10 +201,10 @@ def phases(memory: dict[str, list[Stretch]], names: list[str], word: str) -> lis
             # The remainder's peak does not depend on the units' options: keep the larger. Its end
             # can be higher with checkpointing (tensors kept for recompute); never take it lower.
             # Leaving autocast frees what its cache alone holds: the units' release_bytes. Right
-            # after a unit's forward, what checkpointing that unit frees is its freed_after_bytes.
+            # after a unit's forward, ``separate`` may tell apart what that unit's option frees.
             freed = lab.kind == "release"
             peak, end = max(s_none.peak, s_full.peak), s_none.end
-            ckpt_end = end if freed else split.get(t, max(s_none.end, s_full.end))
+            ckpt_end = end if freed else max(s_none.end, s_full.end)
             out.append(Phase(remainder_label(lab, names, word), None, "remainder", peak, end, ckpt_end,
                              releases=freed))
     return out

@@ -54,7 +54,7 @@ class UnitFacts:
     saved_casts: list[int]  # bytes of parameter casts (autocast's) the unit saves for backward
     # the unit saves its own output for backward and the next unit does not take it: checkpointed,
     # the model's own code may drop it right after the unit (``x = x + block(x)``)
-    may_free_output: list[bool] | None = None
+    may_free_output: list[bool]
 
 
 def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn: LossFn,
