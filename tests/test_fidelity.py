@@ -130,6 +130,12 @@ def test_every_schedule_of_a_residual_loop_is_predicted_exactly(shared):
         peaks[roles] = measure_steps(twin, inputs, optimizer="sgd-momentum").peak_bytes
         assert memfit.predict(prof, policies).peak_bytes == peaks[roles], policies
     assert memfit.min_budget_bytes(prof) == min(peaks.values()) < peaks[("none",) * len(names)]
+    # the plan at that budget, trained by a loop written as a user writes it, beside a plain copy
+    from .test_real_models import train_and_compare
+
+    sched = memfit.plan(prof, memfit.min_budget_bytes(prof))
+    assert sched.checkpointed
+    train_and_compare(copy.deepcopy(model), memfit.apply(copy.deepcopy(model), sched), inputs)
 
 
 def test_a_diffusion_unet_with_skip_concatenations_is_predicted_to_the_byte():
