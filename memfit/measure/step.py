@@ -114,6 +114,15 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(v)
 
 
+def packed(t: torch.Tensor) -> torch.Tensor:
+    """What a saved-tensor pack hook keeps when it keeps the tensor itself: ``t.detach()`` (same
+    storage and version counter). Returning ``t`` makes an output that its own backward node saves
+    (relu, softmax, log_softmax) hold that node: a reference cycle through C++ that Python's GC
+    cannot see, so the forward's whole graph outlives a forward whose backward never runs (one that
+    raised, an evaluation with grad on, the profiler's forward-only passes)."""
+    return t.detach()
+
+
 def default_loss(output: Any) -> torch.Tensor:
     """``output.loss`` when the model computes one (Hugging Face), else the mean square of the
     first tensor in the output."""

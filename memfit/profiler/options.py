@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, PolicyError
-from memfit.measure.step import Inputs, LossFn, storage_key
+from memfit.measure.step import Inputs, LossFn, packed, storage_key
 from memfit.policy import DERIVE, DERIVE_PRODUCTS, Children, Nested, Selective, read
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
@@ -243,7 +243,7 @@ def _chains(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn) -> lis
     def pack(t: torch.Tensor) -> torch.Tensor:
         if active[0]:
             events.append(("save", "/".join(stack), storage_key(t.untyped_storage())))
-        return t
+        return packed(t)
 
     def unit_on(on: bool) -> Any:
         def hook(*_: Any) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memfit.measure.step import Inputs, LossFn, iter_tensors, local, storage_bytes, storage_key
+from memfit.measure.step import Inputs, LossFn, iter_tensors, local, packed, storage_bytes, storage_key
 from memfit.runtime.marks import UnitMarks
 from memfit.torch_private import TorchDispatchMode
 
@@ -97,7 +97,7 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
                 saved_bytes[owner] += st.nbytes() // t.element_size() if st in producers.masks else st.nbytes()
                 if st in producers.casts:
                     saved_casts[owner] += st.nbytes()
-        return t
+        return packed(t)
 
     marks = UnitMarks(model, unit_names, on_mark, once=run is None)
     units = marks.units

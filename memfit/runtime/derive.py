@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitWarning
-from memfit.measure.step import storage_key
+from memfit.measure.step import packed, storage_key
 from memfit.runtime.derive_plan import Bind, Derived, Leaf, Plan, Step, SubRef, Template, history, template_of, unpack
 from memfit.runtime.derive_watch import OpWatch, resolve
 from memfit.runtime.threads import PerThread, Weak, raising, recomputing
@@ -112,7 +112,7 @@ class Derive(PerThread):
                          else _Learn(self.products, _tensors(unit), plan is _LEARN))
         self.derived_bytes = fwd.derived_bytes
         self._tls.fwd = (key, fwd)
-        hooks = torch.autograd.graph.saved_tensors_hooks(fwd.pack, unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack)
         hooks.__enter__()
         self._open.append(hooks)
         if isinstance(fwd, _Learn):
@@ -179,6 +179,11 @@ class _Forward:
 
     def pack(self, t: torch.Tensor) -> Any:
         raise NotImplementedError
+
+    def packer(self, t: torch.Tensor) -> Any:
+        """The pack hook: ``pack``'s answer, a tensor it keeps as ``packed`` keeps it."""
+        out = self.pack(t)
+        return packed(out) if isinstance(out, torch.Tensor) else out
 
     def close(self) -> None:
         self.bind = Bind([])

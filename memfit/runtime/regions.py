@@ -63,6 +63,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
 from memfit.measure.host import UnderDispatchMode
+from memfit.measure.step import packed
 from memfit.runtime.op_sets import OP_SETS, keep
 from memfit.runtime.threads import PerThread, Recomputing, Weak, opened_regions, raising, recomputing
 from memfit.torch_private import BatchNorm, checkpoint_generator
@@ -244,7 +245,7 @@ class Region(PerThread):
             self._close(error=False)
         else:
             st.last, st.ran = output, True
-            st.pause = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            st.pause = torch.autograd.graph.saved_tensors_hooks(packed, _same)
             st.pause.__enter__()
 
     def close(self, *, error: bool) -> None:
