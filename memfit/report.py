@@ -246,7 +246,9 @@ def validation_report(v: Validation) -> str:
         f"measured peak {'fits' if v.fits else 'EXCEEDS'} the budget of {format_bytes(v.budget_bytes)} "
         f"(plain model: {format_bytes(v.plain_peak_bytes)})",
         f"losses {'equal' if v.losses_equal else 'DIFFER'}; gradients {'equal' if v.grads_equal else 'DIFFER'} "
-        f"(max difference {v.max_grad_diff:.3g}); buffers {'equal' if v.buffers_equal else 'DIFFER'}",
+        f"(max difference {v.max_grad_diff:.3g}"
+        + (f"; the plain step against itself: {v.plain_grad_diff:.3g}" if v.plain_grad_diff else "")
+        + f"); buffers {'equal' if v.buffers_equal else 'DIFFER'}",
         f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
         + (f", both compiled ({v.compile})" if v.compile else ""),
         _time_check(v),

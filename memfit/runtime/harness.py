@@ -11,6 +11,7 @@ switches units between options.
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -161,6 +162,9 @@ class StepHarness:
         ``compile``, a ``torch.compile`` backend by name or a callable); the peak is the last
         step's. A fresh optimizer each call: its state is created by the warm-up."""
         model, inp, loss = self.model, self.inputs, self.loss_fn
+        if self.device.type == "cuda":  # the reserved peak measured is this run's, not an earlier run's cache
+            gc.collect()
+            torch.cuda.empty_cache()
         runner = model if compile is None else torch.compile(model, backend=compile)
         state = self.new_state()
         model.train()

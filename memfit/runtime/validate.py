@@ -44,6 +44,9 @@ class Validation:
     edited: bool = False  # the schedule's policies were changed after planning: the predictions are not theirs
     cuda: CudaFigures | None = None  # on a GPU: the scheduled step's reserved peak and free memory
     overhead_uncertainty: float = float("nan")  # measured_overhead's (``ratio_uncertainty``; NaN: too few rounds)
+    # where kernels are not bit-reproducible (CUDA, inductor): the plain step against itself, run
+    # twice; the scheduled step's gradients may differ from the plain ones by about as much
+    plain_grad_diff: float = 0.0
     time_tolerance: float = TIME_TOLERANCE  # slowdown points the measurement may differ from the plan by
 
     @property
@@ -138,8 +141,11 @@ def validate(
         raise MemfitError(f"time_tolerance is a fraction of the plain step, 0 or more (0.05: 5 points); got "
                           f"{time_tolerance}")
     plain_s, ratio, sure = float("nan"), float("nan"), float("nan")
+    exact = repeats_exactly(model, backend)
     with harness.restoring() as found:  # each run from the state the model came in
         plain = harness.run(compile=backend)
+        found.restore()
+        again = None if exact else harness.run(compile=backend)
         found.restore()
         with harness.scheduled(schedule), warnings.catch_warnings():
             warnings.simplefilter("ignore", EagerPlanCompiledWarning)  # what validate --compile is asked to check
@@ -150,11 +156,9 @@ def validate(
                                                  step=train_step, steps=steps)
         elif steps > 0:
             plain_s, (ratio,), (sure,) = harness.step_times([schedule.policies], steps)
-    # The CPU recomputes bit for bit; CUDA kernels may pick other algorithms on recompute, and
-    # inductor's fused reductions may sum in another order: there, equal means within 1e-5.
-    exact = device_of(model).type == "cpu" and backend in (None, "eager", "aot_eager")
+    noise = None if again is None else _differences(plain.grads, again.grads)
     same = _same if exact else _close
-    diff, grads_equal = _compare_grads(plain.grads, sched.grads, same)
+    diff, grads_equal = _compare_grads(plain.grads, sched.grads, noise)
     return Validation(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=predicted_peak,
@@ -173,7 +177,17 @@ def validate(
         cuda=sched.cuda,
         overhead_uncertainty=sure,
         time_tolerance=time_tolerance,
+        plain_grad_diff=max((noise or {}).values(), default=0.0),
     )
+
+
+def repeats_exactly(model: nn.Module, backend: str | None) -> bool:
+    """Whether two runs of one step give the same bits: on the CPU in eager kernels. CUDA's
+    atomics (embedding and attention backward) and inductor's fused reductions do not even repeat
+    the plain step exactly; there the scheduled gradients are judged against the plain step's
+    difference from itself (measured on an H200: BERT-large's plain step differed from itself by
+    up to 9.6e-5, the scheduled one from it by 9.4e-5)."""
+    return device_of(model).type == "cpu" and backend in (None, "eager", "aot_eager")
 
 
 def _user_step(schedule: Schedule, step_fn: StepFn | None, step: TrainStep | None, optimizer: Any) -> TrainStep:
@@ -217,9 +231,17 @@ def _plan_for(schedule: Schedule, inputs: Any) -> Schedule:
         "size and sequence length; validate with the planned inputs, or plan again")
 
 
+def _differences(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> dict[str, float]:
+    """Each gradient's largest element difference between two runs (where both have it)."""
+    return {n: (g - b[n]).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0
+            for n, g in a.items() if g is not None and b[n] is not None}
+
+
 def _compare_grads(plain: dict[str, torch.Tensor | None], sched: dict[str, torch.Tensor | None],
-                   same: Callable[[torch.Tensor, torch.Tensor], bool]) -> tuple[float, bool]:
-    """The largest gradient difference, and whether every gradient is the same (or both absent)."""
+                   noise: dict[str, float] | None) -> tuple[float, bool]:
+    """The largest gradient difference, and whether every gradient is the same (or both absent):
+    bit for bit where ``noise`` is None, else ``_close`` given each gradient's difference between
+    two plain runs."""
     diff, equal = 0.0, True
     for name, g in plain.items():
         h = sched[name]
@@ -227,7 +249,7 @@ def _compare_grads(plain: dict[str, torch.Tensor | None], sched: dict[str, torch
             equal = False
         elif g is not None and h is not None:
             diff = max(diff, (g - h).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0)
-            equal &= same(g, h)
+            equal &= _same(g, h) if noise is None else _close(g, h, noise.get(name, 0.0))
     return diff, equal
 
 
@@ -239,12 +261,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal within 1e-5 of the larger magnitude, NaN where the other is NaN."""
+def _close(a: torch.Tensor, b: torch.Tensor, noise: float = 0.0) -> bool:
+    """Equal within 1e-5 of the larger magnitude, or within twice ``noise`` (the largest
+    difference of the plain step from itself), NaN where the other is NaN."""
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
     d = (a - b).abs().nan_to_num(0.0).max().item() if a.numel() else 0.0
-    return _same(a.isnan(), b.isnan()) and d <= 1e-5 * max(1.0, a.abs().nan_to_num(0.0).max().item())
+    return _same(a.isnan(), b.isnan()) and d <= max(2 * noise, 1e-5 * max(1.0, a.abs().nan_to_num(0.0).max().item()))
 
 
 def measure_plans(
