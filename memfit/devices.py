@@ -188,7 +188,9 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     Device("h200", "NVIDIA H200", _mib(143156), _HOPPER, 4800,
            "total_memory=143156MB (torch, github.com/ai-bot-pro/achatbot deploy/modal/src/llm/vllm/vlm/skywork_r1v.py; "
            "OOM 'a total capacity of 139.80 GiB' on 8xH200); H100's compute, 4.8 TB/s: "
-           "nvidia.com/en-us/data-center/h200/"),
+           "nvidia.com/en-us/data-center/h200/; context: 751 to 775 MiB measured outside the allocator "
+           "(benchmarks/gpu_check.py, torch 2.11+cu130, docs/cuda.md)",
+           context_bytes=_mib(775)),
     Device("b200", "NVIDIA B200", _mib(182642), _tf(80, 1100, 2250), 8000,
            "total_memory=182642MB (torch, github.com/ai-bot-pro/achatbot as for h200; 'Total Global Memory: "
            "178.35 GB', github.com/pytorch/ao/pull/4002); BF16 2.25 PFLOPS dense, 8 TB/s: resources.nvidia.com/"

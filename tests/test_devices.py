@@ -50,7 +50,8 @@ def test_every_device_has_its_figures_and_a_source():
         assert d.source and (not d.cuda or "." in d.source), d.name  # a place to read it, not just a name
         assert d.memory_bytes % MiB == 0 and d.tflops["float32"] > 0 and d.bandwidth_gbs > 0
         if d.cuda:  # (total - context) / (1 + margin), in whole bytes
-            assert d.usable_bytes == int((d.memory_bytes - CONTEXT_BYTES) / (1 + MARGIN))
+            assert d.usable_bytes == int((d.memory_bytes - d.context_bytes) / (1 + d.margin))
+            assert d.margin == MARGIN and (d.context_bytes == CONTEXT_BYTES or "measured" in d.source), d.name
             assert d.memory is not None and usable_bytes(d.memory) == d.usable_bytes
     # what PyTorch reports, not the marketed size: an H100 80GB has 79.19 GiB, an H200 139.80 GiB
     assert DEVICES["h100"].memory_bytes == 81089 * MiB and DEVICES["h200"].memory_bytes == 143156 * MiB
