@@ -1,48 +1,76 @@
-"""Every private PyTorch symbol memfit uses, imported here once, each with why and since which
-torch it is known to work (checked on 2.13, the version memfit is tested with). Where a public
-API does the job (``torch.compiler.reset``, ``list_backends``), memfit uses that instead.
+"""Every private PyTorch symbol memfit uses, reached here once, each with why and since which
+torch it is known to work (checked on 2.13, the version memfit is tested with, and 2.11). Where a
+public API does the job (``torch.compiler.reset``, ``list_backends``), memfit uses that instead.
 
-A torch upgrade that moves one of these breaks this module alone, at import or at first use."""
+A torch upgrade that moves one of these fails the feature that uses it, with a MemfitError that
+names the symbol, not the import of memfit: a symbol that cannot be found is replaced by a stand-in
+(``_private``) that raises when used."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
-from torch import nn
+
+from memfit.errors import MemfitError
+
+
+def _private(module: str, name: str, since: str, *, kind: str = "function") -> Any:
+    """``module.name``, or a stand-in of the same kind (a class can still be subclassed and
+    tested with isinstance, which is then False) that raises MemfitError when called."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        missing = exc
+
+    def fail(*_: Any, **__: Any) -> Any:
+        raise MemfitError(f"this feature needs PyTorch's private {module}.{name} (there since torch {since}), "
+                          f"which torch {torch.__version__} does not have ({missing}); use a torch memfit is "
+                          "tested with (2.11 to 2.13), or report it")
+
+    if kind == "class":
+        return type(name, (), {"__init__": fail, "__module__": __name__})
+    return fail
+
 
 # An allocator event of the profiler's event tree, with the block's address: the CPU meter
 # (measure/memory.py) counts a free only if it saw the block made. The public events carry no
 # address, and the CPU allocator reports a free of a block made while no profiler ran with a stale
 # size from its table (an earlier block at that address). Since torch 1.13.
-from torch._C._profiler import _ExtraFields_Allocation as ProfiledAllocation
+ProfiledAllocation = _private("torch._C._profiler", "_ExtraFields_Allocation", "1.13", kind="class")
 
 # Fake tensors: estimate mode builds and runs the model without memory. Since torch 2.0.
 # ``unset_fake_temporarily``: a small computation run for real while a model is built (its values
 # read in Python: drop-path rates, relative position tables). Since torch 2.1.
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+FakeTensorMode = _private("torch._subclasses.fake_tensor", "FakeTensorMode", "2.0", kind="class")
+is_fake = _private("torch._subclasses.fake_tensor", "is_fake", "2.0")
+unset_fake_temporarily = _private("torch._subclasses.fake_tensor", "unset_fake_temporarily", "2.1")
 
 # A weak reference to a storage, which outlives every tensor object that views it: derive
 # (runtime/derive.py) asks whether a storage an op made is still the live one at its address.
 # torch.multiprocessing's own; the same ``_weak_ref``/``_expired`` pair FakeTensor's converter
 # uses. Since torch 1.x.
-from torch.multiprocessing.reductions import StorageWeakRef
+StorageWeakRef = _private("torch.multiprocessing.reductions", "StorageWeakRef", "1.x", kind="class")
 
 # The base of every dispatch-level observer: FlopCounterMode and selective checkpointing are
 # built on it. memfit's meters (measure/fake.py), saved-tensor attribution (profiler/saved.py)
 # and derive (runtime/derive.py) see each op with its real arguments through it. Since torch 1.13.
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode", "1.13", kind="class")
+is_traceable_wrapper_subclass = _private("torch.utils._python_dispatch", "is_traceable_wrapper_subclass", "2.1")
 
 # pytree flattening of op arguments, as SAC and torch.compile use it. Since torch 1.10.
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+tree_flatten = _private("torch.utils._pytree", "tree_flatten", "1.10")
+tree_map = _private("torch.utils._pytree", "tree_map", "1.10")
+tree_unflatten = _private("torch.utils._pytree", "tree_unflatten", "1.10")
 
 # The generator form of non-reentrant checkpointing (what torch.distributed._composable.checkpoint
 # builds on): opened and closed around several module calls, a segment of units. Since torch 2.1.
-from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as checkpoint_generator
+checkpoint_generator = _private("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator", "2.1")
 
 # BatchNorm1d/2d/3d and SyncBatchNorm share this base; its running statistics are put back around
 # a recompute (runtime/regions.py). Since torch 1.0.
-BatchNorm = nn.modules.batchnorm._BatchNorm
+BatchNorm = _private("torch.nn.modules.batchnorm", "_BatchNorm", "1.0", kind="class")
 
 __all__ = ["BatchNorm", "FakeTensorMode", "ProfiledAllocation", "StorageWeakRef", "TorchDispatchMode",
            "allow_in_compiled_graph",

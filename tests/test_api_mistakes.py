@@ -69,3 +69,33 @@ def test_every_error_and_warning_lives_in_errors_and_is_exported():
     assert all(getattr(memfit, n) is getattr(memfit.errors, n) for n in defined)
     with pytest.raises(memfit.MemfitError, match="unknown form"):
         memfit.export.export(memfit.Schedule({}, 1, 0, 0.0, 0.0, "t", "none", "none", 0.0, {}), "deepspeed")
+
+
+MOVED_SYMBOL = """
+import torch.distributed._composable  # torch's own user of the symbol, loaded before it goes
+import torch.utils.checkpoint as c
+del c._checkpoint_without_reentrant_generator   # as a torch upgrade might move it
+import memfit
+from memfit import zoo
+
+print("imported", memfit.__version__)
+model, batch = zoo.gpt(batch=2, seq=16, vocab=64, d_model=16, n_head=2, n_layer=2)
+try:
+    memfit.profile(model, batch, repeat=1)   # its checkpointed step needs the symbol
+except memfit.MemfitError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_private_torch_symbol_that_moved_fails_its_feature_not_the_import(tmp_path):
+    """torch_private's stand-ins: memfit imports, and the checkpoint region that needs the moved
+    symbol says which it is, as a MemfitError."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", MOVED_SYMBOL], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "imported" in proc.stdout
+    assert "refused: this feature needs PyTorch's private torch.utils.checkpoint." \
+           "_checkpoint_without_reentrant_generator (there since torch 2.1)" in proc.stdout, proc.stdout
