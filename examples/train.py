@@ -20,6 +20,7 @@ amp-bf16 --clip-grad-norm 1.0``): micro-batches, autocast, clipping, as your loo
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 
@@ -88,4 +89,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(message)s")  # the application decides what is shown:
+    logging.getLogger("memfit").setLevel(logging.INFO)  # memfit's one-line reports
     main()

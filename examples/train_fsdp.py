@@ -11,6 +11,7 @@ prints its loss and, on the CPU, its measured peak, to set beside the plan's pre
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import torch
@@ -50,4 +51,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(message)s")  # the application decides what is shown:
+    logging.getLogger("memfit").setLevel(logging.INFO)  # memfit's one-line reports
     main()

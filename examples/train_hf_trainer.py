@@ -11,6 +11,7 @@ of the same model, batch shape and settings load it. Needs transformers and acce
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 import transformers
@@ -57,4 +58,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(message)s")  # the application decides what is shown:
+    logging.getLogger("memfit").setLevel(logging.INFO)  # memfit's one-line reports
     main()

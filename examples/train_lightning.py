@@ -11,6 +11,7 @@ The first run profiles and caches the plan under ~/.cache/memfit; later runs loa
 from __future__ import annotations
 
 import argparse
+import logging
 
 import lightning.pytorch as L
 import torch
@@ -59,4 +60,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(message)s")  # the application decides what is shown:
+    logging.getLogger("memfit").setLevel(logging.INFO)  # memfit's one-line reports
     main()

@@ -12,7 +12,6 @@ import copy
 import logging
 import math
 import os
-import sys
 import time
 from typing import Any
 
@@ -52,7 +51,7 @@ def fit(
 ) -> Schedule:
     """Checkpoint ``model`` in place so that its training step on batches like ``inputs`` fits
     ``budget``, at the least recompute; returns the schedule and logs one line of what it chose
-    (logger ``memfit``, shown on stderr unless logging is configured).
+    (logger ``memfit``, level INFO: ``logging.basicConfig(level=logging.INFO)`` shows it).
 
     ``budget``: bytes, a size such as ``"24GB"``, or ``"auto"``: what the model's CUDA device can
     hold for this process (``torch.cuda.mem_get_info``'s free memory plus what this process's
@@ -184,12 +183,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def _announce(schedule: Schedule, budget: str, how: str, folder: Any) -> None:
-    """One log line; the ``memfit`` logger writes to stderr by itself when nobody configured logging."""
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    """One INFO line on the ``memfit`` logger, which has no handler of its own (a library's
+    logger; ``logging.basicConfig(level=logging.INFO)`` shows it)."""
     chosen = schedule.checkpointed
     what = (f"checkpointing {len(chosen)} of {len(schedule.policies)} units ({_names(chosen)})" if chosen
             else f"no checkpointing needed ({len(schedule.policies)} units kept)")

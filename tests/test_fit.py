@@ -5,6 +5,7 @@ with its defaults, each trained by a loop written here beside a plain copy."""
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -76,9 +77,10 @@ def test_fit_on_hugging_face_gpt2_trains_within_its_budget_as_the_plain_model(tm
 
 
 _SCRIPT = textwrap.dedent("""
-    import json, os, sys, time
+    import json, logging, os, sys, time
     sys.path.insert(0, {root!r})
     import memfit
+    logging.basicConfig(format="%(message)s", level=logging.INFO)  # the script shows memfit's line
     import memfit.runtime.apply  # imports torch._dynamo (1.7 s), as creating any torch optimizer does: not timed
     from tests.conftest import tiny_gpt
     if os.environ.get("NO_PROFILE"):
@@ -216,6 +218,7 @@ def test_fit_logs_one_line_and_fits_again_over_its_own_plan(tmp_path, caplog):
     assert len(lines) == 2 and lines[0].startswith("memfit: checkpointing") and "profiled in" in lines[0]
     assert "planned from the cached profile" in lines[1]
     assert again.checkpointed == [] and model.__dict__["_memfit_applied"].schedule is again
+    assert logging.getLogger("memfit").handlers == []  # a library's logger: the application decides
 
 
 def test_importing_memfit_imports_no_trainer_library():
