@@ -40,8 +40,8 @@ from memfit.trainstep import TrainStep
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Prediction": "memfit.planning.memory",
-    "predict": "memfit.planning.memory",
+    "Prediction": "memfit.planning.peak",
+    "predict": "memfit.planning.peak",
     "min_budget_bytes": "memfit.planning.planner",
     "plan": "memfit.planning.planner",
     "plan_compiled": "memfit.compiled",
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from memfit.formats.schedule import Schedule, load_schedule
     from memfit.measure.malloc import keep_freed_cpu_memory
     from memfit.measure.step import default_loss
-    from memfit.planning.memory import Prediction, predict
+    from memfit.planning.peak import Prediction, predict
     from memfit.planning.planner import min_budget_bytes, plan
     from memfit.planning.sweep import sweep
     from memfit.profiler import profile

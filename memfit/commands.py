@@ -66,7 +66,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shares = modelflags.shares_of(args, profs)
     prof = profs[-1]
     if share is not None:
-        from memfit.planning.memory import predict
+        from memfit.planning.peak import predict
 
         budget = max(1, round(share * max(predict(p, {}).peak_bytes for p in profs)))
         print(f"budget {args.budget.strip()} of the unplanned peak: {format_bytes(budget)}")

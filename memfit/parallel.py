@@ -9,7 +9,7 @@ The processes run on the CPU with gloo here, or one per GPU with NCCL.
 
 Under FSDP2 a rank's peak moves from step to step by up to one unit's gathered parameters (the
 collectives free their buffers when they finish, on their own threads or streams):
-``planning.memory.fsdp_headroom`` says how much to leave (plans keep it free).
+``planning.peak.fsdp_headroom`` says how much to leave (plans keep it free).
 
 Apply the schedule to the model after ``fully_shard`` (or to ``ddp.module``), as the profile was
 measured: memfit's regions then open after FSDP2's all-gather hooks, and unit names are the plain

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from memfit.budget import format_bytes
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
-from memfit.planning.memory import predict
+from memfit.planning.peak import predict
 from memfit.planning.planner import best_baseline
 from memfit.planning.roles import roles_of, unit_costs
 from memfit.policy import COARSE, is_segment, read
@@ -341,7 +341,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     the CUDA context and the allocator's margin, a per-rank plan's FSDP headroom. Said with every
     plan, and when nothing needs checkpointing."""
     from memfit.devices import describe_memory, target_title, usable_bytes
-    from memfit.planning.memory import fsdp_headroom
+    from memfit.planning.peak import fsdp_headroom
 
     out = []
     peak = schedule.predicted_peak_bytes

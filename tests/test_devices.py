@@ -20,7 +20,7 @@ from memfit.devices import (
     spec_toml,
     usable_bytes,
 )
-from memfit.planning.memory import device_cap_bytes, fsdp_headroom
+from memfit.planning.peak import device_cap_bytes, fsdp_headroom
 from memfit.profiler.estimate import estimate
 
 from .conftest import TINY, tiny_gpt

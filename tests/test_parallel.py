@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit.parallel import measure_ranks, profile_ranks
-from memfit.planning.memory import fsdp_headroom
+from memfit.planning.peak import fsdp_headroom
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 from memfit.units import find_units

@@ -164,7 +164,7 @@ def test_segment_timeline_forward_exact_backward_within_a_vector():
     stashes no RNG state, and its input is freed only after it returns. In the backward the
     members before the last peak one vector of d_model floats below the kept unit's measured
     peak (measured: 256 B at d_model 64, 384 B at 96), which the prediction keeps: safe side."""
-    from memfit.planning.memory import predict
+    from memfit.planning.peak import predict
     from memfit.runtime.validate import measure_levels
 
     from .conftest import tiny_gpt

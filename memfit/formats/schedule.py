@@ -30,7 +30,7 @@ class BaselineFigures(TypedDict, total=False):
     peak_bytes: int
     recompute_s: float
     overhead: float
-    uncertainty_s: float  # how sure recompute_s is (planning/memory.Prediction.uncertainty_s)
+    uncertainty_s: float  # how sure recompute_s is (planning/peak.Prediction.uncertainty_s)
 
 
 class Fallback(TypedDict):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from memfit.formats.profile import Profile
 from memfit.planning import BASELINE_NAMES
-from memfit.planning.memory import Prediction, predict
+from memfit.planning.peak import Prediction, predict
 from memfit.planning.roles import FULL, SEGMENT, Role
 
 Policies = dict[str, str]

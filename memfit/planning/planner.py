@@ -16,8 +16,8 @@ from memfit.planning.baselines import BASELINES, STRATEGIES, Policies, not_appli
 from memfit.planning.dp import dp_exact
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
-from memfit.planning.memory import device_cap_bytes, predict
 from memfit.planning.options import PlanOptions
+from memfit.planning.peak import device_cap_bytes, predict
 from memfit.planning.roles import policies_of
 
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner

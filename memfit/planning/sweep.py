@@ -24,8 +24,8 @@ from memfit.planning.dp import dp_exact
 from memfit.planning.frontier import chain_frontier, read
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
-from memfit.planning.memory import Prediction, predict
 from memfit.planning.options import PlanOptions, check_strategies
+from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import check_granularity, min_budget_bytes
 from memfit.planning.roles import policies_of
 

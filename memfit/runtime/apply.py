@@ -14,8 +14,8 @@ from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
 from memfit.formats.schedule import Schedule, fingerprint_difference, load_schedule, model_fingerprint
 from memfit.policy import KEEP, KINDS_HELP, Children, Full, Nested, Segment, Selective, read
 from memfit.policy import Derive as DerivePolicy
-from memfit.runtime.caches import cache_off
 from memfit.runtime.derive import Derive
+from memfit.runtime.kv_cache import cache_off
 from memfit.runtime.op_sets import OP_SETS
 from memfit.runtime.regions import Region, guard
 from memfit.runtime.watch import Watch
