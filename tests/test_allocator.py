@@ -2,7 +2,7 @@
 whose reserved bytes follow from them, and what estimate mode records with it."""
 
 import memfit
-from memfit.measure.allocator import CachingAllocator, MiB, round_size, segment_size
+from memfit.measure.allocator import CachingAllocator, MiB, replay, round_size, segment_size
 
 
 def test_requests_round_and_segments_are_sized_as_pytorchs_allocator_does():
@@ -59,3 +59,25 @@ def test_an_estimate_for_a_gpu_records_what_each_option_reserves(tmp_path):
     assert not estimate(build, target="cpu").reserved_peak_bytes  # the CPU caches nothing
     prof.save(tmp_path / "p.json")
     assert memfit.Profile.load(tmp_path / "p.json").reserved_peak_bytes == prof.reserved_peak_bytes
+
+
+def test_a_recorded_trace_replays_as_the_allocator_answered():
+    """A trace as torch.cuda.memory._snapshot() records it (this one written out by hand from the
+    rules: on a GPU, benchmarks/allocator_check.py replays real ones): the allocator's own
+    segment events, which the replay ignores, are what the model reserves."""
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 20 * MiB},
+        {"action": "alloc", "addr": 0, "size": 3 * MiB},
+        {"action": "alloc", "addr": 3 * MiB, "size": 15 * MiB},  # the 17 MiB remainder, best fit
+        {"action": "segment_alloc", "addr": 100 * MiB, "size": 2 * MiB},
+        {"action": "alloc", "addr": 100 * MiB, "size": 1000},  # small: a 2 MiB segment of its own
+        {"action": "free_requested", "addr": 0, "size": 3 * MiB},
+        {"action": "free_completed", "addr": 0, "size": 3 * MiB},
+        {"action": "alloc", "addr": 0, "size": 3 * MiB},  # the freed block again
+        {"action": "segment_alloc", "addr": 200 * MiB, "size": 20 * MiB},
+        {"action": "alloc", "addr": 200 * MiB, "size": 4 * MiB},  # nothing free holds it: a new segment
+    ]
+    model = replay(trace)
+    segments = sum(e["size"] for e in trace if e["action"] == "segment_alloc")
+    assert model.peak_reserved == segments == 42 * MiB
+    assert model.peak_allocated == 3 * MiB + 15 * MiB + 1024 + 4 * MiB

@@ -15,7 +15,9 @@ a freed block merges with free neighbours of its segment, and segments are never
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 MiB = 2**20
 MIN_BLOCK = 512
@@ -118,3 +120,18 @@ class CachingAllocator:
         while pool[i][1] is not block:
             i += 1
         return i
+
+
+def replay(trace: Iterable[Mapping[str, Any]]) -> CachingAllocator:
+    """The model run over a recorded CUDA allocator trace: the entries of
+    ``torch.cuda.memory._snapshot()["device_traces"][i]`` (recorded with
+    ``torch.cuda.memory._record_memory_history``), keyed by address. ``alloc`` and
+    ``free_completed`` are the allocator's own; segment events are its answers, which the model
+    computes (benchmarks/allocator_check.py sets the two side by side on a GPU)."""
+    model = CachingAllocator()
+    for entry in trace:
+        if entry["action"] == "alloc":
+            model.malloc(entry["addr"], entry["size"])
+        elif entry["action"] == "free_completed":
+            model.free(entry["addr"])
+    return model
