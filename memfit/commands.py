@@ -359,7 +359,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if device_memory is None and prof.memory:  # the line on the plot: what the card leaves to a step
         from memfit.devices import usable_bytes
 
-        device_memory = usable_bytes(prof.memory)  # type: ignore[arg-type]
+        device_memory = usable_bytes(prof.memory)
     if args.csv:
         write_output(lambda path: write_atomic(path, lambda tmp: frame.to_csv(tmp, index=False)), args.csv)
     if args.plot:
@@ -376,7 +376,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if prof.memory:
             from memfit.devices import describe_memory
 
-            print(f"device memory: {describe_memory(prof.memory)}")  # type: ignore[arg-type]
+            print(f"device memory: {describe_memory(prof.memory)}")
         for flag, path in (("csv", args.csv), ("plot", args.plot)):
             if path:
                 print(f"wrote {path} ({flag})")

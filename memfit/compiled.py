@@ -140,7 +140,7 @@ def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, i
     """The backend to validate ``schedule`` under (``backend``, else the one it was planned for)
     and the peak to compare with: the compiled step's measured at planning for that backend,
     else the eager prediction."""
-    planned = schedule.compile.get("backend")
+    planned = schedule.compile["backend"] if schedule.compile else None
     chosen = backend if backend is not None else planned
     if chosen is not None:
         check_backend(chosen)

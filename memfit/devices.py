@@ -224,7 +224,7 @@ def device_spec(name: str) -> Device:
     return DEVICES[key]
 
 
-def target_title(target: str, memory: MemoryRecord | dict[str, Any]) -> str:
+def target_title(target: str, memory: MemoryRecord | None) -> str:
     """The product a plan was estimated for: its memory record's title, else the table's for a
     built-in target (files older than the record), else "" (a spec file's card, unrecorded)."""
     known = DEVICES.get(target)

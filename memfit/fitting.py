@@ -127,7 +127,9 @@ def resolve_budget(budget: str | int, device: torch.device, target: str | None =
 
     free, _total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)  # this process's allocator: the weights already loaded among it
-    margin = device_memory(device)["margin"]
+    memory = device_memory(device)
+    assert memory is not None  # a CUDA device
+    margin = memory["margin"]
     n = math.floor((free + held) / (1 + margin))
     return n, (f"{format_bytes(n)} (auto: {format_bytes(free)} free + {format_bytes(held)} held by this process, "
                f"less a {margin:.0%} allocator margin)")

@@ -114,7 +114,7 @@ def _step_words(schedule: Schedule) -> str:
     """``adamw, amp-bf16, 2 micro-batches, clip 1``, from the recorded step (a callable optimizer or
     step function is named, not rebuilt)."""
     s = schedule.step
-    if s.get("function"):
+    if s and s.get("function"):
         return f"your step function {s['function']} ({schedule.optimizer})"
     return describe_record(schedule.optimizer, s)
 
@@ -154,7 +154,7 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if any(not f["fits"] and "peak_bytes" in f for f in schedule.baselines.values()):
         out.append("*: the strategy does not fit; its tightest schedule's figures")
     if any(not f.get("applies", True) for f in schedule.baselines.values()):
-        why = "no segments under autocast" if (schedule.step.get("precision") or "").startswith("amp-") else (
+        why = "no segments under autocast" if ((schedule.step or {}).get("precision") or "").startswith("amp-") else (
             "sqrt needs a chain of units")
         out.append(f"n/a: the strategy has no schedule for these units ({why})")
     if profile is not None:
@@ -353,8 +353,8 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
         out.append(f"estimated for {title} from shapes on fake tensors, nothing allocated: memory exact from shapes, "
                    "times a roofline; check it on the GPU with memfit validate")
     if memory:
-        out.append(f"device memory: {describe_memory(memory)}")  # type: ignore[arg-type]
-        usable = usable_bytes(memory)  # type: ignore[arg-type]
+        out.append(f"device memory: {describe_memory(memory)}")
+        usable = usable_bytes(memory)
         if schedule.asked_budget_bytes:
             out.append(f"note: the budget asked for, {format_bytes(schedule.asked_budget_bytes)}, is more than "
                        f"that: planned for {format_bytes(schedule.budget_bytes)} instead (describe the card's own "

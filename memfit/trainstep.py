@@ -133,9 +133,10 @@ class TrainStep:
                          record.get("keep_output", False), record.get("autocast_cache", True))
 
     @staticmethod
-    def of_record(optimizer: str | None, record: StepRecord | dict[str, Any]) -> TrainStep:
+    def of_record(optimizer: str | None, record: StepRecord | None) -> TrainStep:
         """The step a profile or a schedule was made for. A callable optimizer cannot be rebuilt
         from its name: such a step is refused here, and Python callers pass it again."""
+        record = record or StepRecord()
         if record.get("function"):
             raise MemfitError(f"this plan was made for a step function of your own ({record['function']}), which "
                               "memfit cannot rebuild from a file: in Python pass step_fn= again")
@@ -156,21 +157,21 @@ class TrainStep:
         return ", ".join(parts)
 
 
-def step_difference(optimizer: str | None, record: StepRecord | dict[str, Any], given: TrainStep) -> str | None:
+def step_difference(optimizer: str | None, record: StepRecord | None, given: TrainStep) -> str | None:
     """What differs between the step a plan was made for (its optimizer's name and step record)
     and ``given``, in words; None when the plan holds for it. A precision not given is the
     model's own, which the fingerprint checks."""
-    planned = TrainStep.from_fields(record)
+    planned = TrainStep.from_fields(record or {})
     mine = {**given.record(), "precision": given.precision or planned.precision or ""}
     if given.optimizer_name == optimizer and mine == planned.record():
         return None
     return f"planned for {describe_record(optimizer, record)}, not {given.describe()}"
 
 
-def describe_record(optimizer: str | None, record: StepRecord | dict[str, Any]) -> str:
+def describe_record(optimizer: str | None, record: StepRecord | None) -> str:
     """``adamw, amp-bf16, 2 micro-batches`` for a recorded step, its optimizer by the recorded
     name (a callable's ``custom:<name>`` too, which no TrainStep can hold)."""
-    return TrainStep.from_fields(record).describe().replace("no optimizer", optimizer or "no optimizer", 1)
+    return TrainStep.from_fields(record or {}).describe().replace("no optimizer", optimizer or "no optimizer", 1)
 
 
 def step_of(step: TrainStep | None, optimizer: str | OptimizerFactory | None = "adamw") -> TrainStep:

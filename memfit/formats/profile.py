@@ -142,10 +142,10 @@ class Profile:
     source: dict[str, Any] = field(default_factory=dict)  # how the CLI built the model (see scenarios.py)
     mode: str = "measured"  # or "estimated": from shapes on fake tensors, for ``target``
     target: str = ""  # the device estimated for (devices.py); "" when measured
-    parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # one rank's; {} for one process
-    step: StepRecord | dict[str, Any] = field(default_factory=dict)  # the training step (trainstep.py); {}: plain
-    # what the GPU leaves to a step (devices.py): the target's, or the CUDA device's measured; {}: the CPU
-    memory: MemoryRecord | dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelLayout | None = None  # one rank's; None for one process
+    step: StepRecord | None = None  # the training step (trainstep.py); None: the plain one of older files
+    # what the GPU leaves to a step (devices.py): the target's, or the CUDA device's measured; None: the CPU
+    memory: MemoryRecord | None = None
 
     @property
     def train_step(self) -> TrainStep:
@@ -208,6 +208,7 @@ class Profile:
         for key in ("step", "memory", "reserved_peak_bytes"):
             if not data[key]:
                 del data[key]
+        data["parallel"] = data["parallel"] or {}  # the file's spelling of one process
         return data
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -286,10 +287,10 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
     )
 
 
-def read_memory(f: Fields) -> MemoryRecord | dict[str, Any]:
-    """A profile's or schedule's ``memory`` field: {} where none was recorded (the CPU, older files)."""
+def read_memory(f: Fields) -> MemoryRecord | None:
+    """A profile's or schedule's ``memory`` field: None where none was recorded (the CPU, older files)."""
     if not f.data.get("memory"):
-        return {}
+        return None
     m = f.obj("memory")
     record = m.record(MemoryRecord, {"total_bytes": 1, "context_bytes": 0, "margin": 0.0})
     if record["context_bytes"] >= record["total_bytes"] or record["margin"] >= 1:
@@ -297,10 +298,10 @@ def read_memory(f: Fields) -> MemoryRecord | dict[str, Any]:
     return record
 
 
-def read_step(f: Fields) -> StepRecord | dict[str, Any]:
-    """A profile's or schedule's ``step`` field: {} for the plain step of files made before it."""
+def read_step(f: Fields) -> StepRecord | None:
+    """A profile's or schedule's ``step`` field: None for the plain step of files made before it."""
     if not f.data.get("step"):
-        return {}
+        return None
     s = f.obj("step")
     record = s.record(StepRecord, {"accumulate": 1})
     try:
@@ -348,10 +349,10 @@ def _phase(p: Fields, n_units: int) -> Phase:
                  releases)
 
 
-def read_parallel(f: Fields) -> ParallelLayout | dict[str, Any]:
-    """A profile's or schedule's ``parallel`` field: {} for one process."""
+def read_parallel(f: Fields) -> ParallelLayout | None:
+    """A profile's or schedule's ``parallel`` field: None for one process."""
     if not f.data.get("parallel"):
-        return {}
+        return None
     p = f.obj("parallel")
     layout = p.record(ParallelLayout, {"world_size": 2})
     if layout["kind"] not in PARALLEL:

@@ -85,11 +85,11 @@ class Schedule:
     source: Source = field(default_factory=lambda: Source())
     levels: Levels = field(default_factory=dict)  # predicted, for timelines
     fallbacks: list[Fallback] = field(default_factory=list)  # tighter each
-    compile: CompiledPeak | dict[str, Any] = field(default_factory=dict)  # {} for the eager step
+    compile: CompiledPeak | None = None  # None for the eager step
     target: str = ""  # the device the profile was estimated for (devices.py); "" when measured
-    parallel: ParallelLayout | dict[str, Any] = field(default_factory=dict)  # a plan per rank; {} for one process
-    step: StepRecord | dict[str, Any] = field(default_factory=dict)  # the training step planned for; {}: the plain one
-    memory: MemoryRecord | dict[str, Any] = field(default_factory=dict)  # the profile's device memory; {}: none
+    parallel: ParallelLayout | None = None  # a plan per rank; None for one process
+    step: StepRecord | None = None  # the training step planned for; None: the plain one of older files
+    memory: MemoryRecord | None = None  # the profile's device memory; None: none (the CPU)
     # the budget asked for, where it was more than the device's usable memory and the plan was made
     # for that instead (budget_bytes); None when budget_bytes is the budget asked for
     asked_budget_bytes: int | None = None
@@ -131,6 +131,8 @@ class Schedule:
         for key in ("step", "memory", "asked_budget_bytes", "predicted_uncertainty_s", "shapes"):
             if not data[key]:
                 del data[key]
+        for key in ("compile", "parallel"):  # the file's spelling of the eager step and of one process
+            data[key] = data[key] or {}
         if data.get("share") is None:
             del data["share"]
         if self.shapes:  # each shape keeps only what is its own; a reader merges it with the rest
@@ -207,7 +209,7 @@ def _schedule(f: Fields, path: str) -> Schedule:
         if "source" in f.data else Source(),
         levels=_levels(f, str(path)),
         fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
-        compile=f.obj("compile").record(CompiledPeak, {"peak_bytes": 1}) if f.data.get("compile") else {},
+        compile=f.obj("compile").record(CompiledPeak, {"peak_bytes": 1}) if f.data.get("compile") else None,
         target=str(f.data.get("target", "")),
         parallel=read_parallel(f),
         step=read_step(f),

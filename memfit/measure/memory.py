@@ -254,14 +254,14 @@ def _filtered_stderr() -> Iterator[None]:
                     sys.stderr.write(line)
 
 
-def device_memory(device: torch.device) -> MemoryRecord | dict[str, Any]:
+def device_memory(device: torch.device) -> MemoryRecord | None:
     """What this GPU leaves to a step (devices.py): its total as CUDA reports it, and the context
-    and margin of the table's entry for its name (the defaults for a card not in the table); {}
+    and margin of the table's entry for its name (the defaults for a card not in the table); None
     on the CPU. The measured context and margin come from ``memfit validate`` on the card."""
     from memfit.devices import CONTEXT_BYTES, MARGIN, by_title
 
     if device.type != "cuda":
-        return {}
+        return None
     title = torch.cuda.get_device_name(device)
     known = by_title(title)
     return MemoryRecord(title=title, total_bytes=int(torch.cuda.mem_get_info(device)[1]),

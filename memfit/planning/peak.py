@@ -65,7 +65,7 @@ def fsdp_headroom(profile: Profile) -> int:
     own (fp32) size. Under fsdp-bf16 the gathers are half that, but its fp32 gradient reduction
     moves the peak too: 2 gloo ranks on gpt-small saw the all-checkpointed step's peak differ by
     8 MiB between runs, more than the bf16 gather alone."""
-    if not str(profile.parallel.get("kind", "")).startswith("fsdp"):  # fsdp, fsdp-bf16
+    if not profile.parallel or not profile.parallel["kind"].startswith("fsdp"):  # fsdp, fsdp-bf16
         return 0
     return max(u.param_bytes for u in profile.units) * int(profile.parallel["world_size"])
 
@@ -75,4 +75,4 @@ def device_cap_bytes(profile: Profile) -> int | None:
     the FSDP headroom; None where the profile records no device memory (the CPU)."""
     if not profile.memory:
         return None
-    return usable_bytes(profile.memory) - fsdp_headroom(profile)  # type: ignore[arg-type]
+    return usable_bytes(profile.memory) - fsdp_headroom(profile)

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.devices import describe_memory
+from memfit.devices import MemoryRecord, describe_memory
 from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
-from memfit.formats.profile import Profile
+from memfit.formats.profile import ParallelLayout, Profile
 from memfit.formats.schedule import BaselineFigures, Fallback, Schedule
 from memfit.planning.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick, predicted
 from memfit.planning.dp import dp_exact
@@ -19,6 +19,7 @@ from memfit.planning.intmodel import IntModel
 from memfit.planning.options import PlanOptions
 from memfit.planning.peak import device_cap_bytes, predict
 from memfit.planning.roles import policies_of
+from memfit.trainstep import StepRecord
 
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
 # Fine solves at real size (32 layers, ~10 options each) find the optimum to 0.1% in seconds and
@@ -107,7 +108,7 @@ def plan(
         if asked is None:
             raise
         raise InfeasibleBudgetError(f"{exc} (the budget of {format_bytes(asked)} was more than the device leaves: "
-                                    f"{describe_memory(profile.memory)})", exc.min_budget_bytes) from None  # type: ignore[arg-type]
+                                    f"{describe_memory(profile.memory)})", exc.min_budget_bytes) from None
     if fine and strategy == "ilp":
         policies, status = _within_noise(profile, budget_bytes, opts, figures, policies, status)
     pred = predict(profile, policies)
@@ -136,9 +137,9 @@ def plan(
         levels={"plan": [list(e) for e in pred.levels], "none": [list(e) for e in predict(profile, {}).levels]},
         fallbacks=ladder,
         target=profile.target,
-        parallel=dict(profile.parallel),
-        step=dict(profile.step),
-        memory=dict(profile.memory),  # type: ignore[arg-type]
+        parallel=ParallelLayout(**profile.parallel) if profile.parallel else None,
+        step=StepRecord(**profile.step) if profile.step else None,
+        memory=MemoryRecord(**profile.memory) if profile.memory else None,
         asked_budget_bytes=asked,
         predicted_uncertainty_s=pred.uncertainty_s,
     )

@@ -127,7 +127,7 @@ def estimate(
         if parallel is not None:
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)
-    prof.mode, prof.target, prof.memory = "estimated", spec.name, spec.memory or {}
+    prof.mode, prof.target, prof.memory = "estimated", spec.name, spec.memory
     if len(reserved) == len(prof.measured_peak_bytes):  # one memory step per all-units option, in order
         prof.reserved_peak_bytes = {o: r for o, (_, r) in zip(prof.measured_peak_bytes, reserved, strict=True)}
     if spec.cuda:

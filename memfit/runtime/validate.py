@@ -133,7 +133,7 @@ def validate(
     from memfit.compiled import compiled_step_times, with_backend
 
     backend, predicted_peak = with_backend(schedule, compile)
-    train_step = _user_step(schedule, step_fn, step, optimizer) if step_fn is not None or schedule.step.get(
+    train_step = _user_step(schedule, step_fn, step, optimizer) if step_fn is not None or (schedule.step or {}).get(
         "function") else _planned_step(schedule, step, optimizer)
     schedule = _plan_for(schedule, inputs)
     harness = StepHarness(model, inputs, loss_fn=loss_fn, step=train_step, step_fn=step_fn)
@@ -192,7 +192,7 @@ def repeats_exactly(model: nn.Module, backend: str | None) -> bool:
 
 def _user_step(schedule: Schedule, step_fn: StepFn | None, step: TrainStep | None, optimizer: Any) -> TrainStep:
     """A plan for a step function of the user's own is validated with it, and only with it."""
-    planned = schedule.step.get("function")
+    planned = (schedule.step or {}).get("function")
     if step_fn is None:
         raise ScheduleMismatchError(f"the schedule was planned for the step function {planned}: validate with "
                                     "step_fn= (memfit cannot rebuild it from the file)")
