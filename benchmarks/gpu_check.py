@@ -54,11 +54,7 @@ def main() -> None:
     parser.add_argument("--target", help="the device spec to estimate for (default: the one matching this GPU)")
     parser.add_argument("--steps", type=int, default=5, help="timed rounds per validation")
     parser.add_argument("--no-variants", action="store_true", help="each scenario's own step only")
-    parser.add_argument("--deadline", type=float, default=float("inf"),
-                        help="seconds after which no new scenario is started")
-    parser.add_argument("--out", help="also write the table (markdown) to this file, after every scenario")
-    parser.add_argument("--phases", action="store_true",
-                        help="print each plan's phases that most exceed the prediction (always where the peak does)")
+    add_run_flags(parser, "scenario")
     args = parser.parse_args()
     target = args.target or target_for(args.device)
     rows: list[list[str]] = []
@@ -154,9 +150,23 @@ def _size_order(name: str) -> int:
     return order.index(name) if name in order else len(order)
 
 
-def _title(device: str, target: str) -> str:
+def add_run_flags(parser: argparse.ArgumentParser, item: str) -> None:
+    """The flags both device checks take (this and vision_check.py): a deadline, the table written
+    after each ``item``, the phases where a measured step rose over its prediction."""
+    parser.add_argument("--deadline", type=float, default=float("inf"),
+                        help=f"seconds after which no new {item} is started")
+    parser.add_argument("--out", help=f"also write the table (markdown) to this file, after every {item}")
+    parser.add_argument("--phases", action="store_true",
+                        help="print each plan's phases that most exceed the prediction (always where the peak does)")
+
+
+def device_title(device: str) -> str:
     where = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU"
-    return f"{where}, torch {torch.__version__}; estimates for {target}"
+    return f"{where}, torch {torch.__version__}"
+
+
+def _title(device: str, target: str) -> str:
+    return f"{device_title(device)}; estimates for {target}"
 
 
 def markdown(heads: list[str], rows: list[list[str]]) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from gpu_check import markdown, phase_gaps  # benchmarks/, beside this script
+from gpu_check import add_run_flags, device_title, markdown, phase_gaps  # benchmarks/, beside this script
 from torch import nn
 
 import memfit
@@ -63,11 +63,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=[128, 224], help="image sizes, pixels")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3, help="timed rounds per validation")
-    parser.add_argument("--deadline", type=float, default=float("inf"),
-                        help="seconds after which no new net is started")
-    parser.add_argument("--out", help="also write the table (markdown) to this file, after every net")
-    parser.add_argument("--phases", action="store_true",
-                        help="print each plan's phases that most exceed the prediction (always where the peak does)")
+    add_run_flags(parser, "net")
     args = parser.parse_args()
     began, rows = time.perf_counter(), []
     heads = ["net", "px", "budget", "predicted", "measured", "error", "first step", "first err.",
@@ -101,12 +97,11 @@ def main() -> None:
                     first = harness.run(steps=1).peak_bytes
                 pred = v.predicted_peak_bytes
                 fits = max(v.measured_peak_bytes, first) <= sched.budget_bytes
-                kept = sum(1 for p in sched.policies.values() if p != "none")
                 rows.append([name, str(size), format_bytes(sched.budget_bytes), format_bytes(pred),
                              format_bytes(v.measured_peak_bytes), f"{v.error * 100:+.2f}%", format_bytes(first),
                              f"{(pred - first) / first * 100:+.2f}%", "yes" if fits else "OVER",
                              f"{v.predicted_overhead * 100:+.1f}%", f"{v.measured_overhead * 100:+.1f}%",
-                             f"{kept}/{len(prof.units)}", *("equal" if ok else "DIFFER" for ok in
+                             f"{len(sched.checkpointed)}/{len(prof.units)}", *("equal" if ok else "DIFFER" for ok in
                                                               (v.grads_equal, v.losses_equal, v.buffers_equal))])
                 print(" | ".join(rows[-1]), f"(profiled in {took:.1f} s; gradients differ by at most "
                       f"{v.max_grad_diff:.3g}, the plain step from itself by {v.plain_grad_diff:.3g})", flush=True)
@@ -118,14 +113,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
             if args.out:
                 with open(args.out, "w") as f:
-                    f.write(_title(args.device) + "\n\n" + markdown(heads, rows))
-    print(_title(args.device))
+                    f.write(device_title(args.device) + "\n\n" + markdown(heads, rows))
+    print(device_title(args.device))
     print(table(heads, rows))
-
-
-def _title(device: str) -> str:
-    where = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU"
-    return f"{where}, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

@@ -63,8 +63,8 @@ def test_a_forward_without_backward_under_every_option_leaves_no_graph():
     prof = memfit.profile(model, batch, granularity="fine", repeat=1)
     options = sorted({o for u in prof.units for o in u.options} - {"none"})
     assert {"full", "derive"} <= set(options) and any(o.startswith("selective") for o in options)
+    sched = memfit.plan(prof, 2**40, granularity="fine")  # its policies are set by hand below
     for option in options:
-        sched = memfit.plan(prof, 2**40, granularity="fine")
         sched.policies = {u.name: option if option in u.options else "none" for u in prof.units}
         memfit.apply(model, sched)
         for _ in range(2):  # the first forward of a derive unit learns, later ones replay

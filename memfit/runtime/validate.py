@@ -231,10 +231,14 @@ def _plan_for(schedule: Schedule, inputs: Any) -> Schedule:
         "size and sequence length; validate with the planned inputs, or plan again")
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest element difference (NaN counted as none; 0 for empty tensors)."""
+    return (a - b).abs().nan_to_num(0.0).max().item() if a.numel() else 0.0
+
+
 def _differences(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> dict[str, float]:
     """Each gradient's largest element difference between two runs (where both have it)."""
-    return {n: (g - b[n]).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0
-            for n, g in a.items() if g is not None and b[n] is not None}
+    return {n: _max_diff(g, h) for n, g in a.items() if g is not None and (h := b[n]) is not None}
 
 
 def _compare_grads(plain: dict[str, torch.Tensor | None], sched: dict[str, torch.Tensor | None],
@@ -248,7 +252,7 @@ def _compare_grads(plain: dict[str, torch.Tensor | None], sched: dict[str, torch
         if (g is None) != (h is None):
             equal = False
         elif g is not None and h is not None:
-            diff = max(diff, (g - h).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0)
+            diff = max(diff, _max_diff(g, h))
             equal &= _same(g, h) if noise is None else _close(g, h, noise.get(name, 0.0))
     return diff, equal
 
@@ -266,8 +270,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, noise: float = 0.0) -> bool:
     difference of the plain step from itself), NaN where the other is NaN."""
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
-    d = (a - b).abs().nan_to_num(0.0).max().item() if a.numel() else 0.0
-    return _same(a.isnan(), b.isnan()) and d <= max(2 * noise, 1e-5 * max(1.0, a.abs().nan_to_num(0.0).max().item()))
+    scale = max(1.0, a.abs().nan_to_num(0.0).max().item())
+    return _same(a.isnan(), b.isnan()) and _max_diff(a, b) <= max(2 * noise, 1e-5 * scale)
 
 
 def measure_plans(
