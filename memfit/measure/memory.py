@@ -64,7 +64,13 @@ class CpuMemoryRecorder:
     counts only of a block made while recording, and the frees of ``alive`` (the tensors counted in
     the level the step starts from: a step function's gradients, freed at its zero_grad) are marked
     by the storages' own finalizers (PyTorch keeps a storage's Python object while the storage
-    lives)."""
+    lives).
+
+    The profiler hears only the threads it runs in (``profile_all_threads`` drops memory events:
+    pytorch#166121): a block freed on another thread has no free. Gloo's collectives copy their
+    input on the calling thread and free the copy on a worker, now and then after the call has
+    returned; so a block made inside a ``c10d::`` op and never seen to go went when that op
+    returned, and any other unseen free happened before a new block took its address."""
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()) -> None:
         self._prof: Any = None
@@ -108,13 +114,14 @@ class CpuMemoryRecorder:
         made: dict[int, int] = {}  # address -> bytes of the blocks made while recording, still live
         alive = dict(self._alive)
         level = peak = 0
-        for _, kind, ptr, nbytes, label in _cpu_events(self._prof):
+        for _, kind, ptr, nbytes, label, _ in _with_unseen_frees(_cpu_events(self._prof)):
             if kind == _MARK:
                 out.append(Mark(label, level, peak))
                 peak = level
             elif kind == _GONE or (kind == _ALLOC and ptr in alive):  # a static block went (a new
                 level -= alive.pop(ptr, 0)  # one at its address: it went unmarked, before that)
             if kind == _ALLOC:
+                level -= made.pop(ptr, 0)  # a block at this address went unheard (another thread)
                 made[ptr] = nbytes
                 level += nbytes
                 peak = max(peak, level)
@@ -153,26 +160,52 @@ def measured(run: Callable[[], T], static: Callable[[], Iterable[torch.Tensor]],
 
 
 _MARK, _ALLOC, _FREE, _GONE = range(4)
+Event = tuple[int, int, int, int, str, int]  # (time, kind, address, bytes, label, end of its c10d op)
 
 
-def _cpu_events(prof: Any) -> list[tuple[int, int, int, int, str]]:
-    """(time, kind, address, bytes, label) of each mark, CPU allocation, free (as the allocator
-    reported it) and static block's end, in time order (at one time: as the events came)."""
-    out: list[tuple[int, int, int, int, str]] = []
-    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+def _cpu_events(prof: Any) -> list[Event]:
+    """Each mark, CPU allocation, free (as the allocator reported it) and static block's end, in
+    time order (at one time: as the events came); an allocation made inside a ``c10d::`` op
+    carries the op's end time."""
+    out: list[Event] = []
+    stack = [(e, 0) for e in reversed(prof.profiler.kineto_results.experimental_event_tree())]
     while stack:  # depth first, in the tree's order
-        e = stack.pop()
-        stack.extend(reversed(e.children))
+        e, c10d_end = stack.pop()
+        if not c10d_end and e.name.startswith("c10d::"):
+            c10d_end = e.end_time_ns
+        stack.extend((c, c10d_end) for c in reversed(e.children))
         f = e.extra_fields
         if isinstance(f, ProfiledAllocation):
             if f.device.type == "cpu":
-                out.append((e.start_time_ns, _ALLOC if f.alloc_size > 0 else _FREE, f.ptr, f.alloc_size, ""))
+                alloc = f.alloc_size > 0
+                out.append((e.start_time_ns, _ALLOC if alloc else _FREE, f.ptr, f.alloc_size, "",
+                            c10d_end if alloc else 0))
         elif e.name.startswith("memfit:"):
-            out.append((e.start_time_ns, _MARK, 0, 0, e.name[7:]))
+            out.append((e.start_time_ns, _MARK, 0, 0, e.name[7:], 0))
         elif e.name.startswith("memfit-gone:"):
-            out.append((e.start_time_ns, _GONE, int(e.name[12:]), 0, ""))
+            out.append((e.start_time_ns, _GONE, int(e.name[12:]), 0, "", 0))
     out.sort(key=lambda x: x[0])
     return out
+
+
+def _with_unseen_frees(events: list[Event]) -> list[Event]:
+    """``events`` with a free, at the op's end, of each block made inside a collective whose free
+    was not heard (it went on the collective's worker thread: see ``CpuMemoryRecorder``), unless a
+    new block took its address before that (then the recorder drops it there)."""
+    made: dict[int, tuple[int, int]] = {}  # address -> (bytes, end of the c10d op that made it)
+    unseen: list[Event] = []
+    for time, kind, ptr, nbytes, _, op_end in events:
+        if kind == _ALLOC:
+            old = made.pop(ptr, None)
+            if old is not None and 0 < old[1] <= time:
+                unseen.append((old[1], _FREE, ptr, -old[0], "", 0))
+            made[ptr] = (nbytes, op_end)
+        elif kind == _FREE:
+            made.pop(ptr, None)
+    unseen += [(end, _FREE, ptr, -nbytes, "", 0) for ptr, (nbytes, end) in made.items() if end]
+    if not unseen:
+        return events
+    return sorted(events + unseen, key=lambda x: x[0])
 
 
 class CudaFigures(TypedDict):
