@@ -168,8 +168,8 @@ def test_fsdp_estimate_counts_an_optimizer_step_on_shards_not_whole_parameters()
     optimizer's step peaks within 1% (it was counted at the parameters' whole size: 2x here, 8x
     on 8 ranks); other peaks within 3% (the head's backward is 2.3% low, not yet explained), but
     for the root's reduce-scatter at the end of the backward, where the gloo run holds 115 MiB
-    (about the root's unsharded gradients) that the fake process group's collective does not: a
-    CPU-backend copy, it seems, not yet checked against NCCL."""
+    (about the root's unsharded gradients) that the fake process group's collective does not:
+    gloo's copy of the input (made inside ``c10d::_reduce_scatter_base_``), which NCCL does not make."""
     from memfit.profiler.estimate import estimate
     from memfit.scenarios import Scenario
 
