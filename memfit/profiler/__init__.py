@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +45,27 @@ from memfit.units import find_units, require_module
 Progress = Callable[[str], None]
 
 
+@dataclass(frozen=True, slots=True)
+class _Instruments:
+    meters: Meters | None = None  # None: the model's device's own
+    foreach_default: bool | None = None  # the optimizer's foreach choice where the device cannot tell
+
+
+_INSTRUMENTS: ContextVar[_Instruments | None] = ContextVar("memfit_instruments", default=None)
+
+
+@contextmanager
+def measuring_with(meters: Meters, foreach_default: bool | None = None) -> Iterator[None]:
+    """``profile`` inside measures with ``meters`` and, with ``foreach_default``, runs the optimizer
+    kernels PyTorch would pick on another device: estimate mode's fake meters (measure/fake.py),
+    kept out of ``profile``'s signature because no user passes them."""
+    token = _INSTRUMENTS.set(_Instruments(meters, foreach_default))
+    try:
+        yield
+    finally:
+        _INSTRUMENTS.reset(token)
+
+
 def profile(
     model: nn.Module,
     inputs: Any,
@@ -54,8 +78,6 @@ def profile(
     progress: Progress | None = None,
     granularity: str = "module",
     children: list[str] | None = None,
-    meters: Meters | None = None,
-    foreach_default: bool | None = None,
     step_fn: StepFn | None = None,
 ) -> Profile:
     """Measure one training step of ``model`` on ``inputs`` with every unit kept, then with every
@@ -67,9 +89,8 @@ def profile(
     ``children`` (relative names such as ``["attn", "mlp", "attn+mlp"]``) names the child options
     to measure instead of the automatic choice. ``step_fn``: a step function of your own,
     ``step_fn(model, inputs)`` doing forward(s), backward and the optimizer (measure/userstep.py),
-    in place of memfit's step; ``loss_fn`` and ``step`` do not apply to it. ``meters``: what to
-    measure with (default: the model's device's own; estimate mode passes fake ones, measure/fake.py, and with
-    ``foreach_default`` the optimizer kernels PyTorch would pick on the target).
+    in place of memfit's step; ``loss_fn`` and ``step`` do not apply to it. It measures with the
+    model's device's own meters (estimate mode swaps in fake ones: ``measuring_with``).
 
     ``inputs`` is a tensor, a tuple of positional arguments or a dict of keyword arguments, on
     the model's device. The model's weights, buffers, gradients, mode and the RNG are left as
@@ -81,6 +102,8 @@ def profile(
         raise MemfitError("step_fn= is the whole step, optimizer included: give it alone, without step= or "
                           "optimizer= (and at granularity 'module': finer options need memfit's own step)")
     say = progress or (lambda _msg: None)
+    tools = _INSTRUMENTS.get() or _Instruments()
+    meters, foreach_default = tools.meters, tools.foreach_default
     inp = Inputs.of(inputs)
     loss = loss_fn or default_loss
     names = find_units(model, units)

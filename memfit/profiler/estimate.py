@@ -105,7 +105,7 @@ def estimate(
     tensors would not take without being told. Autocast (``amp-*``) runs CUDA's op lists for a
     CUDA target (softmax, layer_norm, the losses in float32: profiler/autocast_lists.py), CPU's
     for the CPU."""
-    from memfit.profiler import profile
+    from memfit.profiler import measuring_with, profile
 
     spec = target if isinstance(target, Device) else device_spec(target)
     lists = cuda_lists() if spec.cuda else nullcontext()
@@ -121,9 +121,9 @@ def estimate(
         names = find_units(model, units)
         if parallel and mesh is not None:  # FSDP2: its fake ranks' mesh
             shard(model, names, parallel, mesh)
-        prof = profile(model, inputs, loss_fn=loss_fn, units=names, step=step_of(step, optimizer), repeat=1,
-                       progress=progress, granularity=granularity, children=children,
-                       meters=fake_meters(spec, reserved), foreach_default=True if spec.cuda else None)
+        with measuring_with(fake_meters(spec, reserved), foreach_default=True if spec.cuda else None):
+            prof = profile(model, inputs, loss_fn=loss_fn, units=names, step=step_of(step, optimizer), repeat=1,
+                           progress=progress, granularity=granularity, children=children)
         if parallel is not None:
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)
