@@ -1,6 +1,8 @@
 """What a new user hits: each mistake exits 2 with one `memfit: error:` line and writes no file;
 Ctrl-C always stops a run with 130; a schedule remembers what it was made for."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -8,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -59,10 +62,46 @@ def sized(batch=2, width=10):  # a factory with arguments, as users write one
 '''
 
 
-def run(*args, cwd, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, capture_output=True, text=True,
+def run_process(*args, cwd, timeout=300):
+    """``python -m memfit.cli`` in a process of its own: for what only a process shows (a
+    traceback, what is imported, Ctrl-C)."""
+    return subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
-    return proc
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run(*args, cwd):
+    """memfit's command line as ``python -m memfit.cli`` runs it from ``cwd``, in this process (a
+    process of its own costs 2-4 s of imports): the working directory first on ``sys.path``, and
+    the modules imported from it, the SIGINT handler and the unraisable hook put back after."""
+    from memfit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here, path, modules = os.getcwd(), list(sys.path), set(sys.modules)
+    sigint, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    os.chdir(cwd)
+    sys.path.insert(0, str(cwd))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(here)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:  # the user's modules: another test writes its own
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(cwd)):
+                del sys.modules[name]
+        signal.signal(signal.SIGINT, sigint)
+        sys.unraisablehook = hook
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +247,8 @@ def test_more_mistakes_exit_2_without_traceback(work, args, message):
 
 
 def test_debug_shows_the_users_traceback(work):
-    proc = run("plan", "--budget", "1GB", "--model", "usermodels:mlp", "--input-shape", "4x3", "--debug", cwd=work)
+    proc = run_process("plan", "--budget", "1GB", "--model", "usermodels:mlp", "--input-shape", "4x3", "--debug",
+                       cwd=work)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "mat1 and mat2" in proc.stderr
 
 
