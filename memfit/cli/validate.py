@@ -11,8 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from memfit import modelflags
-from memfit.commands import _title
+from memfit.cli import modelflags
+from memfit.cli.commands import _title
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
 

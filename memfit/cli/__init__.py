@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
-from memfit import commands, validatecmd
+from memfit.cli import commands, validate
 from memfit.console import (
     check_interrupt,
     install_interrupt_handler,
@@ -83,7 +83,7 @@ def shadowing_folder(cwd: Path) -> str | None:
     from importlib.machinery import PathFinder
 
     folder = cwd / "memfit"
-    if not folder.is_dir() or folder.resolve() == Path(__file__).resolve().parent:
+    if not folder.is_dir() or folder.resolve() == Path(__file__).resolve().parent.parent:  # memfit/cli/..
         return None
     spec = PathFinder.find_spec("memfit", [str(cwd), *sys.path[1:]])  # as a script's import would search
     if spec is not None and spec.origin is not None and not Path(spec.origin).resolve().is_relative_to(
@@ -291,7 +291,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="on a GPU: write the card's measured CUDA context and allocator margin as a device spec "
                      "(.toml) for plan --device-spec FILE")
     val.add_argument("--json", action="store_true", help="print the result as JSON")
-    val.set_defaults(func=validatecmd.cmd_validate)
+    val.set_defaults(func=validate.cmd_validate)
 
     show = command("show", "print a schedule or profile JSON as tables")
     show.add_argument("file", help="schedule.json or profile.json")
@@ -389,7 +389,3 @@ def _source_args(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
         g.add_argument("--world-size", type=int, help="ranks for --parallel (default: 2)")
         g.add_argument("--repeat", type=int,
                        help="timed rounds of plain and all-checkpointed steps when profiling (default: 5)")
-
-
-if __name__ == "__main__":
-    entry()

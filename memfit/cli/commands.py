@@ -1,5 +1,5 @@
 """What the ``memfit`` commands do, once parsed: build the model a flag or a schedule names,
-profile it, and call the API; cli.py parses and reports errors."""
+profile it, and call the API; memfit/cli/__init__.py parses and reports errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from memfit import modelflags
+from memfit.cli import modelflags
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError, PlanOptionError
 from memfit.planning.options import PlanOptions, check_strategies
