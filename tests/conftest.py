@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import signal
+import sys
+from dataclasses import dataclass
 
 # Before torch loads: oneDNN's AVX-512/AMX kernels (Sapphire Rapids CPUs) allocate reordered weight
 # copies and scratch that its AVX2 kernels do not: measured there, the CNN's all-checkpointed step
@@ -32,6 +37,41 @@ d_model = 64
 n_head = 2
 n_layer = 4
 """
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, cwd: str | os.PathLike) -> Ran:
+    """memfit's command line as ``python -m memfit.cli`` runs it from ``cwd``, in this process (a
+    process of its own costs 2-4 s of imports): the working directory first on ``sys.path``, and
+    the modules imported from it, the SIGINT handler and the unraisable hook put back after."""
+    from memfit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here, path, modules = os.getcwd(), list(sys.path), set(sys.modules)
+    sigint, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    os.chdir(cwd)
+    sys.path.insert(0, str(cwd))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(here)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:  # the user's modules: another test writes its own
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(cwd)):
+                del sys.modules[name]
+        signal.signal(signal.SIGINT, sigint)
+        sys.unraisablehook = hook
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 def tiny_gpt(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -1,8 +1,6 @@
 """What a new user hits: each mistake exits 2 with one `memfit: error:` line and writes no file;
 Ctrl-C always stops a run with 130; a schedule remembers what it was made for."""
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -10,7 +8,6 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ import memfit
 from memfit.planning.baselines import STRATEGIES
 from memfit.scenarios import tomllib  # tomllib or, on Python 3.10, tomli
 
-from .conftest import TINY, random_profile
+from .conftest import TINY, random_profile, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_MODELS = '''
@@ -69,39 +66,7 @@ def run_process(*args, cwd, timeout=300):
                           timeout=timeout)
 
 
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run(*args, cwd):
-    """memfit's command line as ``python -m memfit.cli`` runs it from ``cwd``, in this process (a
-    process of its own costs 2-4 s of imports): the working directory first on ``sys.path``, and
-    the modules imported from it, the SIGINT handler and the unraisable hook put back after."""
-    from memfit.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    here, path, modules = os.getcwd(), list(sys.path), set(sys.modules)
-    sigint, hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
-    os.chdir(cwd)
-    sys.path.insert(0, str(cwd))
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        os.chdir(here)
-        sys.path[:] = path
-        for name in set(sys.modules) - modules:  # the user's modules: another test writes its own
-            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(cwd)):
-                del sys.modules[name]
-        signal.signal(signal.SIGINT, sigint)
-        sys.unraisablehook = hook
-    return Ran(code, out.getvalue(), err.getvalue())
+run = run_cli  # in this process; run_process where only a process shows it
 
 
 @pytest.fixture(scope="module")

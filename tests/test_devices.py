@@ -2,8 +2,6 @@
 context, less the allocator's margin), device spec files, and the cap every plan keeps to."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from memfit.devices import (
 from memfit.planning.peak import device_cap_bytes, fsdp_headroom
 from memfit.profiler.estimate import estimate
 
-from .conftest import TINY, tiny_gpt
+from .conftest import TINY, run_cli, tiny_gpt
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ASKED = ("v100-16gb", "v100-32gb", "a10", "t4", "l4", "l40s", "a6000", "a100-40gb", "a100-80gb", "h100", "h100-pcie",
@@ -31,8 +29,7 @@ ASKED = ("v100-16gb", "v100-32gb", "a10", "t4", "l4", "l40s", "a6000", "a100-40g
 
 
 def run(*args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_cli(*args, cwd=cwd)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
 

@@ -4,8 +4,6 @@ never loses to a baseline; the CSV, the curve and the timeline hold what was com
 import io
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +16,7 @@ from memfit.planning.intmodel import IntModel
 from memfit.planning.sweep import COLUMNS, sweep
 from memfit.plots import curve, timeline
 
-from .conftest import random_profile
+from .conftest import random_profile, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BUILTIN = sorted(FIXTURES.glob("*.json"))  # profiles of the built-in scenarios, made by `memfit profile`
@@ -186,8 +184,7 @@ def test_segment_timeline_forward_exact_backward_within_a_vector():
 
 
 def run(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return run_cli(*args, cwd=cwd)
 
 
 @pytest.mark.parametrize(
