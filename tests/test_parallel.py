@@ -57,9 +57,11 @@ def test_per_rank_plans_predict_the_per_rank_peak(tiny, parallel):
     assert (headroom > 0) == parallel.startswith("fsdp")
     for s, measured in zip(scheds, got["peaks"][1:], strict=True):
         assert abs(s.predicted_peak_bytes - measured) / measured <= 0.05, (s.policies, s.predicted_peak_bytes, measured)
-        # gloo's own buffers come and go with its threads: the same all-checkpointed fsdp-bf16 plan
-        # measured 8,306,900 bytes in 1 CI run of 5, 32 KiB (0.4%) past budget + headroom, and
-        # within it in the other runs; 1% covers that run-to-run spread, not a model error
+        # the same all-checkpointed fsdp-bf16 plan once measured 32 KiB (0.4%) past budget + headroom
+        # in CI: frees on gloo's worker threads, which the CPU meter did not hear until it learned to
+        # (tests/test_profiler.py); since, every plan here measured its prediction to the byte in 6
+        # runs. The 1% stays for a block freed on another thread outside a collective, which the
+        # meter drops only when its address is reused
         assert measured <= s.budget_bytes + headroom + s.budget_bytes // 100
     if parallel == "fsdp-bf16":  # bf16 compute: every plan gives the unplanned ranks' results exactly
         for losses, grads in zip(got["losses"][1:], got["grads"][1:], strict=True):
