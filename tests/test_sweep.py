@@ -233,7 +233,7 @@ def test_a_pictures_title_names_the_steps_precision_and_the_target_estimated_for
     """Issue 39 item 4: an amp-bf16 plan estimated for an RTX 4090 was titled "float32 - cuda"."""
     from types import SimpleNamespace
 
-    from memfit.cli.commands import _title
+    from memfit.cli.flags import title as _title
 
     made = SimpleNamespace(source={"scenario": "gpt-750m", "dtype": "float32"}, fingerprint={},
                            step={"precision": "amp-bf16"}, target="rtx4090", device="cuda",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.cli import modelflags
-from memfit.cli.commands import _title
+from memfit.cli.flags import Command, source_flags, title
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
 
@@ -88,7 +88,7 @@ def _validate(args: argparse.Namespace, schedule: Any, sc: Any, device: str) -> 
         levels = {**schedule.levels, "measured": measured}
         if len(measured) != len(schedule.levels["plan"]):
             raise MemfitError("the measured step has other marks than the planned one; cannot draw them side by side")
-        write_output(lambda path: timeline(levels, path, title=_title(schedule, "predicted and measured"),
+        write_output(lambda path: timeline(levels, path, title=title(schedule, "predicted and measured"),
                                            budget=schedule.budget_bytes, checkpointed=schedule.checkpointed),
                      args.timeline)
         print(f"wrote {args.timeline}", file=sys.stderr)
@@ -104,10 +104,38 @@ def _save_device_spec(path: str, schedule_path: str, result: Any) -> None:
     from memfit.devices import by_title, spec_toml
     from memfit.jsonio import write_atomic
 
-    title = torch.cuda.get_device_name()
-    known = by_title(title)
-    text = spec_toml(name=Path(path).stem, title=title, base=known.name if known else None,
+    card = torch.cuda.get_device_name()
+    known = by_title(card)
+    text = spec_toml(name=Path(path).stem, title=card, base=known.name if known else None,
                      total=result.cuda["total_bytes"], context=result.context_bytes, margin=max(0.0, result.margin),
                      source=f"memfit validate --schedule {schedule_path} on this card, torch {torch.__version__}")
     write_output(lambda p: write_atomic(p, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")), path)
     print(f"wrote {path}: plan against this card's context and margin with --device-spec {path}", file=sys.stderr)
+
+
+def add_parsers(command: Command) -> None:
+    """The validate subcommand and its flags."""
+    val = command("validate", "run the plain and the scheduled model: measured vs predicted peak and slowdown, "
+                  "equal gradients; exits 1 if the peak exceeds the budget, results differ or the measured slowdown "
+                  "is off the predicted by more than --time-tolerance")
+    val.add_argument("--schedule", required=True, help="a schedule JSON from `memfit plan`")
+    val.add_argument("--trust-source", action="store_true",
+                    help="rebuild the model that the --schedule file names (imports and runs its code); without it, "
+                         "only built-in scenarios are rebuilt from a file")
+    source_flags(val, validate=True)
+    val.add_argument("--steps", type=int, default=5,
+                     help="timed rounds, one plain and one scheduled step counted in each; 3 or more judge the "
+                     "slowdown (default: %(default)s)")
+    val.add_argument("--time-tolerance", type=float, default=5.0, metavar="POINTS",
+                     help="how many percentage points of the plain step the measured slowdown may differ from the "
+                     "predicted, on top of the measurement's own uncertainty (default: %(default)s)")
+    val.add_argument("--compile", metavar="BACKEND",
+                     help="run both models under torch.compile with this backend (default: the one the schedule "
+                     "was planned for with plan --compile, else none)")
+    val.add_argument("--timeline", metavar="FILE",
+                     help="draw predicted and measured memory over the step (.png or .svg)")
+    val.add_argument("--save-device-spec", metavar="FILE",
+                     help="on a GPU: write the card's measured CUDA context and allocator margin as a device spec "
+                     "(.toml) for plan --device-spec FILE")
+    val.add_argument("--json", action="store_true", help="print the result as JSON")
+    val.set_defaults(func=cmd_validate)
