@@ -39,8 +39,10 @@ n_layer = 4
 """
 
 
-@dataclass
+@dataclass(slots=True)
 class Ran:
+    """What a command-line run returned, as subprocess.CompletedProcess names it."""
+
     returncode: int
     stdout: str
     stderr: str

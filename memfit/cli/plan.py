@@ -236,8 +236,8 @@ def add_parsers(command: Command) -> None:
                       help="longest run of units checkpointed as one region, on chains (default: %(default)s)")
     plan.add_argument("--no-segments", action="store_true", help="checkpoint single units only")
     granularity_flags(plan, "also choose finer options inside units: a child module (attention, MLP), an op set "
-                 "(selective checkpointing) or derive (cheap saved outputs re-derived in the backward), each measured "
-                 "(needs a fine profile; profiles the model so when none is given)")
+                      "(selective checkpointing) or derive (cheap saved outputs re-derived in the backward), each "
+                      "measured (needs a fine profile; profiles the model so when none is given)")
     plan.add_argument("--time-limit", type=float, metavar="SECONDS",
                       help="seconds the solver may take; then its best answer so far, or the best baseline if it "
                       "has none (default: no limit at granularity module; 60 at fine, whose solves also stop once "
