@@ -110,24 +110,30 @@ class CpuMemoryRecorder:
             pass
 
     def marks(self) -> list[Mark]:
-        out: list[Mark] = []
-        made: dict[int, int] = {}  # address -> bytes of the blocks made while recording, still live
-        alive = dict(self._alive)
-        level = peak = 0
-        for _, kind, ptr, nbytes, label, _ in _with_unseen_frees(_cpu_events(self._prof)):
-            if kind == _MARK:
-                out.append(Mark(label, level, peak))
-                peak = level
-            elif kind == _GONE or (kind == _ALLOC and ptr in alive):  # a static block went (a new
-                level -= alive.pop(ptr, 0)  # one at its address: it went unmarked, before that)
-            if kind == _ALLOC:
-                level -= made.pop(ptr, 0)  # a block at this address went unheard (another thread)
-                made[ptr] = nbytes
-                level += nbytes
-                peak = max(peak, level)
-            elif kind == _FREE and ptr in made:
-                level -= made.pop(ptr)
-        return out
+        return marks_of(_with_unseen_frees(_cpu_events(self._prof)), self._alive)
+
+
+def marks_of(events: list[Event], alive: dict[int, int]) -> list[Mark]:
+    """The marks of a recording's ``events`` (``_cpu_events``), ``alive`` being the static blocks
+    (address -> bytes) counted in the level it started from."""
+    out: list[Mark] = []
+    made: dict[int, int] = {}  # address -> bytes of the blocks made while recording, still live
+    alive = dict(alive)
+    level = peak = 0
+    for _, kind, ptr, nbytes, label, _ in events:
+        if kind == _MARK:
+            out.append(Mark(label, level, peak))
+            peak = level
+        elif kind == _GONE or (kind == _ALLOC and ptr in alive):  # a static block went (a new
+            level -= alive.pop(ptr, 0)  # one at its address: it went unmarked, before that)
+        if kind == _ALLOC:
+            level -= made.pop(ptr, 0)  # a block at this address went unheard (another thread)
+            made[ptr] = nbytes
+            level += nbytes
+            peak = max(peak, level)
+        elif kind == _FREE and ptr in made:
+            level -= made.pop(ptr)
+    return out
 
 
 def _gone(ptr: int) -> None:
