@@ -183,8 +183,7 @@ def test_segment_timeline_forward_exact_backward_within_a_vector():
     assert max(m[2] for m in measured) == predict(prof, policies).peak_bytes
 
 
-def run(*args, cwd):
-    return run_cli(*args, cwd=cwd)
+run = run_cli  # memfit's command line, in this process
 
 
 @pytest.mark.parametrize(

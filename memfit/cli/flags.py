@@ -28,6 +28,18 @@ def save_profile_flag(p: argparse.ArgumentParser) -> None:
                    "profiling (nothing else is written unasked)")
 
 
+def trust_source_flag(p: argparse.ArgumentParser, file_flag: str) -> None:
+    p.add_argument("--trust-source", action="store_true",
+                   help=f"rebuild the model that the {file_flag} file names (imports and runs its code); without it, "
+                   "only built-in scenarios are rebuilt from a file")
+
+
+def profile_file_flags(p: argparse.ArgumentParser) -> None:
+    """--profile, planning from a file instead of profiling, and --trust-source for it."""
+    p.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
+    trust_source_flag(p, "--profile")
+
+
 def source_flags(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
     title = ("model (default: the one the schedule was made for)" if validate
              else "model (default: the built-in gpt-750m scenario)")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.cli import modelflags
-from memfit.cli.flags import Command, granularity_flags, save_profile_flag, source_flags, title
+from memfit.cli.flags import Command, granularity_flags, profile_file_flags, save_profile_flag, source_flags, title
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError, PlanOptionError
 from memfit.planning.options import PlanOptions
@@ -223,10 +223,7 @@ def add_parsers(command: Command) -> None:
     plan = command("plan", "profile (or read a profile) and solve for the cheapest schedule within a budget")
     plan.add_argument("--budget", required=True, help="memory budget for the whole step, e.g. 24GB, 1536MB, or a "
                       "share of the unplanned peak, e.g. 60%%")
-    plan.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
-    plan.add_argument("--trust-source", action="store_true",
-                    help="rebuild the model that the --profile file names (imports and runs its code); without it, "
-                         "only built-in scenarios are rebuilt from a file")
+    profile_file_flags(plan)
     source_flags(plan)
     plan.add_argument("--strategy", choices=STRATEGY_NAMES,
                       default="ilp", help="ilp (the optimum) or a baseline to use instead (default: %(default)s)")

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from memfit.cli import modelflags
-from memfit.cli.flags import Command, granularity_flags, save_profile_flag, source_flags, title
+from memfit.cli.flags import Command, granularity_flags, profile_file_flags, save_profile_flag, source_flags, title
 from memfit.cli.plan import check_outputs, flag_options
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
@@ -115,10 +115,7 @@ def add_parsers(command: Command) -> None:
 
     sw = command("sweep", "plan every strategy at many budgets: the memory-vs-slowdown curve, as a table, CSV "
                  "and plot")
-    sw.add_argument("--profile", help="a profile JSON from `memfit profile` (skips profiling)")
-    sw.add_argument("--trust-source", action="store_true",
-                    help="rebuild the model that the --profile file names (imports and runs its code); without it, "
-                         "only built-in scenarios are rebuilt from a file")
+    profile_file_flags(sw)
     source_flags(sw)
     sw.add_argument("--budgets", help="START:STOP:STEP such as 100MB:500MB:20MB, or a list such as 200MB,300MB "
                     "(default: --points budgets from the smallest feasible peak to the un-checkpointed one)")

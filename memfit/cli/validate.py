@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.cli import modelflags
-from memfit.cli.flags import Command, source_flags, title
+from memfit.cli.flags import Command, source_flags, title, trust_source_flag
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
 
@@ -119,9 +119,7 @@ def add_parsers(command: Command) -> None:
                   "equal gradients; exits 1 if the peak exceeds the budget, results differ or the measured slowdown "
                   "is off the predicted by more than --time-tolerance")
     val.add_argument("--schedule", required=True, help="a schedule JSON from `memfit plan`")
-    val.add_argument("--trust-source", action="store_true",
-                    help="rebuild the model that the --schedule file names (imports and runs its code); without it, "
-                         "only built-in scenarios are rebuilt from a file")
+    trust_source_flag(val, "--schedule")
     source_flags(val, validate=True)
     val.add_argument("--steps", type=int, default=5,
                      help="timed rounds, one plain and one scheduled step counted in each; 3 or more judge the "
