@@ -51,6 +51,7 @@ from memfit import zoo
 from memfit.jsonio import write_json_atomic
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, ratio_uncertainty
+from memfit.policy import parse
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts
 from memfit.report import table
@@ -159,7 +160,7 @@ def bench(label: str, build: Build, rounds: int, only: list[str] | None = None) 
     for option, under in [(o, u) for o, u in offered if only is None or o in only]:
         m = copy.deepcopy(model)
         try:
-            set_policies(m, dict.fromkeys(under, option))
+            set_policies(m, dict.fromkeys(under, parse(option)))
             m.train()
             training_step(m, inputs, default_loss, StepState(step, m))
         except Exception as exc:  # an option that does not apply to this model

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from memfit.policy import KEEP, Policies
+
 _aten = torch.ops.aten
 PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 
@@ -242,7 +244,7 @@ class _IndexedPolicy:
         return CheckpointPolicy.MUST_SAVE if k < len(self.keep) and self.keep[k] else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def plan_summary(policies: dict[str, str] | None) -> str:
+def plan_summary(policies: Policies | None) -> str:
     """A schedule's options, counted: ``derive x4, full x2`` (units left as they are not named)."""
-    counts = Counter(p for p in (policies or {}).values() if p != "none")
+    counts = Counter(str(p) for p in (policies or {}).values() if p != KEEP)
     return ", ".join(f"{p} x{k}" for p, k in sorted(counts.items())) or "nothing checkpointed"

@@ -46,6 +46,7 @@ from memfit.budget import format_bytes
 from memfit.jsonio import write_atomic
 from memfit.measure.step import Inputs, StepState, default_loss, make_optimizer
 from memfit.measure.timing import alternate, median_ratio, timed_step
+from memfit.policy import Policies
 from memfit.report import table
 from memfit.runtime.harness import StepRun, measure_steps
 from memfit.scenarios import load_scenario
@@ -197,7 +198,7 @@ def main() -> None:
 
 
 def make_config(tool: str, how: str, model: torch.nn.Module, plan_s: float, raw: Any, optimizer: str | None,
-                policies: dict[str, str] | None = None, backend: Any = None, ready: bool = False) -> Config:
+                policies: Policies | None = None, backend: Any = None, ready: bool = False) -> Config:
     """A copy of ``model`` (or ``model`` itself when ``ready``) set up as the tool says, its
     steady-state peak measured; the copy compiles on that first step when ``backend`` is given."""
     m = model if ready else copy.deepcopy(model)

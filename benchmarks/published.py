@@ -29,6 +29,7 @@ from typing import Any
 import memfit
 from memfit.budget import format_bytes
 from memfit.devices import MARGIN, MiB
+from memfit.policy import FULL, KEEP, Policies
 from memfit.profiler.estimate import estimate
 from memfit.report import table
 from memfit.scenarios import Scenario
@@ -49,21 +50,21 @@ class Figure:
     published_bytes: int
     kind: str  # "reserved" (the allocator's peak) or "nvidia-smi" (reserved + the CUDA context)
     scenario: Scenario
-    checkpoint: Callable[[list[str]], dict[str, str]]  # unit names -> the policies the source ran
+    checkpoint: Callable[[list[str]], Policies]  # unit names -> the policies the source ran
     context_bytes: int = 0  # for nvidia-smi figures: the context the source measured
 
 
-def _none(units: list[str]) -> dict[str, str]:
+def _none(units: list[str]) -> Policies:
     return {}
 
 
-def _full(units: list[str]) -> dict[str, str]:
-    return dict.fromkeys(units, "full")
+def _full(units: list[str]) -> Policies:
+    return dict.fromkeys(units, FULL)
 
 
-def _every_second(units: list[str]) -> dict[str, str]:
+def _every_second(units: list[str]) -> Policies:
     """torchtitan's selective_ac_option "2": a full checkpoint on every second block."""
-    return {u: "full" for i, u in enumerate(units) if i % 2 == 1}
+    return {u: FULL for i, u in enumerate(units) if i % 2 == 1}
 
 
 def _bert(batch: int, accumulate: int, precision: str) -> Scenario:
@@ -111,7 +112,7 @@ def estimated(sc: Scenario) -> memfit.Profile:
 def _reserved_ratio(prof: memfit.Profile, share: float) -> float:
     """Reserved over allocated by the allocator's model, for a plan that checkpoints ``share`` of
     the units: between the two steps the estimate ran with every unit kept and every unit full."""
-    kept, full = (prof.reserved_peak_bytes[o] / prof.measured_peak_bytes[o] for o in ("none", "full"))
+    kept, full = (prof.reserved_peak_bytes[o] / prof.measured_peak_bytes[o] for o in (KEEP, FULL))
     return kept + share * (full - kept)
 
 

@@ -17,6 +17,7 @@ import copy
 
 import memfit
 from memfit.planning import STRATEGY_NAMES
+from memfit.policy import Policies
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
@@ -55,7 +56,7 @@ def scenario_rows(name: str, budgets: int, steps: int) -> list[list[str]]:
     lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
     measured: dict[tuple[str, ...], tuple[int, float]] = {}
 
-    def measure(policies: dict[str, str]) -> tuple[int, float]:
+    def measure(policies: Policies) -> tuple[int, float]:
         key = tuple(policies.values())
         if key not in measured:
             twin = copy.deepcopy(model)

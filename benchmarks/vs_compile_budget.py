@@ -32,6 +32,7 @@ import memfit
 from memfit.budget import format_bytes
 from memfit.measure.step import Inputs, StepState, default_loss
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
+from memfit.policy import Policies
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
@@ -47,7 +48,7 @@ class Config:
     peak: int = 0
     times: list[float] | None = None
     grads: dict[str, Any] | None = None
-    policies: dict[str, str] | None = None
+    policies: Policies | None = None
 
 
 def main() -> None:
@@ -69,7 +70,7 @@ def main() -> None:
     prof = memfit.profile(model, raw_inputs, units=sc.units, optimizer=sc.step_optimizer, repeat=args.repeat,
                           granularity="fine")
 
-    def config(label: str, policies: dict[str, str] | None = None, budget: float | None = None) -> Config:
+    def config(label: str, policies: Policies | None = None, budget: float | None = None) -> Config:
         m = copy.deepcopy(model)
         m.train()
         if policies:

@@ -35,6 +35,8 @@ from memfit.errors import (
     SolverTimeout,
     UnitSelectionError,
 )
+from memfit.policy import Policy
+from memfit.policy import parse as parse_policy
 from memfit.trainstep import TrainStep
 
 __version__ = "0.1.0"
@@ -102,6 +104,7 @@ __all__ = [
     "NoisyTimesWarning",
     "PlanDriftWarning",
     "PlanOptionError",
+    "Policy",
     "PolicyError",
     "Prediction",
     "Profile",
@@ -120,6 +123,7 @@ __all__ = [
     "load_schedule",
     "min_budget_bytes",
     "parse_bytes",
+    "parse_policy",
     "plan",
     "plan_compiled",
     "predict",

@@ -24,6 +24,7 @@ from memfit.formats.profile import Profile
 from memfit.formats.schedule import CompiledPeak, Schedule
 from memfit.measure.step import LossFn
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
+from memfit.policy import Policies
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import StepHarness
 from memfit.trainstep import TrainStep, step_of
@@ -40,7 +41,7 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def compiled_peak(model: nn.Module, inputs: Any, policies: dict[str, str], backend: str, *,
+def compiled_peak(model: nn.Module, inputs: Any, policies: Policies, backend: str, *,
                   loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
                   step: TrainStep | None = None) -> int:
     """The measured peak of a steady-state compiled step of ``model`` under ``policies``;
@@ -108,7 +109,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     )
 
 
-def compiled_step_times(model: nn.Module, inputs: Any, policies: dict[str, str], backend: str, *,
+def compiled_step_times(model: nn.Module, inputs: Any, policies: Policies, backend: str, *,
                         loss_fn: LossFn | None = None, step: TrainStep | None = None,
                         steps: int = 5) -> tuple[float, float, float]:
     """Median compiled step time of the plain model, the median ratio of the scheduled

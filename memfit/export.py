@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from memfit.budget import format_bytes
 from memfit.errors import MemfitError
 from memfit.formats.schedule import Schedule
-from memfit.policy import Children, Derive, Full, Keep, Nested, Policy, Segment, Selective, parse
+from memfit.policy import Children, Derive, Full, Keep, Nested, Policy, Segment, Selective
 
 FORMS = {"hf": "Hugging Face transformers: a Python file with apply_memfit_plan(model)",
          "torchtitan": "torchtitan's [activation_checkpoint] TOML table",
@@ -44,7 +44,7 @@ def export(schedule: Schedule, to: str, source: str = "schedule.json") -> Export
     """``schedule`` in the form ``to`` (a key of ``FORMS``); ``source`` names it in the file."""
     if to not in FORMS:
         raise MemfitError(f"unknown form {to!r}; expected one of {', '.join(FORMS)}")
-    policies = {unit: parse(text) for unit, text in schedule.policies.items()}
+    policies = schedule.policies
     made = _hf(policies, str(schedule.fingerprint.get("model_class", ""))) if to == "hf" else (
         _torchtitan(policies) if to == "torchtitan" else _sac(policies))
     made.lost[:0] = _common_losses(schedule)

@@ -32,6 +32,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.formats.profile import ParallelLayout, Profile, profile_from_dict
 from memfit.measure.ranks import check_parallel, held_by_wrapper, shard
+from memfit.policy import KEEP, Policies
 
 TIMEOUT_S = 600
 
@@ -45,7 +46,7 @@ def profile_ranks(scenario: Any, *, parallel: str, world_size: int, repeat: int 
                                     {"repeat": repeat, "granularity": granularity}), "rank 0's profile")
 
 
-def measure_ranks(scenario: Any, plans: list[dict[str, str]], *, parallel: str, world_size: int,
+def measure_ranks(scenario: Any, plans: list[Policies], *, parallel: str, world_size: int,
                   device: str = "cpu") -> dict[str, Any]:
     """Rank 0's measured peak for each plan (policies applied after sharding, as profiled), and
     its loss and gradients (full tensors) for each, to compare with one process."""
@@ -159,10 +160,10 @@ def _profile_rank(device: str, scenario: Any, parallel: str, *, repeat: int, gra
     prof.parallel = ParallelLayout(kind=parallel, world_size=torch.distributed.get_world_size())
     prof.baseline_bytes += held_by_wrapper(model, parallel)
     prof.source = scenario.source()
-    return dataclasses.asdict(prof)
+    return prof.to_dict()
 
 
-def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[dict[str, str]]) -> dict[str, Any]:
+def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[Policies]) -> dict[str, Any]:
     from memfit.runtime.apply import set_policies
     from memfit.runtime.harness import measure_steps
     from memfit.units import find_units
@@ -173,7 +174,7 @@ def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[dict
         model, inputs = scenario.build(device)
         names = find_units(model, scenario.units)
         wrapped = shard(model, names, parallel)
-        set_policies(model, {n: policies.get(n, "none") for n in names})  # after sharding, as profiled
+        set_policies(model, {n: policies.get(n, KEEP) for n in names})  # after sharding, as profiled
         # three steps: DDP rebuilds its buckets and FSDP2 initialises lazily in the first ones
         run = measure_steps(wrapped, inputs, step=step, steps=3)
         out["peaks"].append(run.peak_bytes + held_by_wrapper(model, parallel))

@@ -9,6 +9,8 @@ tensors re-derived in the backward). A *segment* is not measured: several units 
 chain checkpointed as one region, planned from their measured ``none`` and ``full``. A unit's
 *policy* in a schedule is one of its options or its membership of a segment; ``str(policy)``
 is its JSON spelling (the one schedules and profiles have always used) and ``parse`` its inverse.
+Text is parsed once, where it enters (the file loaders, the command line, ``as_policies`` at the
+public API); inside memfit policies travel as these values.
 
     none  full  derive  derive:products
     child:<region>[+<region>...]      a region is a module, or a chain a>b (a feeds b), by relative name
@@ -20,6 +22,7 @@ is its JSON spelling (the one schedules and profiles have always used) and ``par
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.errors import PolicyError
@@ -143,8 +146,9 @@ class Segment:
 
 Policy = Keep | Full | Children | Nested | Selective | Derive | Segment
 Option = Keep | Full | Children | Nested | Selective | Derive  # what a profile measures
+Policies = dict[str, Policy]  # unit -> its policy, in the model's order
 KEEP, FULL, DERIVE, DERIVE_PRODUCTS = Keep(), Full(), Derive(), Derive(products=True)
-COARSE = (str(KEEP), str(FULL))  # the options measured for every unit
+COARSE: tuple[Option, Option] = (KEEP, FULL)  # the options measured for every unit
 _PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE, DERIVE_PRODUCTS)}
 
 
@@ -179,11 +183,21 @@ def read(text: object) -> Policy | None:
         return None
 
 
-def is_option(text: object) -> bool:
-    """``text`` names something a profile can measure (every policy but a segment)."""
-    policy = read(text)
-    return policy is not None and not isinstance(policy, Segment)
+def spelt(policies: Mapping[str, Policy]) -> dict[str, str]:
+    """Each unit's policy as files and tables spell it."""
+    return {unit: str(p) for unit, p in policies.items()}
 
 
-def is_segment(text: object) -> bool:
-    return isinstance(read(text), Segment)
+def as_policies(policies: Mapping[str, Policy | str]) -> dict[str, Policy]:
+    """Each unit's policy as a value: the public API's border (``predict``), where a user may
+    spell them as a schedule file does (``{"h.0": "full"}``)."""
+    out: dict[str, Policy] = {}
+    for unit, p in policies.items():
+        if isinstance(p, str):
+            out[unit] = parse(p)
+        elif isinstance(p, Policy):  # type: ignore[arg-type]  # a union of classes: isinstance takes it
+            out[unit] = p
+        else:
+            raise PolicyError(f"unit {unit!r} has {p!r}, which is no policy; expected one of memfit.policy's values "
+                              f"or its spelling: {KINDS_HELP}")
+    return out

@@ -12,7 +12,7 @@ from memfit.formats.schedule import Schedule
 from memfit.planning.peak import predict
 from memfit.planning.planner import best_baseline
 from memfit.planning.roles import roles_of, unit_costs
-from memfit.policy import COARSE, is_segment, read
+from memfit.policy import COARSE, FULL, KEEP, Segment
 from memfit.trainstep import CUSTOM, TrainStep, describe_record
 
 if TYPE_CHECKING:
@@ -66,20 +66,20 @@ def _unit_table(schedule: Schedule, profile: Profile | None) -> list[str]:
         for j, (u, policy) in enumerate(zip(profile.units, schedule.policies.values(), strict=True)):
             cost = unit_costs(profile, j, roles[j])
             kept_more |= cost.fwd_end > 1.005 * u.saved_bytes  # more than the rounding shown
-            rows.append([u.name, policy, recomputes(policy), format_bytes(u.saved_bytes), format_bytes(cost.fwd_end),
-                         _ms(cost.recompute_s)])
+            rows.append([u.name, str(policy), policy.describe(), format_bytes(u.saved_bytes),
+                         format_bytes(cost.fwd_end), _ms(cost.recompute_s)])
         head = ["unit", "policy", "recomputes", "saved for bwd", "kept to bwd", "recompute"]
         out = [table(head, rows, [False, False, False, True, True, True])]
         if kept_more:
             out.append("kept to bwd: what stays allocated from the unit's forward until its backward, which the plan "
                        "counts; it can exceed the tensors autograd saved (its output, tensors it stores, allocator "
                        "rounding)")
-        if any(is_segment(p) for p in schedule.policies.values()):
+        if any(isinstance(p, Segment) for p in schedule.policies.values()):
             out.append("recompute: each member's own forward, once; a segment recomputes all its members together, "
                        "in the backward of its last")
     else:
-        out = [table(["unit", "policy", "recomputes"], [[n, p, recomputes(p)] for n, p in schedule.policies.items()],
-                     [False, False, False])]
+        rows = [[n, str(p), p.describe()] for n, p in schedule.policies.items()]
+        out = [table(["unit", "policy", "recomputes"], rows, [False, False, False])]
     return out
 
 
@@ -136,8 +136,8 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
             out.append(f"these plans cost the same within the measurement's noise: this plan saves "
                        f"{(theirs - schedule.predicted_recompute_s) * 1e3:.1f} ms, the costs are sure to "
                        f"±{noise * 1e3:.1f} ms (profile with more --repeat, on a quiet machine, to tell them apart)")
-    used = sum(p != "none" for p in schedule.policies.values())
-    segments = len({p for p in schedule.policies.values() if is_segment(p)})
+    used = sum(p != KEEP for p in schedule.policies.values())
+    segments = len({p for p in schedule.policies.values() if isinstance(p, Segment)})
     in_segments = f" ({segments} segment{'s' if segments > 1 else ''})" if segments else ""
     out.append("")
     took = "" if schedule.solve_s is None else f" in {schedule.solve_s:.2f} s"
@@ -200,17 +200,11 @@ def shape_name(made: Schedule | Profile) -> str:
     return f"length {length}" if length is not None else f"inputs {made.input_shapes}"
 
 
-def recomputes(policy: str) -> str:
-    """What a unit's policy recomputes in the backward, in words."""
-    parsed = read(policy)
-    return parsed.describe() if parsed is not None else policy
-
-
 def profile_report(profile: Profile) -> str:
     where = f"estimated for {profile.target}" if profile.mode == "estimated" else f"on {profile.device}"
     rows = []
     for u in profile.units:
-        none, full = u.options["none"], u.options["full"]
+        none, full = u.options[KEEP], u.options[FULL]
         rows.append([u.name, _ms(u.fwd_s), _ms(u.bwd_s), format_bytes(u.input_bytes), format_bytes(u.saved_bytes),
                      format_bytes(none.stored_bytes), format_bytes(full.stored_bytes),
                      format_bytes(none.bwd_peak_bytes), format_bytes(full.bwd_peak_bytes)])
@@ -222,11 +216,11 @@ def profile_report(profile: Profile) -> str:
         f"parameters {format_bytes(profile.param_bytes)}, gradients {format_bytes(profile.grad_bytes)}, "
         f"optimizer state {format_bytes(profile.optimizer_state_bytes)}, buffers {format_bytes(profile.buffer_bytes)}, "
         f"inputs {format_bytes(profile.input_bytes)}",
-        f"one step {_ms(profile.step_s)}; measured peak {format_bytes(profile.measured_peak_bytes.get('none', 0))} "
-        f"with nothing checkpointed, {format_bytes(profile.measured_peak_bytes.get('full', 0))} with every unit",
+        f"one step {_ms(profile.step_s)}; measured peak {format_bytes(profile.measured_peak_bytes.get(KEEP, 0))} "
+        f"with nothing checkpointed, {format_bytes(profile.measured_peak_bytes.get(FULL, 0))} with every unit",
     ]
     if profile.fine:
-        finer = [[u.name, o, recomputes(o), format_bytes(c.stored_bytes), format_bytes(c.bwd_peak_bytes),
+        finer = [[u.name, str(o), o.describe(), format_bytes(c.stored_bytes), format_bytes(c.bwd_peak_bytes),
                   _ms(c.recompute_s)] for u in profile.units for o, c in u.options.items() if o not in COARSE]
         lines += ["", "finer options (for plan --granularity fine; an option that none or full beats is left out):",
                   table(["unit", "option", "recomputes", "kept", "bwd peak", "recompute"], finer,

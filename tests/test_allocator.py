@@ -3,6 +3,7 @@ whose reserved bytes follow from them, and what estimate mode records with it.""
 
 import memfit
 from memfit.measure.allocator import CachingAllocator, MiB, replay, round_size, segment_size
+from memfit.policy import FULL, KEEP
 
 
 def test_requests_round_and_segments_are_sized_as_pytorchs_allocator_does():
@@ -52,7 +53,7 @@ def test_an_estimate_for_a_gpu_records_what_each_option_reserves(tmp_path):
         return zoo.gpt(batch=8, seq=512, vocab=8192, d_model=512, n_head=8, n_layer=4, dropout=0.1)
 
     prof = estimate(build, target="h100")
-    assert list(prof.reserved_peak_bytes) == list(prof.measured_peak_bytes) == ["none", "full"]
+    assert list(prof.reserved_peak_bytes) == list(prof.measured_peak_bytes) == [KEEP, FULL]
     for option, reserved in prof.reserved_peak_bytes.items():
         allocated = prof.measured_peak_bytes[option]
         assert allocated < reserved < 1.25 * allocated

@@ -7,6 +7,7 @@ import torch
 
 import memfit
 from memfit.formats.schedule import Schedule, model_fingerprint
+from memfit.policy import FULL, KEEP, parse
 from memfit.runtime.apply import clear_policies, is_checkpointed, set_policies
 from memfit.units import find_units
 from memfit.zoo import cnn
@@ -70,18 +71,18 @@ def test_gradients_equal_plain(factory, pattern):
     if pattern.startswith("segment") and factory is kw_net:
         pytest.skip("segments need a chain of single-tensor units; KwNet's blocks return tuples")
     twin = copy.deepcopy(model)
-    policies = {n: p.format(*names) for n, p in zip(names, PATTERNS[pattern], strict=True)}
+    policies = {n: parse(p.format(*names)) for n, p in zip(names, PATTERNS[pattern], strict=True)}
     memfit.apply(twin, _schedule(model, policies))
-    assert [is_checkpointed(twin.get_submodule(n)) for n in names] == [p != "none" for p in policies.values()]
+    assert [is_checkpointed(twin.get_submodule(n)) for n in names] == [p != KEEP for p in policies.values()]
     _assert_identical(_run(model, inputs), _run(twin, inputs))
 
 
 def test_bad_segment_policies():
     model, _ = tiny_gpt()
     for policies in (
-        {"h.0": "segment:h.0..h.2", "h.1": "segment:h.0..h.2", "h.2": "none"},
-        {"h.0": "segment:h.1..h.2", "h.1": "segment:h.1..h.2", "h.2": "segment:h.1..h.2"},
-        {"h.0": "sometimes"},
+        {"h.0": parse("segment:h.0..h.2"), "h.1": parse("segment:h.0..h.2"), "h.2": KEEP},
+        {"h.0": parse("segment:h.1..h.2"), "h.1": parse("segment:h.1..h.2"), "h.2": parse("segment:h.1..h.2")},
+        {"h.0": parse("selective:sometimes")},  # no such op set
     ):
         with pytest.raises(memfit.MemfitError):
             set_policies(model, policies)
@@ -110,7 +111,7 @@ def test_checkpointing_really_saves_memory_and_recomputes():
     loss, plain = saved_bytes()
     loss.backward()
     assert len(calls) == 1
-    set_policies(model, dict.fromkeys(names, "full"))
+    set_policies(model, dict.fromkeys(names, FULL))
     calls.clear()
     loss, ckpt = saved_bytes()
     loss.backward()
@@ -122,7 +123,7 @@ def test_names_and_state_dict_unchanged():
     model, _ = tiny_gpt()
     names = find_units(model, "auto")
     before = [n for n, _ in model.named_parameters()], list(model.state_dict())
-    set_policies(model, dict.fromkeys(names, "full"))
+    set_policies(model, dict.fromkeys(names, FULL))
     assert ([n for n, _ in model.named_parameters()], list(model.state_dict())) == before
     assert isinstance(model.get_submodule(names[0]), type(tiny_gpt()[0].h[0]))
     clear_policies(model)
@@ -132,7 +133,7 @@ def test_names_and_state_dict_unchanged():
 def test_refuses_to_wrap_twice():
     model, _ = tiny_gpt()
     names = find_units(model, "auto")
-    sched = _schedule(model, dict.fromkeys(names, "full"))
+    sched = _schedule(model, dict.fromkeys(names, FULL))
     memfit.apply(model, sched)
     with pytest.raises(memfit.MemfitError, match="already applied"):
         memfit.apply(model, sched)
@@ -143,18 +144,18 @@ def test_refuses_to_wrap_twice():
 def test_refuses_schedule_of_another_model():
     model, _ = tiny_gpt()
     other, _ = kw_net()
-    sched = _schedule(other, dict.fromkeys(find_units(other, "auto"), "full"))
+    sched = _schedule(other, dict.fromkeys(find_units(other, "auto"), FULL))
     with pytest.raises(memfit.ScheduleMismatchError, match="another model"):
         memfit.apply(model, sched)
     bigger, _ = memfit.zoo.gpt(batch=1, seq=32, vocab=256, d_model=64, n_head=2, n_layer=5)
-    sched = _schedule(bigger, dict.fromkeys(find_units(bigger, "auto"), "full"))
+    sched = _schedule(bigger, dict.fromkeys(find_units(bigger, "auto"), FULL))
     with pytest.raises(memfit.ScheduleMismatchError, match=r"no unit named 'h.4' \(1 of the schedule's 5 units"):
         memfit.apply(model, sched)
-    sched = _schedule(bigger, dict.fromkeys(find_units(bigger, "auto")[:4], "full"))
+    sched = _schedule(bigger, dict.fromkeys(find_units(bigger, "auto")[:4], FULL))
     five_of_four = r"another model \(268,480 parameters in the schedule, 218,496 in the model\)"  # no dtype talk
     with pytest.raises(memfit.ScheduleMismatchError, match=five_of_four):
         memfit.apply(model, sched)
-    sched = _schedule(model, dict.fromkeys(find_units(model, "auto"), "full"))
+    sched = _schedule(model, dict.fromkeys(find_units(model, "auto"), FULL))
     with pytest.raises(memfit.ScheduleMismatchError, match="parameter dtypes float32 in the schedule, bfloat16 in"):
         memfit.apply(tiny_gpt()[0].to(torch.bfloat16), sched)
     assert not any(is_checkpointed(m) for m in model.modules())
@@ -162,7 +163,7 @@ def test_refuses_schedule_of_another_model():
 
 def test_refuses_unknown_unit():
     model, _ = tiny_gpt()
-    sched = _schedule(model, {"h.0": "full", "h.9": "full"})
+    sched = _schedule(model, {"h.0": FULL, "h.9": FULL})
     sched.fingerprint = model_fingerprint(model, ["h.0", "h.9"])
     with pytest.raises(memfit.ScheduleMismatchError, match=r"h\.9"):
         memfit.apply(model, sched)
@@ -171,8 +172,8 @@ def test_refuses_unknown_unit():
 
 @pytest.mark.parametrize(
     "policies",
-    [{}, {"h.0": "full", "h.2": "full"},
-     {"h.0": "segment:h.0..h.2", "h.1": "segment:h.0..h.2", "h.2": "segment:h.0..h.2", "h.3": "full"}],
+    [{}, {"h.0": FULL, "h.2": FULL},
+     {**dict.fromkeys(["h.0", "h.1", "h.2"], parse("segment:h.0..h.2")), "h.3": FULL}],
     ids=["none", "full", "segment"],
 )
 def test_units_hooks_see_what_they_see_on_the_plain_model(policies):
@@ -191,7 +192,7 @@ def test_units_hooks_see_what_they_see_on_the_plain_model(policies):
     model, _ = tiny_gpt()
     names = find_units(model, "auto")
     expected, got = record(plain), record(model)
-    set_policies(model, {n: policies.get(n, "none") for n in names})
+    set_policies(model, {n: policies.get(n, KEEP) for n in names})
     torch.manual_seed(1)
     loss_plain = memfit.default_loss(plain(**batch))
     torch.manual_seed(1)
@@ -210,8 +211,8 @@ def test_a_forward_that_fails_inside_a_segment_can_be_retried():
     """Out of memory inside an open region: the retry closes it and computes the plain gradients."""
     plain, batch = tiny_gpt()
     model, _ = tiny_gpt()
-    seg = "segment:h.0..h.2"
-    set_policies(model, {"h.0": seg, "h.1": seg, "h.2": seg, "h.3": "full"})
+    seg = parse("segment:h.0..h.2")
+    set_policies(model, {"h.0": seg, "h.1": seg, "h.2": seg, "h.3": FULL})
     fail = {"once": True}
 
     def out_of_memory(module, args):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import memfit
+from memfit.policy import FULL, KEEP
 from memfit.profiler import estimate as estimate_module
 from memfit.profiler.autocast_lists import cuda_lists
 from memfit.torch_private import FakeTensorMode
@@ -60,6 +61,6 @@ def test_an_amp_estimate_for_a_gpu_keeps_the_attention_probabilities_in_fp32(mon
     monkeypatch.setattr(estimate_module, "cuda_lists", contextlib.nullcontext)
     cpu_lists = estimate_module.estimate(build, target="a100-80gb", step=step)
     for a, b in zip(cuda.units, cpu_lists.units, strict=True):
-        assert a.options["none"].stored_bytes - b.options["none"].stored_bytes == 4 * batch * heads * seq * seq
-        assert a.options["full"].stored_bytes == b.options["full"].stored_bytes
+        assert a.options[KEEP].stored_bytes - b.options[KEEP].stored_bytes == 4 * batch * heads * seq * seq
+        assert a.options[FULL].stored_bytes == b.options[FULL].stored_bytes
     assert memfit.predict(cuda, {}).peak_bytes > memfit.predict(cpu_lists, {}).peak_bytes

@@ -7,6 +7,7 @@ import pytest
 import memfit
 from memfit.planning.baselines import STRATEGIES
 from memfit.planning.planner import strategy_min_budget
+from memfit.policy import FULL, KEEP, Segment
 from memfit.runtime.harness import measure_steps
 
 from .conftest import random_profile, tiny_gpt
@@ -15,21 +16,21 @@ from .conftest import random_profile, tiny_gpt
 def test_strategies_follow_their_rules():
     prof = random_profile(9, 7)
     names = prof.unit_names
-    full = memfit.predict(prof, dict.fromkeys(names, "full")).peak_bytes
+    full = memfit.predict(prof, dict.fromkeys(names, FULL)).peak_bytes
     none = memfit.predict(prof, {}).peak_bytes
     budget = (full + none) // 2
     assert STRATEGIES["none"](prof, budget) is None
-    assert STRATEGIES["full"](prof, budget) == dict.fromkeys(names, "full")
+    assert STRATEGIES["full"](prof, budget) == dict.fromkeys(names, FULL)
     first_k = STRATEGIES["first-k"](prof, budget)
-    k = sum(p == "full" for p in first_k.values())
-    assert list(first_k.values()) == ["full"] * k + ["none"] * (len(names) - k)
-    shorter = {n: "full" if j < k - 1 else "none" for j, n in enumerate(names)}
+    k = sum(p == FULL for p in first_k.values())
+    assert list(first_k.values()) == [FULL] * k + [KEEP] * (len(names) - k)
+    shorter = {n: FULL if j < k - 1 else KEEP for j, n in enumerate(names)}
     assert memfit.predict(prof, shorter).peak_bytes > budget  # k is the smallest that fits
     every = STRATEGIES["every-k"](prof, budget)
-    step = next(j for j, n in enumerate(names) if every[n] == "full") + 1
-    assert all((every[n] == "full") == ((j + 1) % step == 0) for j, n in enumerate(names))
+    step = next(j for j, n in enumerate(names) if every[n] == FULL) + 1
+    assert all((every[n] == FULL) == ((j + 1) % step == 0) for j, n in enumerate(names))
     sqrt = STRATEGIES["sqrt"](prof, 10**12)
-    assert {p.split(":")[0] for p in sqrt.values()} == {"segment"}
+    assert all(isinstance(p, Segment) for p in sqrt.values())
     assert len(set(sqrt.values())) == 3  # nine units in three segments of three
     for name, strategy in STRATEGIES.items():
         found = strategy(prof, budget)
@@ -112,10 +113,10 @@ def test_the_unit_table_explains_kept_over_saved_and_segment_times():
     prof = Profile.load(FIXTURES / "hf-llama.json")
     sched = memfit.plan(prof, 100 * 2**20)
     text = schedule_report(sched, prof)
-    assert any(p.startswith("segment:") for p in sched.policies.values())
+    assert any(isinstance(p, Segment) for p in sched.policies.values())
     assert "recompute: each member's own forward, once; a segment recomputes all its members together" in text
     assert "kept to bwd: what stays allocated" not in text  # kept never exceeds saved here
     gpt2 = Profile.load(FIXTURES / "hf-gpt2.json")
     unit = gpt2.units[0]
-    unit.options["none"].stored_bytes = int(unit.saved_bytes * 1.05)
+    unit.options[KEEP].stored_bytes = int(unit.saved_bytes * 1.05)
     assert "kept to bwd: what stays allocated" in schedule_report(memfit.plan(gpt2, 2**40), gpt2)

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 import memfit
 from memfit.compiled import compiled_peak, plan_compiled
 from memfit.formats.schedule import load_schedule
+from memfit.policy import FULL, KEEP, Segment, parse
 from memfit.runtime import watch
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
@@ -41,7 +42,7 @@ def test_compiled_schedule_gives_the_plain_models_results(factory, pattern):
         pytest.skip("segments need a chain of single-tensor units")
     names = find_units(model, "auto")[:4]
     twin = copy.deepcopy(model)
-    policies = {n: p.format(*names) for n, p in zip(names, PATTERNS[pattern], strict=True)}
+    policies = {n: parse(p.format(*names)) for n, p in zip(names, PATTERNS[pattern], strict=True)}
     memfit.apply(twin, _schedule(model, policies))
     twin.compile(backend="aot_eager")  # in place: names stay
     _assert_identical(_run(model, inputs), _run(twin, inputs))
@@ -54,7 +55,7 @@ def test_compiled_step_checkpoints_as_hand_written_checkpoint_does():
     model, batch = tiny_gpt()
     names = find_units(model, "auto")
     plain = compiled_peak(model, batch, {}, "aot_eager", optimizer=None)
-    full = compiled_peak(model, batch, dict.fromkeys(names, "full"), "aot_eager", optimizer=None)
+    full = compiled_peak(model, batch, dict.fromkeys(names, FULL), "aot_eager", optimizer=None)
     by_hand, _ = tiny_gpt()
     for name in names:
         block = by_hand.get_submodule(name)
@@ -74,7 +75,7 @@ def test_hooks_under_compile_see_the_plain_models_tensors():
     model, _ = tiny_gpt()
     expected, got = record(plain), record(model)
     names = find_units(model, "auto")
-    set_policies(model, {n: "segment:h.0..h.2" if n != "h.3" else "full" for n in names})
+    set_policies(model, {n: parse("segment:h.0..h.2") if n != "h.3" else FULL for n in names})
     torch.manual_seed(1)
     memfit.default_loss(torch.compile(plain, backend="aot_eager")(**batch)).backward()
     torch.manual_seed(1)
@@ -88,8 +89,8 @@ def test_tighten_and_remove_under_compile():
     forwards), and remove restores the plain forward."""
     model, batch = tiny_gpt()
     names = find_units(model, "auto")
-    schedule = _schedule(model, dict.fromkeys(names, "none"))
-    schedule.fallbacks = [{"budget_bytes": 1, "policies": dict.fromkeys(names, "full"), "predicted_peak_bytes": 0,
+    schedule = _schedule(model, dict.fromkeys(names, KEEP))
+    schedule.fallbacks = [{"budget_bytes": 1, "policies": dict.fromkeys(names, FULL), "predicted_peak_bytes": 0,
                            "predicted_recompute_s": 0.0, "predicted_overhead": 0.0}]
     memfit.apply(model, schedule)
     before = measure_steps(model, batch, optimizer=None, compile="aot_eager")
@@ -114,7 +115,7 @@ def test_an_instance_forward_survives_apply_and_remove():
         return type(block).forward(block, x)
 
     block.forward = forward
-    memfit.apply(model, _schedule(model, dict.fromkeys(find_units(model, "auto"), "full")))
+    memfit.apply(model, _schedule(model, dict.fromkeys(find_units(model, "auto"), FULL)))
     memfit.default_loss(model(**batch)).backward()
     memfit.remove(model)
     assert block.__dict__["forward"] is forward
@@ -128,7 +129,7 @@ def test_plan_compiled_fits_its_budget_and_validates(gpt_profile):
     schedule = plan_compiled(model, batch, gpt_profile, budget, "aot_eager")
     assert schedule.compile["backend"] == "aot_eager"
     assert schedule.compile["peak_bytes"] <= budget == schedule.budget_bytes
-    assert schedule.checkpointed and not any(p.startswith("segment") for p in schedule.policies.values())
+    assert schedule.checkpointed and not any(isinstance(p, Segment) for p in schedule.policies.values())
     v = memfit.validate(model, batch, schedule, steps=0)
     assert v.compile == "aot_eager" and v.ok
     assert v.measured_peak_bytes == v.predicted_peak_bytes == schedule.compile["peak_bytes"]
@@ -143,7 +144,7 @@ def test_inductor_checkpoints_with_plain_gradients():
     model, batch = tiny_gpt()
     names = find_units(model, "auto")
     runs = {}
-    for kind, policies in {"plain": {}, "full": dict.fromkeys(names, "full")}.items():
+    for kind, policies in {"plain": {}, "full": dict.fromkeys(names, FULL)}.items():
         m, _ = tiny_gpt()
         set_policies(m, policies)
         runs[kind] = measure_steps(m, batch, optimizer=None, compile="inductor")
@@ -198,7 +199,7 @@ def test_an_eager_schedule_run_compiled_warns_once(monkeypatch):
     monkeypatch.setattr(watch, "_SAID", set())
     model, batch = tiny_gpt()
     names = find_units(model, "auto")
-    memfit.apply(model, _schedule(model, dict.fromkeys(names, "full")))
+    memfit.apply(model, _schedule(model, dict.fromkeys(names, FULL)))
     eager = _compile_warnings(model, batch, steps=1)
     compiled = _compile_warnings(torch.compile(model, backend="aot_eager", fullgraph=True), batch)
     assert eager == [[]]
@@ -207,7 +208,7 @@ def test_an_eager_schedule_run_compiled_warns_once(monkeypatch):
 
     torch._dynamo.reset()
     planned, _ = tiny_gpt()
-    schedule = _schedule(planned, dict.fromkeys(names, "full"))
+    schedule = _schedule(planned, dict.fromkeys(names, FULL))
     schedule.compile = {"backend": "aot_eager", "peak_bytes": 1}
     memfit.apply(planned, schedule)
     assert _compile_warnings(torch.compile(planned, backend="aot_eager"), batch) == [[], []]

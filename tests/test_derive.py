@@ -8,6 +8,7 @@ from torch import nn
 
 import memfit
 from memfit import zoo
+from memfit.policy import FULL, KEEP, parse
 from memfit.runtime.apply import clear_policies, set_policies
 from memfit.runtime.derive import Derive
 from memfit.runtime.harness import measure_steps
@@ -28,7 +29,7 @@ def test_derive_sheds_exactly_the_cheap_saved_tensors():
     model, batch = tiny_gpt()
     prof = memfit.profile(model, batch, repeat=1, granularity="fine")
     for u in prof.units:
-        none, derive = u.options["none"], u.options["derive"]
+        none, derive = u.options[KEEP], u.options[parse("derive")]
         assert none.stored_bytes - derive.stored_bytes == _block_bytes()  # measured over each unit's forward
     # one forward tells the profiler the same, before it measures
     d = Derive(model.h[0])
@@ -36,7 +37,7 @@ def test_derive_sheds_exactly_the_cheap_saved_tensors():
     d.remove()
     assert d.derived_bytes == _block_bytes()
     # the whole step under derive: predicted exactly, below the plain step, same results
-    policies = dict.fromkeys(prof.unit_names, "derive")
+    policies = dict.fromkeys(prof.unit_names, parse("derive"))
     twin = copy.deepcopy(model)
     set_policies(twin, policies)
     measured = measure_steps(twin, batch).peak_bytes
@@ -53,7 +54,7 @@ def test_derive_keeps_dropout_batchnorm_and_kwargs_results():
         names = memfit.units.find_units(model, units)
         twin = copy.deepcopy(model)
         expected = _run(model, inputs)
-        set_policies(twin, dict.fromkeys(names, "derive"))
+        set_policies(twin, dict.fromkeys(names, parse("derive")))
         _assert_identical(expected, _run(twin, inputs))
 
 
@@ -94,7 +95,7 @@ def test_derive_steps_aside_inside_another_saved_tensor_context():
 
 def test_derive_steps_aside_under_compile():
     """The partitioner makes these choices in a compiled step: the same gradients, nothing re-derived."""
-    plain, sched = compiled_steps({"h.0": "derive", "h.1": "derive"})
+    plain, sched = compiled_steps({"h.0": parse("derive"), "h.1": parse("derive")})
     assert sched.peak_bytes == plain.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
 
@@ -132,12 +133,12 @@ def test_derive_products_re_derives_written_out_attention_probabilities(build, t
         shed[products] = d.derived_bytes
     assert shed[True] - shed[False] == 4 * 2 * 4 * tokens * tokens  # the probabilities, float32
     prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
-    assert "derive:products" in prof.units[0].options
-    none, deep = prof.units[0].options["none"], prof.units[0].options["derive:products"]
+    assert parse("derive:products") in prof.units[0].options
+    none, deep = prof.units[0].options[KEEP], prof.units[0].options[parse("derive:products")]
     assert none.stored_bytes - deep.stored_bytes == shed[True]
     plain = measure_steps(copy.deepcopy(model), batch)
-    for policies in (dict.fromkeys(names, "derive:products"),
-                     {names[0]: "derive:products", names[1]: "full", names[2]: "derive"}):
+    for policies in (dict.fromkeys(names, parse("derive:products")),
+                     {names[0]: parse("derive:products"), names[1]: FULL, names[2]: parse("derive")}):
         twin = copy.deepcopy(model)
         set_policies(twin, policies)
         run = measure_steps(twin, batch)
@@ -147,7 +148,7 @@ def test_derive_products_re_derives_written_out_attention_probabilities(build, t
     # and in a loop written here as a user writes it (SGD with momentum, two steps): the same
     # losses, outputs, gradients and buffers as a plain copy trained alike
     twin = copy.deepcopy(model)
-    set_policies(twin, dict.fromkeys(names, "derive:products"))
+    set_policies(twin, dict.fromkeys(names, parse("derive:products")))
     _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
 
 
@@ -160,7 +161,7 @@ def test_derive_products_recomputes_one_product_per_block():
     flops = {}
     for policy in ("none", "derive:products"):
         twin = copy.deepcopy(model)
-        set_policies(twin, {f"transformer.h.{i}": policy for i in range(3)})
+        set_policies(twin, {f"transformer.h.{i}": parse(policy) for i in range(3)})
         counter = FlopCounterMode(display=False)
         with counter:
             twin(**batch).backward()
@@ -183,7 +184,7 @@ def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_res
     assert shed[True] - shed[False] == 4 * 2 * 4 * 64 * 64  # the softmax output, float32
     twin = copy.deepcopy(model)
     expected = _run(model, batch)
-    set_policies(twin, {"h.0": "derive:products", "h.1": "derive:products"})
+    set_policies(twin, {"h.0": parse("derive:products"), "h.1": parse("derive:products")})
     _assert_identical(expected, _run(twin, batch))
 
 
@@ -196,7 +197,7 @@ def test_later_forwards_follow_the_learned_plan_without_a_dispatch_mode(monkeypa
     model, batch = tiny_gpt()
     names = find_units(model, "auto")
     learned = copy.deepcopy(model)
-    set_policies(learned, dict.fromkeys(names, "derive"))
+    set_policies(learned, dict.fromkeys(names, parse("derive")))
     first = measure_steps(copy.deepcopy(learned), batch, optimizer="sgd", steps=1)  # learns in its step
     learned(**batch)["loss"].backward()  # learns here, once per unit
     learned.zero_grad(set_to_none=True)
@@ -266,7 +267,7 @@ def test_copies_and_pickles_learn_their_own_plans():
     import pickle
 
     model, batch = tiny_gpt()
-    set_policies(model, {"h.0": "derive"})
+    set_policies(model, {"h.0": parse("derive")})
     model(**batch)["loss"].backward()
     assert model.h[0].__dict__["_memfit_derive"].plans
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):

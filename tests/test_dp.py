@@ -9,6 +9,7 @@ import memfit
 from memfit.errors import MemfitError
 from memfit.planning.dp import dp_exact, solve_dp
 from memfit.planning.intmodel import IntModel
+from memfit.policy import FULL
 
 from .conftest import random_profile
 from .test_optimizer import assignments
@@ -44,7 +45,7 @@ def test_least_recompute_and_least_peak_equal_brute_force(seed):
 def test_not_exact_when_a_role_changes_a_units_net():
     prof = random_profile(4, 0)
     assert dp_exact(IntModel.of(prof))
-    prof.units[2].options["full"].bwd_end_bytes += 1  # full now leaves a byte more than none
+    prof.units[2].options[FULL].bwd_end_bytes += 1  # full now leaves a byte more than none
     assert not dp_exact(IntModel.of(prof))
 
 

@@ -10,6 +10,7 @@ import torch
 import memfit
 from memfit.devices import DEVICES, device_spec
 from memfit.measure.step import Inputs
+from memfit.policy import DERIVE, FULL, KEEP, Selective
 from memfit.profiler.estimate import estimate
 from memfit.runtime.harness import measure_steps
 
@@ -49,7 +50,7 @@ def test_estimated_peaks_match_measured_ones(both):
     name, model, inputs, measured, estimated = both
     names = measured.unit_names
     rng = random.Random(0)
-    plans = [{}, dict.fromkeys(names, "full")] + [{n: rng.choice(["none", "full"]) for n in names} for _ in range(3)]
+    plans = [{}, dict.fromkeys(names, FULL)] + [{n: rng.choice([KEEP, FULL]) for n in names} for _ in range(3)]
     for policies in plans:
         twin = copy.deepcopy(model)
         memfit.runtime.apply.set_policies(twin, policies)
@@ -81,7 +82,7 @@ def test_roofline_times_follow_the_device():
 
     slow, fast = estimate(build, target="l4"), estimate(build, target="h100")
     assert fast.step_s < slow.step_s
-    assert fast.units[0].options["full"].recompute_s > 0
+    assert fast.units[0].options[FULL].recompute_s > 0
 
 
 def test_unknown_target_and_every_spec_is_sane():
@@ -220,7 +221,7 @@ def test_foreach_optimizer_step_is_counted_as_measured():
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     # one tensor at a time: a couple of temporaries of the largest parameter; foreach: all at once
     assert single_step[0] <= 2 * largest + 4096 < foreach.param_bytes <= step[0] <= foreach.param_bytes + 1024
-    full = dict.fromkeys(foreach.unit_names, "full")
+    full = dict.fromkeys(foreach.unit_names, FULL)
     assert memfit.predict(foreach, full).peak_phase == "optimizer step"
     twin = copy.deepcopy(model)
     memfit.runtime.apply.set_policies(twin, full)
@@ -262,11 +263,11 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     bare = estimate(build, target=bare_device, granularity="fine")
     for prof in (priced, bare):
         u = prof.units[0].options
-        assert u["derive"].stored_bytes < u["none"].stored_bytes
+        assert u[DERIVE].stored_bytes < u[KEEP].stored_bytes
     # the host's time makes recomputing a block cost what its ops' launches cost, not its FLOPs
-    assert priced.units[0].options["full"].recompute_s > 10 * bare.units[0].options["full"].recompute_s
+    assert priced.units[0].options[FULL].recompute_s > 10 * bare.units[0].options[FULL].recompute_s
     none = memfit.predict(priced, {}).peak_bytes
-    full = memfit.predict(priced, dict.fromkeys(priced.unit_names, "full")).peak_bytes
+    full = memfit.predict(priced, dict.fromkeys(priced.unit_names, FULL)).peak_bytes
     budget = int(full + 0.8 * (none - full))
     chosen = memfit.plan(priced, budget, granularity="fine")
     blind = memfit.plan(bare, budget, granularity="fine")
@@ -277,7 +278,7 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     # op sets look nearly free and a plan takes one; priced, it takes another, cheaper by its measure
     assert h100.seconds(1e3, 1e3, torch.float32, dispatched=True) == h100.launch_s + h100.dispatch_s
     undispatched = estimate(build, target=dataclasses.replace(h100, dispatch_s=0.0), granularity="fine")
-    sac = [k for k in priced.units[0].options if k.startswith("selective:")]
+    sac = [k for k in priced.units[0].options if isinstance(k, Selective)]
     assert sac
     for k in sac:  # the MLP's forward and recomputation pass some 9 ops each through the modes
         extra = priced.units[0].options[k].recompute_s - undispatched.units[0].options[k].recompute_s
@@ -287,8 +288,8 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     budget = int(full + 0.6 * (none - full))
     chosen = memfit.plan(priced, budget, granularity="fine")
     blind = memfit.plan(undispatched, budget, granularity="fine")
-    assert any(p.startswith("selective:") for p in blind.policies.values())
-    assert not any(p.startswith("selective:") for p in chosen.policies.values())
+    assert any(isinstance(p, Selective) for p in blind.policies.values())
+    assert not any(isinstance(p, Selective) for p in chosen.policies.values())
     cost = memfit.predict(priced, chosen.policies).recompute_s
     assert cost < 0.9 * memfit.predict(priced, blind.policies).recompute_s
     # a spec file sets the host's times (a card in a slower host, say), in microseconds

@@ -15,6 +15,7 @@ from memfit.cli import main
 from memfit.export import export
 from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.measure.memory import measured
+from memfit.policy import FULL, KEEP, as_policies, parse
 from memfit.scenarios import tomllib
 from memfit.zoo import gpt
 
@@ -68,7 +69,7 @@ def test_hf_export_checkpoints_exactly_the_planned_layers_at_memfits_peak(arch):
     else:
         model, batch = builders.llama(batch=2, seq=32, n_layer=4, hidden=64, n_head=4, vocab=256)
         layers, norm = [f"model.layers.{i}" for i in range(4)], "input_layernorm"
-    schedule = _schedule(model, {n: "full" if i % 2 else "none" for i, n in enumerate(layers)})
+    schedule = _schedule(model, {n: FULL if i % 2 else KEEP for i, n in enumerate(layers)})
     plain = _trained(copy.deepcopy(model), batch)
     ours = _trained(memfit.apply(copy.deepcopy(model), schedule), batch)
     hf = _plan_file(schedule, "hf")["apply_memfit_plan"](copy.deepcopy(model))
@@ -85,7 +86,7 @@ def test_hf_export_checkpoints_exactly_the_planned_layers_at_memfits_peak(arch):
 
 def test_hf_export_of_finer_options_checkpoints_whole_layers_and_says_so():
     schedule = _schedule(gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=4)[0],
-                         {"h.0": "selective:gemm", "h.1": "child:attn", "h.2": "derive", "h.3": "none"})
+                         as_policies({"h.0": "selective:gemm", "h.1": "child:attn", "h.2": "derive", "h.3": "none"}))
     made = export(schedule, "hf")
     assert made.checkpointed == ["h.0", "h.1", "h.2"]
     assert "CHECKPOINT = ['h.0', 'h.1', 'h.2']" in made.text and "KEEP = ['h.3']" in made.text
@@ -96,7 +97,7 @@ def test_hf_export_of_finer_options_checkpoints_whole_layers_and_says_so():
     assert any("not a transformers model" in x for x in made.lost)  # memfit.zoo.GPT has no HF layers
     # nested regions: the layer checkpointed whole, and the note says its backward peaks higher
     made = export(_schedule(gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=4)[0],
-                            {"h.0": "nested:attn+mlp", "h.1": "none", "h.2": "none", "h.3": "none"}), "hf")
+                            {"h.0": parse("nested:attn+mlp"), "h.1": KEEP, "h.2": KEEP, "h.3": KEEP}), "hf")
     assert made.checkpointed == ["h.0"]
     line = next(x for x in made.lost if x.startswith("h.0: nested:attn+mlp "))
     assert "checkpointed without the regions inside it" in line and "a higher peak" in line
@@ -105,11 +106,11 @@ def test_hf_export_of_finer_options_checkpoints_whole_layers_and_says_so():
 @pytest.mark.parametrize("kind", ["block", "fine", "nested"])
 def test_sac_export_gives_memfits_peak_and_the_plain_gradients(kind):
     model, batch = tiny_gpt()
-    policies = {"block": {"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "full"},
-                "fine": {"h.0": "selective:gemm", "h.1": "child:attn+mlp", "h.2": "selective:weights@attn",
-                         "h.3": "none"},
-                # checkpoint calls nested as memfit nests its regions
-                "nested": {"h.0": "nested:attn+mlp", "h.1": "full", "h.2": "nested:attn+mlp", "h.3": "none"}}[kind]
+    policies = as_policies({
+        "block": {"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "full"},
+        "fine": {"h.0": "selective:gemm", "h.1": "child:attn+mlp", "h.2": "selective:weights@attn", "h.3": "none"},
+        # checkpoint calls nested as memfit nests its regions
+        "nested": {"h.0": "nested:attn+mlp", "h.1": "full", "h.2": "nested:attn+mlp", "h.3": "none"}}[kind])
     schedule = _schedule(model, policies)
     made = export(schedule, "sac")
     assert not made.lost  # every one of these options has its exact SAC form
@@ -124,7 +125,8 @@ def test_sac_export_of_what_it_cannot_say_uses_no_more_memory():
     """derive and a chain become whole-unit checkpoints (measured below memfit's peak); a segment
     becomes one checkpoint per member, and the export says the peak differs."""
     model, batch = tiny_gpt()
-    schedule = _schedule(model, {"h.0": "derive", "h.1": "child:ln_2>mlp.0", "h.2": "derive:products", "h.3": "none"})
+    schedule = _schedule(model, as_policies({"h.0": "derive", "h.1": "child:ln_2>mlp.0", "h.2": "derive:products",
+                                             "h.3": "none"}))
     made = export(schedule, "sac")
     assert made.checkpointed == ["h.0", "h.1", "h.2"]
     assert [x.split(":")[0] for x in made.lost] == ["h.0", "h.1", "h.2"]
@@ -132,25 +134,25 @@ def test_sac_export_of_what_it_cannot_say_uses_no_more_memory():
     exported = _trained(_plan_file(schedule, "sac")["apply_memfit_plan"](copy.deepcopy(model)), batch)
     assert exported[1] <= ours[1]
     assert _same(exported, _trained(copy.deepcopy(model), batch))
-    seg = "segment:h.0..h.2"
-    made = export(_schedule(model, {**dict.fromkeys(BLOCKS[:3], seg), "h.3": "full"}), "sac")
+    seg = parse("segment:h.0..h.2")
+    made = export(_schedule(model, {**dict.fromkeys(BLOCKS[:3], seg), "h.3": FULL}), "sac")
     assert made.checkpointed == BLOCKS
     assert len(made.lost) == 1 and "h.0..h.2 becomes its 3 units checkpointed each" in made.lost[0]
     assert "the peak differs" in made.lost[0]
 
 
 @pytest.mark.parametrize(("policies", "mode", "option", "checkpointed", "lost"), [
-    (dict.fromkeys(BLOCKS, "none"), "none", None, [], []),
-    (dict.fromkeys(BLOCKS, "full"), "full", None, BLOCKS, []),
-    ({"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "full"}, "selective", "2", ["h.1", "h.3"],
+    (dict.fromkeys(BLOCKS, KEEP), "none", None, [], []),
+    (dict.fromkeys(BLOCKS, FULL), "full", None, BLOCKS, []),
+    ({"h.0": KEEP, "h.1": FULL, "h.2": KEEP, "h.3": FULL}, "selective", "2", ["h.1", "h.3"],
      ["no every-k option"]),
-    ({"h.0": "none", "h.1": "none", "h.2": "none", "h.3": "full"}, "selective", "4", ["h.3"], ["no every-k option"]),
-    ({"h.0": "none", "h.1": "full", "h.2": "none", "h.3": "none"}, "selective", "2", ["h.1", "h.3"],
+    ({"h.0": KEEP, "h.1": KEEP, "h.2": KEEP, "h.3": FULL}, "selective", "4", ["h.3"], ["no every-k option"]),
+    ({"h.0": KEEP, "h.1": FULL, "h.2": KEEP, "h.3": KEEP}, "selective", "2", ["h.1", "h.3"],
      ["also checkpoints h.3, which memfit keeps"]),
-    ({"h.0": "full", "h.1": "none", "h.2": "full", "h.3": "full"}, "full", None, BLOCKS,
+    ({"h.0": FULL, "h.1": KEEP, "h.2": FULL, "h.3": FULL}, "full", None, BLOCKS,
      ["memfit checkpoints 3 of 4 layers (h.0, h.2, h.3), which no every-k choice covers"]),
-    (dict.fromkeys(BLOCKS, "selective:gemm"), "selective", "op", BLOCKS, ["recomputes every second mm"]),
-    ({"h.0": "none", **dict.fromkeys(BLOCKS[1:], "segment:h.1..h.3")}, "full", None, BLOCKS,
+    (dict.fromkeys(BLOCKS, parse("selective:gemm")), "selective", "op", BLOCKS, ["recomputes every second mm"]),
+    ({"h.0": KEEP, **dict.fromkeys(BLOCKS[1:], parse("segment:h.1..h.3"))}, "full", None, BLOCKS,
      ["h.1: the segment h.1..h.3 becomes its 3 layers checkpointed each"]),
 ], ids=["none", "all", "every-2nd", "last", "one-of-two", "irregular", "op", "segment"])
 def test_torchtitan_export_checkpoints_at_least_every_planned_layer(policies, mode, option, checkpointed, lost):
@@ -159,7 +161,7 @@ def test_torchtitan_export_checkpoints_at_least_every_planned_layer(policies, mo
     table = tomllib.loads(made.text)["activation_checkpoint"]
     assert table == {"mode": mode, **({"selective_ac_option": option} if option else {})}
     assert made.checkpointed == checkpointed
-    assert set(made.checkpointed) >= {u for u, p in policies.items() if p != "none"}  # never less checkpointing
+    assert set(made.checkpointed) >= {u for u, p in policies.items() if p != KEEP}  # never less checkpointing
     for words in lost:
         assert any(words in line for line in made.lost), (words, made.lost)
     assert any("children of model.layers" in x for x in made.lost)  # units h.N, not layers.N
@@ -169,7 +171,7 @@ def test_torchtitan_export_checkpoints_at_least_every_planned_layer(policies, mo
 def test_torchtitan_counts_layers_from_one_process_wide():
     """selective_ac_option k checkpoints the k-th, 2k-th, ... child of model.layers (torchtitan
     v0.2.2's counter starts at 1): with units named layers.N nothing is assumed about names."""
-    policies = {f"layers.{i}": "full" if i in (2, 5) else "none" for i in range(6)}
+    policies = {f"layers.{i}": FULL if i in (2, 5) else KEEP for i in range(6)}
     made = export(Schedule(policies, 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
                            {"model_class": "x.Transformer", "units": list(policies), "params_sha256": ""}),
                   "torchtitan")
@@ -214,7 +216,7 @@ def test_cli_mistakes_exit_2_and_say_what_to_do(tmp_path, monkeypatch, capsys, a
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny.toml").write_text(TINY)
     model = gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=4)[0]
-    _schedule(model, dict.fromkeys(BLOCKS, "full")).save(tmp_path / "s.json")
+    _schedule(model, dict.fromkeys(BLOCKS, FULL)).save(tmp_path / "s.json")
     (tmp_path / "p.json").write_text(json.dumps({"format": "memfit.profile/1"}))
     try:
         code = main(argv)

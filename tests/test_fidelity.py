@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import memfit
+from memfit.policy import FULL, KEEP, Segment
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 
@@ -56,7 +57,7 @@ def test_predicted_peak_matches_measured(factory):
 def test_profile_measures_what_validate_measures():
     model, inputs = tiny_gpt()
     prof = memfit.profile(model, inputs, repeat=1)
-    for option in ("none", "full"):
+    for option in (KEEP, FULL):
         pred = memfit.predict(prof, dict.fromkeys(prof.unit_names, option)).peak_bytes
         assert pred == prof.measured_peak_bytes[option]
 
@@ -102,7 +103,7 @@ def test_every_schedule_of_a_cnn_chain_is_predicted_safely(norm):
     assert checked == len(list(assignments(4, 4)))
     plain = measure_steps(copy.deepcopy(model), inputs, optimizer="sgd-momentum")
     twin = copy.deepcopy(model)
-    memfit.runtime.apply.set_policies(twin, dict.fromkeys(names, f"segment:{names[0]}..{names[-1]}"))
+    memfit.runtime.apply.set_policies(twin, dict.fromkeys(names, Segment(names[0], names[-1])))
     seg = measure_steps(twin, inputs, optimizer="sgd-momentum")
     assert plain.losses == seg.losses
     assert all(torch.equal(plain.grads[k], seg.grads[k]) for k in plain.grads)
@@ -121,15 +122,15 @@ def test_every_schedule_of_a_residual_loop_is_predicted_exactly(shared):
     model, inputs = residual_outside(shared)
     prof = memfit.profile(model, inputs, units="blocks.*", optimizer="sgd-momentum", repeat=1)
     names = prof.unit_names
-    assert not prof.chain and all(u.options["full"].freed_after_bytes == u.output_bytes for u in prof.units[:-1])
+    assert not prof.chain and all(u.options[FULL].freed_after_bytes == u.output_bytes for u in prof.units[:-1])
     peaks = {}
-    for roles in itertools.product(["none", "full"], repeat=len(names)):
+    for roles in itertools.product([KEEP, FULL], repeat=len(names)):
         policies = dict(zip(names, roles, strict=True))
         twin = copy.deepcopy(model)
         memfit.runtime.apply.set_policies(twin, policies)
         peaks[roles] = measure_steps(twin, inputs, optimizer="sgd-momentum").peak_bytes
         assert memfit.predict(prof, policies).peak_bytes == peaks[roles], policies
-    assert memfit.min_budget_bytes(prof) == min(peaks.values()) < peaks[("none",) * len(names)]
+    assert memfit.min_budget_bytes(prof) == min(peaks.values()) < peaks[(KEEP,) * len(names)]
     # the plan at that budget, trained by a loop written as a user writes it, beside a plain copy
     from .test_real_models import train_and_compare
 
@@ -153,7 +154,7 @@ def test_a_diffusion_unet_with_skip_concatenations_is_predicted_to_the_byte():
     prof = memfit.profile(model, inputs, loss_fn=loss, units=names, repeat=1, granularity="fine")
     assert all(len(u.options) > 2 for u in prof.units)
     rng = random.Random(0)
-    mixes = [dict.fromkeys(names, "full")] + [
+    mixes = [dict.fromkeys(names, FULL)] + [
         {n: rng.choice(list(prof.units[i].options)) for i, n in enumerate(names)} for _ in range(5)]
     for policies in mixes:
         twin = copy.deepcopy(model)

@@ -8,6 +8,7 @@ import torch
 
 import memfit
 from memfit.measure.step import Inputs, default_loss
+from memfit.policy import FULL, KEEP, Nested, Selective, as_policies, parse
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.apply import clear_policies, set_policies
@@ -48,7 +49,7 @@ def fine(request):
 
 def test_children_and_policies_are_found_and_measured(fine):
     name, model, inputs, prof, _ = fine
-    options = {o for u in prof.units for o in u.options} - {"none", "full"}
+    options = {o for u in prof.units for o in u.options} - {KEEP, FULL}
     # the CNN's blocks: every child keeps more than it frees or frees nothing; keeping every conv
     # output, as BatchNorm needs it anyway, costs more than keeping nothing: all dominated, dropped
     # the transformers with a norm or an activation feeding one product: the chains, alone and
@@ -72,9 +73,9 @@ def test_children_and_policies_are_found_and_measured(fine):
     facts = unit_facts(model, prof.unit_names, Inputs.of(inputs), default_loss)
     offers = fine_options(model, prof.unit_names, Inputs.of(inputs), default_loss, facts.saved)
     offered = {o for opts in offers.values() for o in opts}
-    assert expected <= offered and options <= offered and prof.fine == bool(options)
+    assert {parse(e) for e in expected} <= offered and options <= offered and prof.fine == bool(options)
     if name != "cnn":  # the op policy inside a child
-        assert any(o.startswith("selective:gemm@") for o in offered)
+        assert any(isinstance(o, Selective) and o.ops == "gemm" and o.child for o in offered)
     for option in options:
         has = [u.name for u in prof.units if option in u.options]
         if len(has) < len(prof.units):
@@ -119,8 +120,8 @@ def test_every_fine_option_gives_the_plain_models_results(name):
     units = memfit.units.find_units(model, "blocks.*" if name == "cnn" else "auto")
     unit = model.get_submodule(units[0])
     children = [c for c, m in unit.named_children() if any(True for _ in m.parameters())]
-    options = [f"child:{c}" for c in children] + ["selective:gemm", f"child:{'+'.join(children[:2])}",
-                                                  f"selective:gemm@{children[-1]}", "derive"]
+    options = [parse(o) for o in [f"child:{c}" for c in children] + [
+        "selective:gemm", f"child:{'+'.join(children[:2])}", f"selective:gemm@{children[-1]}", "derive"]]
     facts = unit_facts(model, units, Inputs.of(inputs), default_loss)
     options += fine_options(model, units, Inputs.of(inputs), default_loss, facts.saved)[units[0]]  # chains
     mixes = [dict.fromkeys(units, o) for o in options]
@@ -142,11 +143,11 @@ def test_fine_schedule_round_trips_and_is_refused_when_wrong(tmp_path):
     loaded = memfit.load_schedule(tmp_path / "s.json")
     assert loaded.policies == sched.policies and loaded.fallbacks == sched.fallbacks
     with pytest.raises(memfit.ScheduleMismatchError, match=r"h\.0\.nothing"):
-        memfit.apply(copy.deepcopy(model), _schedule(model, {"h.0": "child:nothing"}))
+        memfit.apply(copy.deepcopy(model), _schedule(model, {"h.0": parse("child:nothing")}))
     with pytest.raises(memfit.MemfitError, match="selective:magic"):
-        memfit.apply(copy.deepcopy(model), _schedule(model, {"h.0": "selective:magic"}))
+        memfit.apply(copy.deepcopy(model), _schedule(model, {"h.0": parse("selective:magic")}))
     with pytest.raises(memfit.MemfitError, match="measured options"):
-        memfit.predict(prof, {"h.0": "child:ln_1"})
+        memfit.predict(prof, {"h.0": parse("child:ln_1")})
 
 
 def compiled_steps(policies):
@@ -163,15 +164,15 @@ def compiled_steps(policies):
 
 
 def test_fine_options_under_compile():
-    plain, sched = compiled_steps({"h.0": "child:attn", "h.1": "selective:gemm@mlp", "h.2": "selective:gemm",
-                                   "h.3": "child:ln_2>mlp+ln_1>attn.qkv"})
+    plain, sched = compiled_steps(as_policies({"h.0": "child:attn", "h.1": "selective:gemm@mlp",
+                                               "h.2": "selective:gemm", "h.3": "child:ln_2>mlp+ln_1>attn.qkv"}))
     assert sched.peak_bytes < plain.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in sched.grads.items())
     # nested regions become nested checkpoints in the graph, which the partitioner flattens: the
     # gradients are right and the peak is full's (what a compiled profile measures and prices)
-    nested = "nested:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2"
-    _, both = compiled_steps({"h.0": nested, "h.1": "full", "h.2": nested, "h.3": "none"})
-    _, fulls = compiled_steps({"h.0": "full", "h.1": "full", "h.2": "full", "h.3": "none"})
+    nested = parse("nested:ln_1>attn+ln_2>mlp.0+mlp.1>mlp.2")
+    _, both = compiled_steps({"h.0": nested, "h.1": FULL, "h.2": nested, "h.3": KEEP})
+    _, fulls = compiled_steps({"h.0": FULL, "h.1": FULL, "h.2": FULL, "h.3": KEEP})
     assert both.peak_bytes == fulls.peak_bytes
     assert all(torch.equal(g, plain.grads[n]) for n, g in both.grads.items())
 
@@ -187,7 +188,7 @@ def test_a_chain_recomputes_only_its_producer():
 
     def step(policy: str) -> tuple[int, int]:
         twin = copy.deepcopy(model)
-        set_policies(twin, dict.fromkeys(units, policy) if policy else {})
+        set_policies(twin, dict.fromkeys(units, parse(policy)) if policy else {})
         with FlopCounterMode(display=False) as counter:
             twin(**batch)["loss"].backward()
         return counter.get_total_flops(), measure_steps(twin, batch).peak_bytes
@@ -203,7 +204,7 @@ def test_regions_keep_nothing_of_a_step_for_the_next():
     prediction comes out a few hundred bytes low."""
     model, inputs = hf_gpt2()
     names = memfit.units.find_units(model, "auto")
-    set_policies(model, dict.fromkeys(names, "child:ln_1>attn+ln_2>mlp.c_fc"))
+    set_policies(model, dict.fromkeys(names, parse("child:ln_1>attn+ln_2>mlp.c_fc")))
     model(**inputs).loss.backward()
     regions = {id(r): r for m in model.modules() if (r := m.__dict__.get("_memfit_region")) is not None}
     assert len(regions) == 2 * len(names)
@@ -212,7 +213,7 @@ def test_regions_keep_nothing_of_a_step_for_the_next():
 
 def test_a_chain_refuses_a_forward_that_does_not_feed_it():
     model, batch = tiny_gpt()
-    set_policies(model, {"h.0": "child:mlp.0>mlp.2"})  # mlp.2 takes the GELU's output, not mlp.0's
+    set_policies(model, {"h.0": parse("child:mlp.0>mlp.2")})  # mlp.2 takes the GELU's output, not mlp.0's
     with pytest.raises(memfit.MemfitError, match="called with the output of Linear"):
         model(**batch)
     clear_policies(model)  # the failed region left no saved-tensor context open: plain results follow
@@ -227,9 +228,9 @@ def test_a_chain_refuses_a_forward_that_does_not_feed_it():
 def test_named_children_replace_the_automatic_choice():
     model, batch = tiny_gpt()
     prof = memfit.profile(model, batch, repeat=1, granularity="fine", children=["mlp.0", "attn+mlp"])
-    assert set(prof.units[0].options) <= {"none", "full", "child:mlp.0", "child:attn+mlp", "selective:gemm@mlp.0",
-                                          "derive", "nested:attn+mlp"}
-    assert "child:attn+mlp" in prof.units[0].options  # frees both children's tensors: never dominated
+    assert set(map(str, prof.units[0].options)) <= {"none", "full", "child:mlp.0", "child:attn+mlp",
+                                                    "selective:gemm@mlp.0", "derive", "nested:attn+mlp"}
+    assert parse("child:attn+mlp") in prof.units[0].options  # frees both children's tensors: never dominated
     with pytest.raises(memfit.MemfitError, match=r"no unit has the child 'nope'.*ln_1, attn, ln_2, mlp"):
         memfit.profile(model, batch, repeat=1, granularity="fine", children=["nope"])
     with pytest.raises(memfit.MemfitError, match="granularity='fine'"):
@@ -276,14 +277,14 @@ def test_nested_regions_lower_the_floor_exactly_and_train_as_the_plain_model(fac
     pytest.importorskip("transformers")
     model, inputs = factory()
     prof = memfit.profile(model, inputs, repeat=1, granularity="fine")
-    nested = [o for o in prof.units[0].options if o.startswith("nested:")]
+    nested = [o for o in prof.units[0].options if isinstance(o, Nested)]
     assert len(nested) == 1
     option = nested[0]
-    full, inner = prof.units[0].options["full"], prof.units[0].options[option]
-    regions = option.count("+") + 1
+    full, inner = prof.units[0].options[FULL], prof.units[0].options[option]
+    regions = len(option.inner.regions)
     assert 0 < inner.stored_bytes - full.stored_bytes <= regions * 5056 + 64  # a CPU RNG state each
     assert inner.bwd_peak_bytes < full.bwd_peak_bytes
-    every_full = memfit.predict(prof, dict.fromkeys(prof.unit_names, "full")).peak_bytes
+    every_full = memfit.predict(prof, dict.fromkeys(prof.unit_names, FULL)).peak_bytes
     every_nested = memfit.predict(prof, dict.fromkeys(prof.unit_names, option)).peak_bytes
     assert every_nested == prof.measured_peak_bytes[option] < every_full
     floor = memfit.min_budget_bytes(prof, fine=True)
@@ -292,7 +293,7 @@ def test_nested_regions_lower_the_floor_exactly_and_train_as_the_plain_model(fac
     assert sched.predicted_peak_bytes <= floor
     measured = measure_steps(memfit.apply(copy.deepcopy(model), sched), inputs).peak_bytes
     assert measured == sched.predicted_peak_bytes
-    mixed = {n: option if k % 2 == 0 else "full" for k, n in enumerate(prof.unit_names)}
+    mixed = {n: option if k % 2 == 0 else FULL for k, n in enumerate(prof.unit_names)}
     for policies in (dict.fromkeys(prof.unit_names, option), mixed):
         twin = copy.deepcopy(model)
         memfit.apply(twin, _schedule(model, policies))

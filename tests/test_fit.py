@@ -90,7 +90,7 @@ _SCRIPT = textwrap.dedent("""
     model, batch = tiny_gpt()
     t = time.perf_counter()
     sched = memfit.fit(model, batch, "5MB", cache_dir={cache!r})
-    print(json.dumps({{"seconds": time.perf_counter() - t, "policies": sched.policies}}))
+    print(json.dumps({{"seconds": time.perf_counter() - t, "policies": sched.to_dict()["policies"]}}))
 """)
 
 

@@ -7,12 +7,13 @@ import torch.distributed as dist
 
 import memfit
 from memfit.parallel import spawn_ranks
+from memfit.policy import FULL, KEEP, Policies, Segment
 
-SEGMENT = "segment:h.1..h.3"
-PLANS = [{}, {"h.0": "full", "h.1": SEGMENT, "h.2": SEGMENT, "h.3": SEGMENT}]
+SEGMENT = Segment("h.1", "h.3")
+PLANS = [{}, {"h.0": FULL, "h.1": SEGMENT, "h.2": SEGMENT, "h.3": SEGMENT}]
 
 
-def _rank(device: str, policies: dict[str, str]):  # type: ignore[no-untyped-def]
+def _rank(device: str, policies: Policies):  # type: ignore[no-untyped-def]
     """One of two gloo ranks (memfit.parallel.spawn_ranks): the plan applied before sharding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -22,7 +23,7 @@ def _rank(device: str, policies: dict[str, str]):  # type: ignore[no-untyped-def
 
     mesh = init_device_mesh(device, (2,))
     model, batch = gpt(batch=2, seq=16, vocab=128, d_model=32, n_head=2, n_layer=4, dropout=0.0, seed=0)
-    set_policies(model, {f"h.{i}": policies.get(f"h.{i}", "none") for i in range(4)})  # before sharding
+    set_policies(model, {f"h.{i}": policies.get(f"h.{i}", KEEP) for i in range(4)})  # before sharding
     for block in model.h:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -63,10 +64,10 @@ def _rank_shapes(device: str):  # type: ignore[no-untyped-def]
     model, batch = gpt(batch=2, seq=16, vocab=128, d_model=32, n_head=2, n_layer=4, dropout=0.0, seed=0)
     short = {k: v[:, :8].contiguous() for k, v in batch.items()}
     names = [f"h.{i}" for i in range(4)]
-    plans = [Schedule({n: "none" for n in names}, 2**40, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+    plans = [Schedule({n: KEEP for n in names}, 2**40, 0, 0.0, 0.0, "test", "none", "none", 0.0,
                       model_fingerprint(model, names), input_shapes=Inputs.of(x).describe(), source={"seq_len": n})
              for x, n in ((short, 8), (batch, 16))]
-    plans[1].policies = {"h.0": "full", "h.1": SEGMENT, "h.2": SEGMENT, "h.3": SEGMENT}
+    plans[1].policies = {"h.0": FULL, "h.1": SEGMENT, "h.2": SEGMENT, "h.3": SEGMENT}
     schedule = dataclasses.replace(plans[1], shapes=plans)
     plain = copy.deepcopy(model)
     for m in (model, plain):

@@ -10,6 +10,7 @@ import torch
 
 import memfit
 from memfit.formats.schedule import Schedule, model_fingerprint
+from memfit.policy import FULL, KEEP, Segment
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -51,9 +52,9 @@ def test_causal_lms_with_their_default_cache_train_as_the_plain_model(build, att
     assert config.use_cache  # the default every pretrained config has
     plain.train()
     model = copy.deepcopy(plain)
-    seg = f"segment:{names[0]}..{names[2]}"
-    policies = (dict.fromkeys(names, "full") if kind == "full"
-                else {**dict.fromkeys(names[:3], seg), names[3]: "full"})
+    seg = Segment(names[0], names[2])
+    policies = (dict.fromkeys(names, FULL) if kind == "full"
+                else {**dict.fromkeys(names[:3], seg), names[3]: FULL})
     memfit.apply(model, _schedule(model, policies))
     batch = _batch()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, model)]
@@ -80,7 +81,7 @@ def test_causal_lms_with_their_default_cache_train_as_the_plain_model(build, att
 
 def test_a_cache_handed_to_a_training_forward_is_refused():
     _, model, names = _gpt2("sdpa")
-    memfit.apply(model, _schedule(model, dict.fromkeys(names, "full")))
+    memfit.apply(model, _schedule(model, dict.fromkeys(names, FULL)))
     with torch.no_grad():
         cache = model(input_ids=torch.randint(0, 256, (1, 4))).past_key_values
     with pytest.raises(memfit.MemfitError, match=r"cache=.*write into the cache again"):
@@ -103,7 +104,7 @@ def test_hf_checkpointing_turned_on_over_a_plan_is_named():
     results stay right, and memfit says its plan is overridden, once."""
     _, model, names = _gpt2("sdpa")
     plain = copy.deepcopy(model)
-    memfit.apply(model, _schedule(model, {n: ("full" if i % 2 else "none") for i, n in enumerate(names)}))
+    memfit.apply(model, _schedule(model, {n: (FULL if i % 2 else KEEP) for i, n in enumerate(names)}))
     model.train()
     batch = _batch()
     with warnings.catch_warnings():
@@ -165,7 +166,7 @@ def test_the_trainer_on_dynamic_padding_warns_only_for_longer_batches(tmp_path, 
     monkeypatch.chdir(tmp_path)
     _, model, names = _gpt2("sdpa")
     planned = "input_ids=int64[4,16], attention_mask=int64[4,16], labels=int64[4,16]"
-    sched = _schedule(model, dict.fromkeys(names, "full"))
+    sched = _schedule(model, dict.fromkeys(names, FULL))
     sched.input_shapes = planned
     memfit.apply(model, sched)
     for longest, most in ((16, 0), (24, 8)):
@@ -203,7 +204,7 @@ def test_the_trainer_on_a_resnet_from_pretrained_trains_as_the_plain_model(tmp_p
         model = transformers.ResNetForImageClassification.from_pretrained(tmp_path / "m")
         if scheduled:
             names = [f"resnet.encoder.stages.{i}.layers.{j}" for i in range(4) for j in range(2)]
-            memfit.apply(model, _schedule(model, dict.fromkeys(names, "full")))
+            memfit.apply(model, _schedule(model, dict.fromkeys(names, FULL)))
         _trainer(model, _Images(), 4).train()
         trained.append(model)
     plain, model = trained

@@ -13,14 +13,15 @@ import torch
 
 import memfit
 from memfit.formats.schedule import Schedule, model_fingerprint
+from memfit.policy import FULL, Children, Segment, as_policies
 from memfit.runtime.apply import is_checkpointed
 
 from .conftest import tiny_gpt
 from .models import LayerDropNet
 
-SEG = "segment:h.0..h.2"
-POLICIES = {"h.0": SEG, "h.1": SEG, "h.2": SEG, "h.3": "full"}
-FINE = {"h.0": "child:ln_2>mlp.0", "h.1": "derive", "h.2": "selective:gemm", "h.3": "child:attn+mlp"}
+SEG = Segment("h.0", "h.2")
+POLICIES = {"h.0": SEG, "h.1": SEG, "h.2": SEG, "h.3": FULL}
+FINE = as_policies({"h.0": "child:ln_2>mlp.0", "h.1": "derive", "h.2": "selective:gemm", "h.3": "child:attn+mlp"})
 
 
 def _schedule(model, policies) -> Schedule:
@@ -71,7 +72,7 @@ def test_a_copy_trains_its_own_weights(how, policies):
     model, batch = tiny_gpt()
     memfit.apply(model, _schedule(model, policies))
     twin = _perturbed(_copies()[how](model))
-    assert all(is_checkpointed(twin.get_submodule(n)) == (not p.startswith("child")) for n, p in policies.items())
+    assert all(is_checkpointed(twin.get_submodule(n)) == (not isinstance(p, Children)) for n, p in policies.items())
     reference = copy.deepcopy(twin)
     memfit.remove(reference)
     _equal(_grads(twin, batch), _grads(reference, batch))
@@ -118,8 +119,8 @@ def _layerdrop():
     torch.manual_seed(0)
     model = LayerDropNet()
     names = [f"blocks.{i}" for i in range(6)]
-    seg = f"segment:{names[1]}..{names[4]}"
-    policies = {n: (seg if 1 <= i <= 4 else "full") for i, n in enumerate(names)}
+    seg = Segment(names[1], names[4])
+    policies = {n: (seg if 1 <= i <= 4 else FULL) for i, n in enumerate(names)}
     return model, torch.randn(4, 16, 8), policies
 
 
@@ -255,5 +256,5 @@ def test_a_layer_shared_by_several_unit_positions_is_refused():
     model.h = torch.nn.ModuleList([layer] * 4)
     names = ["h.0", "h.1", "h.2", "h.3"]  # named_modules() lists the layer once; a schedule may name each place
     with pytest.raises(memfit.MemfitError, match=r"'h.0' and 'h.1' are one module object"):
-        memfit.apply(model, _schedule(model, dict.fromkeys(names, "full")))
+        memfit.apply(model, _schedule(model, dict.fromkeys(names, FULL)))
     assert not any(is_checkpointed(m) for m in model.modules())

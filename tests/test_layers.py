@@ -146,3 +146,22 @@ def test_the_policy_grammar_is_spelled_in_one_module():
         spelled = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
                    and id(n) not in docs and any(k in n.value for k in kinds)]
         assert not spelled, (path, spelled)
+
+
+# where text becomes policies: the files' loaders, the command line, and memfit.predict (whose
+# users may spell a policy as a schedule file does); everything inside carries policy values
+POLICY_BORDERS = ("memfit.formats.", "memfit.cli.", "memfit.planning.peak")  # and the front door's export
+
+
+def test_policies_are_parsed_only_at_the_borders():
+    parsers = {"parse", "read", "as_policies"}
+    for path in ROOT.rglob("*.py"):
+        module = _name(path)
+        if module in ("memfit.policy", "memfit") or module.startswith(POLICY_BORDERS):  # memfit: re-exports parse
+            continue
+        tree = ast.parse(path.read_text())
+        used = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "memfit.policy"
+                for a in n.names if a.name in parsers]
+        used += [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in parsers
+                 and isinstance(n.value, ast.Name) and n.value.id == "policy"]
+        assert not used, (module, used)

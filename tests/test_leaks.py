@@ -12,6 +12,7 @@ import torch
 
 import memfit
 from memfit import zoo
+from memfit.policy import DERIVE, FULL, KEEP, Segment, Selective
 
 
 def _graph_tensors() -> dict[int, int]:
@@ -61,11 +62,11 @@ def test_a_forward_without_backward_under_every_option_leaves_no_graph():
     _start()
     model, batch = _gpt()
     prof = memfit.profile(model, batch, granularity="fine", repeat=1)
-    options = sorted({o for u in prof.units for o in u.options} - {"none"})
-    assert {"full", "derive"} <= set(options) and any(o.startswith("selective") for o in options)
+    options = sorted({o for u in prof.units for o in u.options} - {KEEP}, key=str)
+    assert {FULL, DERIVE} <= set(options) and any(isinstance(o, Selective) for o in options)
     sched = memfit.plan(prof, 2**40, granularity="fine")  # its policies are set by hand below
     for option in options:
-        sched.policies = {u.name: option if option in u.options else "none" for u in prof.units}
+        sched.policies = {u.name: option if option in u.options else KEEP for u in prof.units}
         memfit.apply(model, sched)
         for _ in range(2):  # the first forward of a derive unit learns, later ones replay
             out = model(**batch)  # the loss
@@ -75,7 +76,7 @@ def test_a_forward_without_backward_under_every_option_leaves_no_graph():
         memfit.remove(model)
     # a segment: several units in one region, the calls between its members paused
     names = [u.name for u in prof.units]
-    sched.policies = {n: f"segment:{names[0]}..{names[1]}" if n in names[:2] else "none" for n in names}
+    sched.policies = {n: Segment(names[0], names[1]) if n in names[:2] else KEEP for n in names}
     memfit.apply(model, sched)
     out = model(**batch)
     del out

@@ -6,11 +6,12 @@ import random
 import pytest
 
 import memfit
+from memfit import policy
 from memfit.planning.dp import dp_exact
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
 from memfit.planning.planner import min_budget_bytes
-from memfit.planning.roles import FULL, NONE, SEGMENT, Role
+from memfit.planning.roles import FULL, NONE, Role, segment
 
 from .conftest import random_profile
 
@@ -25,7 +26,7 @@ def assignments(n, max_segment):
         yield [FULL, *[_shift(r, 1) for r in rest]]
     for length in range(2, min(n, max_segment) + 1):
         for rest in assignments(n - length, max_segment):
-            yield [Role(SEGMENT, 0, length - 1)] * length + [_shift(r, length) for r in rest]
+            yield [segment(0, length - 1)] * length + [_shift(r, length) for r in rest]
 
 
 def _shift(role, by):
@@ -51,7 +52,7 @@ def test_optimum_equals_brute_force(seed):
     chain = seed % 2 == 0
     n = 4 + seed % 5 if chain else 6 + seed % 7  # 4..8 chained, 6..12 without segments
     prof = random_profile(n, seed, chain=chain, frees=seed % 3 == 2)
-    assert any(u.options["full"].freed_after_bytes for u in prof.units) == (seed % 3 == 2)
+    assert any(u.options[policy.FULL].freed_after_bytes for u in prof.units) == (seed % 3 == 2)
     assert dp_exact(IntModel.of(prof))  # one net per unit, freed bytes counted
     assert IntModel.of(prof).quantum == 1  # small integers: the scaled model is exact
     hi = memfit.predict(prof, {}).peak_bytes
@@ -112,7 +113,7 @@ def test_infeasible_budget_names_the_minimum(gpt_profile):
 
 def test_plan_records_baselines_and_recheck(gpt_profile):
     none = memfit.predict(gpt_profile, {}).peak_bytes
-    full = memfit.predict(gpt_profile, dict.fromkeys(gpt_profile.unit_names, "full")).peak_bytes
+    full = memfit.predict(gpt_profile, dict.fromkeys(gpt_profile.unit_names, policy.FULL)).peak_bytes
     sched = memfit.plan(gpt_profile, (none + full) // 2)
     assert sched.baselines["none"]["peak_bytes"] == none and not sched.baselines["none"]["fits"]
     assert sched.baselines["full"]["peak_bytes"] == full and sched.baselines["full"]["fits"]
@@ -165,7 +166,7 @@ def test_timeline_that_is_not_a_chain():
 def test_time_limit_without_an_answer_falls_back_to_a_baseline():
     prof = random_profile(300, 1, scale=2**20)
     hi = memfit.predict(prof, {}).peak_bytes
-    budget = memfit.predict(prof, dict.fromkeys(prof.unit_names, "full")).peak_bytes
+    budget = memfit.predict(prof, dict.fromkeys(prof.unit_names, policy.FULL)).peak_bytes
     budget = max(budget, hi // 2)
     sched = memfit.plan(prof, budget, time_limit=0.001)
     assert sched.predicted_peak_bytes <= budget
@@ -176,7 +177,7 @@ def test_time_limit_without_an_answer_falls_back_to_a_baseline():
 
 def fine_assignments(profile, max_segment):
     """Every assignment with each unit's finer options too (segments stay none/full composed)."""
-    extra = [[Role(k) for k in u.options if k not in ("none", "full")] for u in profile.units]
+    extra = [[Role(k) for k in u.options if k not in policy.COARSE] for u in profile.units]
     for roles in assignments(len(profile.units), max_segment):
         choices = [[r, *extra[j]] if r == FULL else [r] for j, r in enumerate(roles)]
         yield from itertools.product(*choices)

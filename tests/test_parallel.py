@@ -8,6 +8,7 @@ import torch.distributed as dist
 import memfit
 from memfit.parallel import measure_ranks, profile_ranks
 from memfit.planning.peak import fsdp_headroom
+from memfit.policy import FULL
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 from memfit.units import find_units
@@ -155,7 +156,7 @@ def test_fsdp_estimate_counts_the_gathers_fsdp2_resizes(tmp_path):
     embedding = model.wte.weight.numel()
     assert embedding >= 0.4 * sum(p.numel() for p in model.parameters())
     prof = estimate(lambda: wide.build("cpu"), target="cpu", units=wide.units, parallel="fsdp", world_size=2)
-    plans = [{}, dict.fromkeys(prof.unit_names, "full")]
+    plans = [{}, dict.fromkeys(prof.unit_names, FULL)]
     measured = measure_ranks(wide, plans, parallel="fsdp", world_size=2)["peaks"]
     for policies, peak in zip(plans, measured, strict=True):
         predicted = memfit.predict(prof, policies).peak_bytes
@@ -182,7 +183,7 @@ def test_fsdp_estimate_counts_an_optimizer_step_on_shards_not_whole_parameters()
     est = estimate(lambda: sc.build("cpu"), target="cpu", units="auto", step=sc.train_step, parallel="fsdp",
                    world_size=2)
     measured = profile_ranks(sc, parallel="fsdp", world_size=2, repeat=1)
-    full = dict.fromkeys(est.unit_names, "full")
+    full = dict.fromkeys(est.unit_names, FULL)
     got, want = memfit.predict(est, full).levels, memfit.predict(measured, full).levels
     assert [name for name, _, _ in got] == [name for name, _, _ in want]
     step = next(i for i, (name, _, _) in enumerate(want) if name == "optimizer step")

@@ -16,10 +16,10 @@ from memfit.policy import (
     PolicyError,
     Segment,
     Selective,
-    is_option,
-    is_segment,
+    as_policies,
     parse,
     read,
+    spelt,
 )
 
 RELEASE = Path(__file__).parent / "fixtures" / "release"
@@ -42,8 +42,7 @@ RELEASE = Path(__file__).parent / "fixtures" / "release"
 def test_each_spelling_parses_to_one_variant_and_back(text, policy):
     assert parse(text) == policy
     assert str(policy) == text
-    assert is_segment(text) == isinstance(policy, Segment)
-    assert is_option(text) == (not isinstance(policy, Segment))
+    assert hash(parse(text)) == hash(policy)  # a profile's options are keyed by them
 
 
 @pytest.mark.parametrize("text", ["", "keep", "Full", "child:", "child:a+", "child:a>>b", "selective:",
@@ -52,12 +51,40 @@ def test_each_spelling_parses_to_one_variant_and_back(text, policy):
 def test_what_is_no_policy_is_refused(text):
     with pytest.raises(PolicyError, match=r"expected none, full|empty module"):
         parse(text)
-    assert read(text) is None and not is_option(text) and not is_segment(text)
+    assert read(text) is None
 
 
 def test_values_that_are_no_string_read_as_none():
     for value in (None, 3, ["full"], {"a": 1}):
         assert read(value) is None
+
+
+def test_the_api_border_takes_values_or_their_spelling_and_files_get_the_spelling_back():
+    policies = as_policies({"h.0": "full", "h.1": Children.of("mlp"), "h.2": "segment:h.2..h.3",
+                            "h.3": Segment("h.2", "h.3")})
+    assert policies == {"h.0": FULL, "h.1": Children((("mlp",),)), "h.2": Segment("h.2", "h.3"),
+                        "h.3": Segment("h.2", "h.3")}
+    assert spelt(policies) == {"h.0": "full", "h.1": "child:mlp", "h.2": "segment:h.2..h.3", "h.3": "segment:h.2..h.3"}
+    assert list(spelt(policies)) == list(policies)  # the units' order, which a schedule keeps
+    with pytest.raises(PolicyError, match="'sometimes' is not a policy"):
+        as_policies({"h.0": "sometimes"})
+    for value in (3, ["full"]):
+        with pytest.raises(PolicyError, match=r"'h\.0' has .*, which is no policy"):
+            as_policies({"h.0": value})
+
+
+def test_predict_takes_policies_as_values_or_as_a_schedule_file_spells_them():
+    import memfit
+
+    from .conftest import random_profile
+
+    prof = random_profile(4, 1, fine=1)
+    spelled = {"u0": "full", "u1": "child:c0", "u2": "none"}
+    values = {u: memfit.parse_policy(p) for u, p in spelled.items()}
+    assert all(isinstance(p, memfit.Policy) for p in values.values())
+    assert memfit.predict(prof, spelled) == memfit.predict(prof, values)
+    with pytest.raises(memfit.PolicyError, match="'partial' is not a policy"):
+        memfit.predict(prof, {"u0": "partial"})
 
 
 def test_the_kinds_help_names_every_variant():

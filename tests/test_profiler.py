@@ -8,6 +8,7 @@ from torch import nn
 
 import memfit
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
+from memfit.policy import FULL, KEEP
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.harness import measure_steps
 from memfit.units import find_units
@@ -202,12 +203,12 @@ def test_static_bytes(gpt_profile):
     assert gpt_profile.unit_names == ["h.0", "h.1", "h.2", "h.3"]
     for u in gpt_profile.units:
         assert u.fwd_s > 0 and u.bwd_s > 0
-        assert u.options["full"].stored_bytes < u.options["none"].stored_bytes
-        assert u.options["full"].recompute_s == pytest.approx(u.fwd_s * gpt_profile.recompute_factor)
+        assert u.options[FULL].stored_bytes < u.options[KEEP].stored_bytes
+        assert u.options[FULL].recompute_s == pytest.approx(u.fwd_s * gpt_profile.recompute_factor)
         assert 0.25 <= gpt_profile.recompute_factor <= 2.0
-        assert u.options["none"].recompute_s == 0
+        assert u.options[KEEP].recompute_s == 0
         # a kept unit frees what it stored and leaves its gradients: the same net change either way
-        none, full = u.options["none"], u.options["full"]
+        none, full = u.options[KEEP], u.options[FULL]
         assert none.stored_bytes + none.bwd_end_bytes == full.stored_bytes + full.bwd_end_bytes
 
 

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import memfit
 from memfit.formats.schedule import Schedule, model_fingerprint
+from memfit.policy import FULL, KEEP, Policies, parse
 from memfit.runtime import validate as validate_module
 from memfit.runtime.regions import Region
 from memfit.runtime.validate import _compare_grads
@@ -22,15 +23,15 @@ BLOCKS = {
     "resnet50": (resnet50ish, ["layer1.0", "layer2.0", "layer2.1", "layer3.0", "layer4.0"]),
     "hf-resnet": (hf_resnet, [f"resnet.encoder.stages.{i}.layers.{j}" for i in range(4) for j in range(2)]),
 }
-FINE = ["selective:gemm", "child:bn2", "derive", "child:conv1+conv2"]  # torchvision's child names
-HF_FINE = ["selective:gemm", "child:layer.1", "derive", "child:layer.0+layer.1"]
+FINE = [*map(parse, ["selective:gemm", "child:bn2", "derive", "child:conv1+conv2"])]  # torchvision's child names
+HF_FINE = [*map(parse, ["selective:gemm", "child:layer.1", "derive", "child:layer.0+layer.1"])]
 
 
-def _policies(kind: str, names: list[str], hf: bool) -> dict[str, str]:
+def _policies(kind: str, names: list[str], hf: bool) -> Policies:
     if kind == "full":
-        return dict.fromkeys(names, "full")
+        return dict.fromkeys(names, FULL)
     if kind == "mixed":
-        return {n: ("full" if i % 2 else "none") for i, n in enumerate(names)}
+        return {n: (FULL if i % 2 else KEEP) for i, n in enumerate(names)}
     fine = HF_FINE if hf else FINE
     return {n: fine[i % len(fine)] for i, n in enumerate(names)}
 
@@ -105,7 +106,7 @@ def test_mobilenet_v3_small_plans_fit_and_train_as_the_plain_model(image):
     plain, x = mobilenet_v3_small(image=image)
     names = [f"features.{i}" for i in range(13)]
     prof = memfit.profile(copy.deepcopy(plain), x, units=names, optimizer="sgd", repeat=1)
-    full, none = prof.measured_peak_bytes["full"], prof.measured_peak_bytes["none"]
+    full, none = prof.measured_peak_bytes[FULL], prof.measured_peak_bytes[KEEP]
     for share in (0.25, 0.5, 0.75):
         budget = int(full + share * (none - full))
         sched = memfit.plan(prof, budget)
@@ -122,7 +123,7 @@ def test_mobilenet_v3_small_plans_fit_and_train_as_the_plain_model(image):
             peak = measured(step, lambda m=scheduled: [*m.parameters(), *m.buffers(), x])[1]
             assert peak == memfit.predict(prof, sched.policies).peak_bytes <= budget, (share, peak)
     scheduled = copy.deepcopy(plain)
-    memfit.apply(scheduled, _schedule(scheduled, {n: ("full" if i % 2 else "none") for i, n in enumerate(names)}))
+    memfit.apply(scheduled, _schedule(scheduled, {n: (FULL if i % 2 else KEEP) for i, n in enumerate(names)}))
     train_and_compare(plain, scheduled, x)
 
 
@@ -142,7 +143,7 @@ def test_convnext_and_efficientnet_plans_fit_and_train_as_the_plain_model(family
     plain, x = {"convnext": convnext, "efficientnet": efficientnet}[family](image=image)
     prof = memfit.profile(copy.deepcopy(plain), x, optimizer="adamw", repeat=1)
     assert len(prof.unit_names) == {"convnext": 6, "efficientnet": 11}[family]
-    full, none = prof.measured_peak_bytes["full"], prof.measured_peak_bytes["none"]
+    full, none = prof.measured_peak_bytes[FULL], prof.measured_peak_bytes[KEEP]
     mixed = None
     for share in (0.25, 0.5, 0.75):
         budget = int(full + share * (none - full))
@@ -185,7 +186,7 @@ def test_validate_says_no_when_the_gradients_differ(monkeypatch):
     gradients unequal and the plan not OK, where it is OK today."""
     model, x = resnet18ish()
     names = BLOCKS["resnet18"][1]
-    sched = _schedule(model, dict.fromkeys(names, "full"))
+    sched = _schedule(model, dict.fromkeys(names, FULL))
     sched.budget_bytes = 2**40
     assert memfit.validate(model, x, sched, optimizer="adamw", steps=0).ok
     monkeypatch.setattr(Region, "_contexts", _old_contexts)
@@ -202,7 +203,7 @@ def test_where_steps_do_not_repeat_bit_for_bit_gradients_are_judged_by_the_plain
     assert not _compare_grads(g, off, {"w": 1e-4})[1]
     assert _compare_grads(g, off, {"w": 2e-4})[1]  # the plain step scatters by 2e-4 by itself
     model, x = resnet18ish()
-    sched = _schedule(model, dict.fromkeys(BLOCKS["resnet18"][1], "full"))
+    sched = _schedule(model, dict.fromkeys(BLOCKS["resnet18"][1], FULL))
     sched.budget_bytes = 2**40
     monkeypatch.setattr(validate_module, "repeats_exactly", lambda *_: False)
     good = memfit.validate(model, x, sched, optimizer="adamw", steps=0)
@@ -219,8 +220,8 @@ def test_apply_in_eval_mode_then_train_updates_statistics_once(name):
     plain, inputs = factory()
     scheduled = copy.deepcopy(plain)
     scheduled.eval()
-    sched = _schedule(scheduled, dict.fromkeys(names, "full"))
-    sched.fallbacks = [{"budget_bytes": 1, "policies": dict.fromkeys(names, "full"), "predicted_peak_bytes": 0,
+    sched = _schedule(scheduled, dict.fromkeys(names, FULL))
+    sched.fallbacks = [{"budget_bytes": 1, "policies": dict.fromkeys(names, FULL), "predicted_peak_bytes": 0,
                         "predicted_recompute_s": 0.0, "predicted_overhead": 0.0}]
     memfit.apply(scheduled, sched)
     assert memfit.tighten(scheduled)  # in eval mode too
@@ -242,7 +243,7 @@ def test_hf_resnet_from_pretrained_trains_as_the_plain_model(tmp_path):
     scheduled = transformers.ResNetForImageClassification.from_pretrained(tmp_path)
     assert not scheduled.training  # as from_pretrained returns it
     names = BLOCKS["hf-resnet"][1]
-    memfit.apply(scheduled, _schedule(scheduled, dict.fromkeys(names, "full")))
+    memfit.apply(scheduled, _schedule(scheduled, dict.fromkeys(names, FULL)))
     plain.train()
     scheduled.train()
     train_and_compare(plain, scheduled, inputs)
@@ -253,7 +254,7 @@ def test_two_forwards_before_one_backward_keep_both_updates():
     statistics as they were when it began, so both updates of the forwards stay."""
     plain, x = resnet18ish()
     scheduled = copy.deepcopy(plain)
-    memfit.apply(scheduled, _schedule(scheduled, dict.fromkeys(BLOCKS["resnet18"][1], "full")))
+    memfit.apply(scheduled, _schedule(scheduled, dict.fromkeys(BLOCKS["resnet18"][1], FULL)))
     for model in (plain, scheduled):
         torch.manual_seed(0)
         (_call(model, x) + _call(model, x.flip(0))).backward()

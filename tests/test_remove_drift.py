@@ -8,6 +8,7 @@ import torch
 
 import memfit
 import memfit.formats.schedule
+from memfit.policy import FULL, KEEP, Segment
 
 from .conftest import tiny_gpt
 
@@ -33,8 +34,8 @@ def _state(model):
 
 
 def test_remove_restores_the_model_and_apply_works_again(planned):
-    segment = "segment:h.1..h.2"  # a full unit and a segment, both undone
-    sched = dataclasses.replace(planned[1], policies={"h.0": "full", "h.1": segment, "h.2": segment, "h.3": "none"})
+    segment = Segment("h.1", "h.2")  # a full unit and a segment, both undone
+    sched = dataclasses.replace(planned[1], policies={"h.0": FULL, "h.1": segment, "h.2": segment, "h.3": KEEP})
     model, batch = tiny_gpt()
     before, plain = _state(model), _grads(model, batch)
     memfit.apply(model, sched)
@@ -187,7 +188,7 @@ def test_a_model_with_the_same_parameters_but_other_heads_is_refused():
     names = ["transformer.h.0", "transformer.h.1"]
     fingerprints = [memfit.formats.schedule.model_fingerprint(m, names) for m in models]
     assert fingerprints[0]["params_sha256"] == fingerprints[1]["params_sha256"]
-    sched = memfit.Schedule(dict.fromkeys(names, "full"), 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
+    sched = memfit.Schedule(dict.fromkeys(names, FULL), 1, 0, 0.0, 0.0, "test", "none", "none", 0.0,
                             fingerprints[0])
     with pytest.raises(memfit.ScheduleMismatchError, match="other settings inside the units, such as attention heads"):
         memfit.apply(models[1], sched)

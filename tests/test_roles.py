@@ -3,8 +3,10 @@ refused with what would be right, and a segment's composed costs hold the step's
 
 import pytest
 
+from memfit import policy
 from memfit.errors import MemfitError
-from memfit.planning.roles import FULL, NONE, SEGMENT, Role, member_input, policies_of, roles_of, unit_costs
+from memfit.planning.roles import FULL, NONE, member_input, policies_of, roles_of, segment, unit_costs
+from memfit.policy import parse
 
 from .conftest import random_profile
 from .test_optimizer import assignments
@@ -19,12 +21,12 @@ def test_policies_and_roles_are_inverse():
 
 
 @pytest.mark.parametrize(("policies", "message"), [
-    ({"u9": "full"}, "no unit named 'u9'"),
-    ({"u0": "partial"}, r"unknown policy 'partial' for unit 'u0'; use none, full, segment:<first>..<last> "
+    ({"u9": policy.FULL}, "no unit named 'u9'"),
+    ({"u0": parse("child:a")}, r"unknown policy 'child:a' for unit 'u0'; use none, full, segment:<first>..<last> "
                         r"\(finer options need a profile made with granularity 'fine'\)"),
-    ({"u0": "segment:u1..u2"}, "'u0' is not inside its segment 'u1..u2'"),
-    ({"u1": "segment:u1..u1"}, "a segment spans two or more units"),
-    ({"u1": "segment:u1..u3", "u2": "segment:u1..u3"}, "must name every unit from 'u1' to 'u3'"),
+    ({"u0": parse("segment:u1..u2")}, "'u0' is not inside its segment 'u1..u2'"),
+    ({"u1": parse("segment:u1..u1")}, "a segment spans two or more units"),
+    ({"u1": parse("segment:u1..u3"), "u2": parse("segment:u1..u3")}, "must name every unit from 'u1' to 'u3'"),
 ])
 def test_a_wrong_policy_says_what_is_right(policies, message):
     with pytest.raises(MemfitError, match=message):
@@ -33,13 +35,13 @@ def test_a_wrong_policy_says_what_is_right(policies, message):
 
 def test_a_fine_profile_lists_its_options_in_the_refusal():
     with pytest.raises(MemfitError, match=r"or one of its measured options child:c0, child:c1"):
-        roles_of(random_profile(3, 0, fine=2), {"u1": "child:nope"})
+        roles_of(random_profile(3, 0, fine=2), {"u1": parse("child:nope")})
 
 
 def test_segments_need_a_chain():
     prof = random_profile(4, 0, chain=False)
     with pytest.raises(MemfitError, match="segments need units that form a chain"):
-        roles_of(prof, {"u0": "segment:u0..u1", "u1": "segment:u0..u1"})
+        roles_of(prof, {"u0": parse("segment:u0..u1"), "u1": parse("segment:u0..u1")})
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -48,7 +50,7 @@ def test_a_segment_leaves_what_its_members_leave_uncheckpointed(seed):
     changes add up to theirs without checkpointing (their gradients), as each unit's own do."""
     prof = random_profile(6, seed)
     for first, last in [(0, 1), (1, 4), (2, 5)]:
-        seg = Role(SEGMENT, first, last)
+        seg = segment(first, last)
         members = range(first, last + 1)
         composed = sum(unit_costs(prof, j, seg).fwd_end + unit_costs(prof, j, seg).bwd_end for j in members)
         plain = sum(unit_costs(prof, j, NONE).fwd_end + unit_costs(prof, j, NONE).bwd_end for j in members)

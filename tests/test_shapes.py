@@ -17,6 +17,7 @@ import memfit
 from memfit.errors import InfeasibleBudgetError, MemfitError, PlanDriftWarning
 from memfit.formats.schedule import load_schedule
 from memfit.measure.memory import measured
+from memfit.policy import FULL, KEEP, Segment, parse
 from memfit.zoo import gpt
 
 from .test_train_step import UserLoop
@@ -125,7 +126,7 @@ def test_tighten_steps_down_the_ladder_of_the_shape_that_runs(gpt_shapes):
     scheduled(**_at(batch, 256))["loss"].backward()
     assert memfit.tighten(scheduled)
     ladder = schedule.plans[2].fallbacks
-    assert {n for n, p in ladder[0]["policies"].items() if p != "none"} == {
+    assert {n for n, p in ladder[0]["policies"].items() if p != KEEP} == {
         n for n in ladder[0]["policies"] if memfit.runtime.apply.is_checkpointed(scheduled.get_submodule(n))}
     scheduled(**_at(batch, 64))["loss"].backward()  # the short shape's own plan, untightened
     assert not any(memfit.runtime.apply.is_checkpointed(b) for b in scheduled.h)
@@ -262,7 +263,7 @@ def test_a_compiled_model_switches_plans_between_shapes_outside_its_graphs():
                 m.zero_grad(set_to_none=True)
             policies = schedule.plans[1 if n == 128 else 0].policies
             assert [is_checkpointed(scheduled.get_submodule(u)) for u in policies] == [
-                p != "none" for p in policies.values()]
+                p != KEEP for p in policies.values()]
             assert (sched_peak == plain_peak) if n == 32 else (sched_peak < plain_peak)  # the graph follows the plan
     memfit.remove(scheduled)
     assert not any(is_checkpointed(u) for u in scheduled.h) and not scheduled._forward_pre_hooks
@@ -278,9 +279,9 @@ def test_two_forwards_of_two_shapes_before_one_backward_give_the_plain_gradients
 
     model, batch = gpt(batch=2, seq=16, vocab=128, d_model=32, n_head=2, n_layer=4, seed=0)  # with dropout
     names = [f"h.{i}" for i in range(4)]
-    seg = "segment:h.0..h.2"
-    policies = {p: ({**dict.fromkeys(names[:3], seg), "h.3": "full"} if p == "segment" else dict.fromkeys(names, p))
-                for p in (long, short)}
+    seg = Segment("h.0", "h.2")
+    policies = {p: {**dict.fromkeys(names[:3], seg), "h.3": FULL} if p == "segment" else
+                dict.fromkeys(names, parse(p)) for p in (long, short)}
     plans = [Schedule(policies[p], 2**40, 0, 0.0, 0.0, "test", "none", "none", 0.0, model_fingerprint(model, names),
                       input_shapes=Inputs.of(x).describe()) for p, x in ((short, _at(batch, 8)), (long, batch))]
     schedule = dataclasses.replace(plans[1], shapes=plans)

@@ -16,6 +16,7 @@ from torch import nn
 import memfit
 from memfit.errors import MemfitError
 from memfit.measure.memory import measured
+from memfit.policy import FULL, KEEP
 
 
 class Encoder(nn.Module):
@@ -79,13 +80,13 @@ def test_a_contrastive_step_is_planned_and_validated(setup):
     assert prof.optimizer == "custom:AdamW" and prof.step["function"].endswith("contrastive.<locals>.step")
     forwards = [p for p in prof.phases if p.kind == "forward"]
     assert len(forwards) == 2 * len(prof.units)  # two runs of each unit per step
-    none, full = prof.measured_peak_bytes["none"], prof.measured_peak_bytes["full"]
+    none, full = prof.measured_peak_bytes[KEEP], prof.measured_peak_bytes[FULL]
     budget = (none + full) // 2
     sched = memfit.plan(prof, budget)
     # some units, not necessarily fewer than all: one round's costs can come out 0 on a busy
     # machine (clipped noise), and then checkpointing every unit ties with fewer
     assert sched.checkpointed and memfit.predict(prof, sched.policies).peak_bytes <= budget
-    for policies in ({}, dict.fromkeys(prof.unit_names, "full"), sched.policies):
+    for policies in ({}, dict.fromkeys(prof.unit_names, FULL), sched.policies):
         twin = copy.deepcopy(model)
         twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
         twin_opt.load_state_dict(opt.state_dict())

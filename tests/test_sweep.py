@@ -15,6 +15,7 @@ from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
 from memfit.planning.sweep import COLUMNS, sweep
 from memfit.plots import curve, timeline
+from memfit.policy import KEEP, parse
 
 from .conftest import random_profile, run_cli
 
@@ -169,7 +170,7 @@ def test_segment_timeline_forward_exact_backward_within_a_vector():
 
     model, batch = tiny_gpt()
     prof = memfit.profile(model, batch, repeat=1)
-    policies = dict.fromkeys(["h.0", "h.1", "h.2"], "segment:h.0..h.2") | {"h.3": "none"}
+    policies = dict.fromkeys(["h.0", "h.1", "h.2"], parse("segment:h.0..h.2")) | {"h.3": KEEP}
     sched = memfit.plan(prof, predict(prof, policies).peak_bytes, segments=True, max_segment=3)
     sched.policies, sched.levels = policies, {"plan": predict(prof, policies).levels}
     measured = measure_levels(model, batch, sched)

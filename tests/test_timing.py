@@ -12,6 +12,7 @@ from memfit import zoo
 from memfit.cli import main
 from memfit.formats.schedule import load_schedule
 from memfit.measure.timing import ratio_uncertainties, ratio_uncertainty
+from memfit.policy import FULL, KEEP, Option
 from memfit.report import validation_report
 
 from .conftest import TINY, tiny_gpt
@@ -39,7 +40,7 @@ def test_an_option_whose_rounds_happened_to_agree_gets_the_series_pooled_uncerta
 def test_validate_fails_when_the_measured_slowdown_is_off_the_predicted():
     model, inputs = tiny_gpt()
     prof = memfit.profile(model, inputs, repeat=1)
-    sched = memfit.plan(prof, memfit.predict(prof, dict.fromkeys(prof.unit_names, "full")).peak_bytes)
+    sched = memfit.plan(prof, memfit.predict(prof, dict.fromkeys(prof.unit_names, FULL)).peak_bytes)
     # The plan claims 500 points more slowdown than checkpointing costs: an error no noise explains.
     wrong = dataclasses.replace(sched, predicted_overhead=sched.predicted_overhead + 5.0)
     bad = memfit.validate(model, inputs, wrong, steps=5)
@@ -86,7 +87,7 @@ def test_identical_blocks_get_one_cost_per_option():
     for o in options:
         assert len({u.options[o].recompute_s for u in prof.units}) == 1, o
         assert len({u.options[o].recompute_uncertainty_s for u in prof.units}) == 1, o
-        assert o == "none" or prof.units[0].options[o].recompute_uncertainty_s > 0, o
+        assert o == KEEP or prof.units[0].options[o].recompute_uncertainty_s > 0, o
 
 
 def test_two_profiles_agree_within_their_recorded_uncertainty():
@@ -114,7 +115,7 @@ def test_two_profiles_agree_within_their_recorded_uncertainty():
                 return a, b
         return None
 
-    def outside(a: memfit.Profile, b: memfit.Profile) -> tuple[list[str], int]:
+    def outside(a: memfit.Profile, b: memfit.Profile) -> tuple[list[Option], int]:
         """The options whose two costs differ by more than their uncertainties, and how many were compared."""
         out, compared = [], 0
         for ua, ub in zip(a.units, b.units, strict=True):
@@ -123,7 +124,7 @@ def test_two_profiles_agree_within_their_recorded_uncertainty():
                 differ = abs(ca.recompute_s / a.step_s - cb.recompute_s / b.step_s)
                 if differ > ca.recompute_uncertainty_s / a.step_s + cb.recompute_uncertainty_s / b.step_s:
                     out.append(o)
-                compared += o != "none"
+                compared += o != KEEP
         return out, compared
 
     # Each of a dozen options is within two standard errors about 95% of the time: one of them
@@ -170,13 +171,13 @@ def test_a_gain_within_the_costs_uncertainty_is_said_and_a_fine_one_not_taken():
     def unsure(seconds: float) -> None:  # every cost's uncertainty set, as a quiet or a very busy machine
         for u in prof.units:
             for o in u.options.values():
-                o.recompute_uncertainty_s = 0.0 if o is u.options["none"] else seconds
+                o.recompute_uncertainty_s = 0.0 if o is u.options[KEEP] else seconds
 
     unsure(0.0)
     for u in prof.units:  # fine options priced near free (measured, they may tie with the module plan: CI stop 32)
         for name, o in u.options.items():
-            if name not in ("none", "full"):
-                o.recompute_s = 1e-3 * u.options["full"].recompute_s
+            if name not in (KEEP, FULL):
+                o.recompute_s = 1e-3 * u.options[FULL].recompute_s
     differs = [b for b in budgets if memfit.plan(prof, b, granularity="fine").policies != memfit.plan(prof, b).policies]
     assert differs  # somewhere the fine options win, when the costs are taken as sure
     unsure(1.0)

@@ -17,6 +17,7 @@ from memfit.errors import MemfitError, ScheduleMismatchError
 from memfit.formats.profile import Profile, profile_from_dict
 from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.measure.memory import measured
+from memfit.policy import FULL, KEEP
 
 from .conftest import pairwise, tiny_gpt
 
@@ -100,8 +101,8 @@ def _apply(model: nn.Module, policies: dict[str, str]) -> nn.Module:
 
 
 def _plans(names: list[str]) -> dict[str, dict[str, str]]:
-    return {"none": dict.fromkeys(names, "none"), "full": dict.fromkeys(names, "full"),
-            "mixed": {n: "full" if i % 2 else "none" for i, n in enumerate(names)}}
+    return {"none": dict.fromkeys(names, KEEP), "full": dict.fromkeys(names, FULL),
+            "mixed": {n: FULL if i % 2 else KEEP for i, n in enumerate(names)}}
 
 
 def check_step(build, optimizer: str, accumulate: int, precision: str, clip: float | None,
@@ -185,7 +186,7 @@ def test_accumulation_keeps_gradients_through_later_micro_batches():
     one = memfit.profile(model, batch, repeat=3)
     three = memfit.profile(model, batch, step=memfit.TrainStep(accumulate=3), repeat=3)
     for u in three.units:
-        none = u.options["none"]
+        none = u.options[KEEP]
         assert none.bwd_end_bytes - none.later_bwd_end_bytes == u.param_bytes
     assert [p.later for p in three.phases if p.kind == "backward"].count(True) == len(three.units)
     assert memfit.predict(three, {}).peak_bytes > memfit.predict(one, {}).peak_bytes
@@ -196,7 +197,7 @@ def test_validate_runs_the_planned_step(tmp_path):
     model, batch = tiny_gpt()
     step = memfit.TrainStep("sgd-momentum", accumulate=2, precision="amp-bf16", clip_grad_norm=0.5)
     prof = memfit.profile(model, batch, step=step, repeat=1)
-    sched = memfit.plan(prof, (memfit.predict(prof, {}).peak_bytes + prof.measured_peak_bytes["full"]) // 2)
+    sched = memfit.plan(prof, (memfit.predict(prof, {}).peak_bytes + prof.measured_peak_bytes[FULL]) // 2)
     sched.save(tmp_path / "s.json")
     loaded = memfit.load_schedule(tmp_path / "s.json")
     assert loaded.train_step == memfit.TrainStep("sgd-momentum", 2, "amp-bf16", 0.5)
@@ -210,10 +211,10 @@ def test_validate_runs_the_planned_step(tmp_path):
 def test_profiles_with_later_runs_round_trip(tmp_path):
     model, batch = tiny_gpt()
     prof = memfit.profile(model, batch, step=memfit.TrainStep(accumulate=2, precision="amp-bf16"), repeat=1)
-    assert any(p.releases for p in prof.phases) and any(u.options["full"].release_bytes > 0 for u in prof.units)
+    assert any(p.releases for p in prof.phases) and any(u.options[FULL].release_bytes > 0 for u in prof.units)
     prof.save(tmp_path / "p.json")
     again = Profile.load(tmp_path / "p.json")
-    full = dict.fromkeys(prof.unit_names, "full")
+    full = dict.fromkeys(prof.unit_names, FULL)
     assert memfit.predict(again, full) == memfit.predict(prof, full)
     plain = memfit.profile(model, batch, repeat=1).to_dict()
     assert "step" in plain and not any("later" in p or "releases" in p for p in plain["phases"])

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 
+from memfit.policy import FULL, KEEP
 from memfit.profiler.estimate import estimate
 
 transformers = pytest.importorskip("transformers")
@@ -39,7 +40,7 @@ def convnext():
 def test_hugging_face_vision_factories_estimate_for_a_gpu(factory):
     prof = estimate(factory, target="a100-40gb")
     assert len(prof.unit_names) >= 2
-    assert all(u.options["full"].stored_bytes < u.options["none"].stored_bytes for u in prof.units)
+    assert all(u.options[FULL].stored_bytes < u.options[KEEP].stored_bytes for u in prof.units)
     # and the initialisers are the real ones again: a model built now has drawn weights
     model, _ = factory()
     weights = torch.cat([p.detach().flatten() for p in model.parameters() if p.dim() > 1])

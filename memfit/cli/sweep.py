@@ -14,6 +14,7 @@ from memfit.cli.plan import check_outputs, flag_options
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
 from memfit.planning.options import check_strategies
+from memfit.policy import as_policies
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -101,8 +102,9 @@ def _measure_rows(args: argparse.Namespace, prof: Any, frame: Any) -> None:
     model, inputs = modelflags.build_model(sc, prof.device)
     with tqdm(total=len(plans), desc="measuring plans", unit="plan", file=sys.stderr, leave=False,
               disable=None) as bar:
-        peaks, overheads, sure = measure_plans(model, inputs, [json.loads(p) for p in plans], step=prof.train_step,
-                                         steps=args.steps, progress=lambda: (check_interrupt(), bar.update(1)))
+        read = [as_policies(json.loads(p)) for p in plans]  # the table's text, back into policies
+        peaks, overheads, sure = measure_plans(model, inputs, read, step=prof.train_step, steps=args.steps,
+                                               progress=lambda: (check_interrupt(), bar.update(1)))
     frame["measured_peak_bytes"] = frame["policies"].map(dict(zip(plans, peaks, strict=True))).astype("Int64")
     frame["measured_overhead"] = frame["policies"].map(dict(zip(plans, overheads, strict=True))).astype(float)
     frame["measured_uncertainty"] = frame["policies"].map(dict(zip(plans, sure, strict=True))).astype(float)

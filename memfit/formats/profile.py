@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from memfit.devices import MemoryRecord
 from memfit.errors import FileFormatError, MemfitError
 from memfit.jsonio import Fields, read_json, write_json_atomic
-from memfit.policy import COARSE, is_option
+from memfit.policy import COARSE, FULL, KEEP, Option, Segment, read
 from memfit.trainstep import CUSTOM, OPTIMIZERS, StepRecord, TrainStep
 
 if TYPE_CHECKING:
@@ -75,17 +75,17 @@ class UnitProfile:
     input_bytes: int  # bytes of the unit's tensor inputs (what a checkpoint keeps)
     saved_bytes: int  # saved for backward, deduplicated by storage, parameters excluded, by producer
     param_bytes: int
-    options: dict[str, OptionCost]
+    options: dict[Option, OptionCost]  # the measured options' costs, none and full first
     output_bytes: int = 0  # bytes of the unit's tensor output (freed inside a checkpointed segment)
 
     @property
     def fwd_transient_bytes(self) -> int:
-        o = self.options["none"]
+        o = self.options[KEEP]
         return max(0, o.fwd_peak_bytes - o.stored_bytes)
 
     @property
     def bwd_transient_bytes(self) -> int:
-        o = self.options["none"]
+        o = self.options[KEEP]
         return max(0, o.bwd_peak_bytes)
 
 
@@ -131,10 +131,10 @@ class Profile:
     units: list[UnitProfile]
     phases: list[Phase]
     fingerprint: dict[str, Any]
-    measured_peak_bytes: dict[str, int] = field(default_factory=dict)  # per all-units option
+    measured_peak_bytes: dict[Option, int] = field(default_factory=dict)  # per all-units option
     # estimated for a CUDA target: what the caching allocator's model (measure/allocator.py)
     # reserves at the peak of each all-units option's step, beside its allocated peak; {} otherwise
-    reserved_peak_bytes: dict[str, int] = field(default_factory=dict)
+    reserved_peak_bytes: dict[Option, int] = field(default_factory=dict)
     chain: bool = False  # each unit's output is the next one's only input: segments are possible
     recompute_factor: float = 1.0  # measured recompute time / first forward time, all units
     rng_state_bytes: int = 0  # device bytes of the RNG state a checkpoint keeps (CPU: 5056, CUDA: 0)
@@ -173,7 +173,7 @@ class Profile:
 
         rows = []
         for u in self.units:
-            none, full = u.options["none"], u.options["full"]
+            none, full = u.options[KEEP], u.options[FULL]
             rows.append(
                 {
                     "unit": u.name,
@@ -194,7 +194,7 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON takes them; a step without later runs as before they existed."""
-        data = asdict(self)
+        data = {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
         for u in data["units"]:
             for o in u["options"].values():
                 for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0),
@@ -217,6 +217,17 @@ class Profile:
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Profile:
         return profile_from_dict(read_json(path, PROFILE_FORMAT), str(path))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON takes it: ``asdict``, with options (policy values) as keys spelt."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, UnitProfile):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    return asdict(value) if is_dataclass(value) else value
 
 
 def save_profiles(profiles: list[Profile], path: str | os.PathLike[str]) -> None:
@@ -272,8 +283,9 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         units=units,
         phases=phases,
         fingerprint=f.obj("fingerprint").data,
-        measured_peak_bytes={k: measured.int(k) for k in measured.data},
-        reserved_peak_bytes={k: reserved.int(k) for k in reserved.data} if reserved is not None else {},
+        measured_peak_bytes={_option(measured, k): measured.int(k) for k in measured.data},
+        reserved_peak_bytes=({_option(reserved, k): reserved.int(k) for k in reserved.data}
+                             if reserved is not None else {}),
         torch_version=str(data.get("torch_version", "")),
         chain=bool(data.get("chain", False)),
         rng_state_bytes=int(data.get("rng_state_bytes", 0)),
@@ -314,11 +326,10 @@ def read_step(f: Fields) -> StepRecord | None:
 def _unit(u: Fields) -> UnitProfile:
     opts = u.obj("options")
     options = {}
-    for name in [*COARSE, *(k for k in opts.data if k not in COARSE)]:
-        if not is_option(name):
-            raise_field(opts.where, "options", f"unknown option {name!r}")
+    coarse = [str(o) for o in COARSE]
+    for name in [*coarse, *(k for k in opts.data if k not in coarse)]:
         o = opts.obj(name)
-        options[name] = OptionCost(
+        options[_option(opts, name)] = OptionCost(
             o.int("fwd_peak_bytes"), o.int("stored_bytes"), o.int("bwd_peak_bytes"),
             o.int("bwd_end_bytes"), o.float("recompute_s", minimum=0.0),
             *(o.int(k) if o.data.get(k) is not None else None for k in ("later_bwd_peak_bytes", "later_bwd_end_bytes")),
@@ -331,6 +342,14 @@ def _unit(u: Fields) -> UnitProfile:
         u.int("input_bytes", minimum=0), u.int("saved_bytes", minimum=0), u.int("param_bytes", minimum=0),
         options, u.int("output_bytes", minimum=0),
     )
+
+
+def _option(f: Fields, name: str) -> Option:
+    """The option a profile's key spells (every policy but a segment is one)."""
+    option = read(name)
+    if option is None or isinstance(option, Segment):
+        raise_field(f.where, "options", f"unknown option {name!r}")
+    return option  # type: ignore[return-value]
 
 
 def _phase(p: Fields, n_units: int) -> Phase:

@@ -12,7 +12,7 @@ from memfit.devices import MemoryRecord
 from memfit.errors import FileFormatError
 from memfit.formats.profile import ParallelLayout, read_memory, read_parallel, read_step
 from memfit.jsonio import Fields, read_json, write_json_atomic
-from memfit.policy import KINDS_HELP, read
+from memfit.policy import KEEP, KINDS_HELP, Policy, read, spelt
 from memfit.trainstep import StepRecord, TrainStep
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class Fallback(TypedDict):
     """A tighter plan for ``memfit.tighten``, for the same units."""
 
     budget_bytes: int
-    policies: dict[str, str]
+    policies: dict[str, Policy]
     predicted_peak_bytes: int
     predicted_recompute_s: float
     predicted_overhead: float
@@ -68,7 +68,7 @@ Levels = dict[str, list[list[Any]]]  # "plan" / "none" -> [phase, live bytes at 
 
 @dataclass(slots=True)
 class Schedule:
-    policies: dict[str, str]  # unit -> its policy, as memfit/policy.py spells it; in order
+    policies: dict[str, Policy]  # unit -> its policy (memfit/policy.py); in order
     budget_bytes: int
     predicted_peak_bytes: int
     predicted_recompute_s: float
@@ -109,7 +109,7 @@ class Schedule:
 
     @property
     def checkpointed(self) -> list[str]:
-        return [name for name, policy in self.policies.items() if policy != "none"]
+        return [name for name, policy in self.policies.items() if policy != KEEP]
 
     @property
     def plans(self) -> list[Schedule]:
@@ -128,6 +128,9 @@ class Schedule:
         """The fields as JSON takes them (``--json``); a plain step's empty record left out, so
         that a profile older than the step record plans to the file it planned to then."""
         data = asdict(self)
+        data["policies"] = spelt(self.policies)  # asdict would write each policy's fields, not its spelling
+        for fallback, mine in zip(data["fallbacks"], self.fallbacks, strict=True):
+            fallback["policies"] = spelt(mine["policies"])
         for key in ("step", "memory", "asked_budget_bytes", "predicted_uncertainty_s", "shapes"):
             if not data[key]:
                 del data[key]
@@ -144,7 +147,7 @@ class Schedule:
         always give a byte-identical file."""
         data = self.to_dict()
         del data["solve_s"], data["edited"]
-        data["policies_sha256"] = policies_digest(self.policies)  # an edit by hand shows on load
+        data["policies_sha256"] = policies_digest(data["policies"])  # an edit by hand shows on load
         for shape in data.get("shapes", []):
             shape["policies_sha256"] = policies_digest(shape["policies"])
         write_json_atomic(path, {"format": SCHEDULE_FORMAT, **data})
@@ -157,7 +160,8 @@ PER_SHAPE = ("policies", "predicted_peak_bytes", "predicted_recompute_s", "predi
 
 
 def policies_digest(policies: dict[str, str]) -> str:
-    """What the predictions were made for; ``load_schedule`` compares it with the file's policies."""
+    """What the predictions were made for, from the policies as the file spells them;
+    ``load_schedule`` compares it with the file's policies."""
     return hashlib.sha256(json.dumps(list(policies.items())).encode()).hexdigest()
 
 
@@ -217,16 +221,18 @@ def _schedule(f: Fields, path: str) -> Schedule:
         asked_budget_bytes=f.int("asked_budget_bytes", minimum=1) if "asked_budget_bytes" in f.data else None,
         predicted_uncertainty_s=(f.float("predicted_uncertainty_s", minimum=0.0)
                                  if "predicted_uncertainty_s" in f.data else 0.0),
-        edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(policies),
+        edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(f.obj("policies").data),
         share=f.float("share", minimum=0.0) if f.data.get("share") is not None else None,
     )
 
 
-def _policies(f: Fields) -> dict[str, str]:
-    for unit, policy in f.data.items():
-        if read(policy) is None:
-            raise FileFormatError(f"{f.where}: unit {unit!r} has the policy {policy!r}; expected {KINDS_HELP}")
-    return dict(f.data)
+def _policies(f: Fields) -> dict[str, Policy]:
+    policies = {}
+    for unit, text in f.data.items():
+        if (policy := read(text)) is None:
+            raise FileFormatError(f"{f.where}: unit {unit!r} has the policy {text!r}; expected {KINDS_HELP}")
+        policies[unit] = policy
+    return policies
 
 
 def _fallback(f: Fields, units: list[str]) -> Fallback:

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from memfit.formats.profile import Profile
 from memfit.planning import BASELINE_NAMES
 from memfit.planning.peak import Prediction, predict
-from memfit.planning.roles import FULL, SEGMENT, Role
+from memfit.planning.roles import FULL, segment
+from memfit.policy import FULL as CHECKPOINT
+from memfit.policy import KEEP, Policy
 
-Policies = dict[str, str]
+Policies = dict[str, Policy]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,20 +44,20 @@ def pick(baseline: Baseline, predictions: list[Prediction], budget: int) -> int 
 
 
 def _none(profile: Profile) -> list[Policies]:
-    return [dict.fromkeys(profile.unit_names, "none")]
+    return [dict.fromkeys(profile.unit_names, KEEP)]
 
 
 def _full(profile: Profile) -> list[Policies]:
-    return [dict.fromkeys(profile.unit_names, "full")]
+    return [dict.fromkeys(profile.unit_names, CHECKPOINT)]
 
 
 def _every_k(profile: Profile) -> list[Policies]:
     """k = 1, 2, ... N, and k = infinity (nothing checkpointed)."""
     names = profile.unit_names
     candidates = [
-        {n: "full" if (j + 1) % k == 0 else "none" for j, n in enumerate(names)} for k in range(1, len(names) + 1)
+        {n: CHECKPOINT if (j + 1) % k == 0 else KEEP for j, n in enumerate(names)} for k in range(1, len(names) + 1)
     ]
-    return [*candidates, dict.fromkeys(names, "none")]
+    return [*candidates, dict.fromkeys(names, KEEP)]
 
 
 def not_applicable(profile: Profile, strategy: str) -> str | None:
@@ -79,7 +81,7 @@ def _sqrt(profile: Profile) -> list[Policies]:
     policies: Policies = {}
     for first in range(0, n, size):
         last = min(n, first + size) - 1
-        role = Role(SEGMENT, first, last) if last > first else FULL
+        role = segment(first, last) if last > first else FULL
         for j in range(first, last + 1):
             policies[names[j]] = role.policy(names)
     return [policies]
@@ -88,10 +90,10 @@ def _sqrt(profile: Profile) -> list[Policies]:
 def _prefixes(profile: Profile, order: list[int]) -> list[Policies]:
     """Nothing checkpointed, then the units in ``order`` checkpointed one more at a time."""
     names = profile.unit_names
-    policies = dict.fromkeys(names, "none")
+    policies = dict.fromkeys(names, KEEP)
     out = [dict(policies)]
     for j in order:
-        policies[names[j]] = "full"
+        policies[names[j]] = CHECKPOINT
         out.append(dict(policies))
     return out
 
@@ -103,8 +105,8 @@ def _first_k(profile: Profile) -> list[Policies]:
 def _greedy(profile: Profile) -> list[Policies]:
     def gain(j: int) -> float:
         u = profile.units[j]
-        saved = u.options["none"].stored_bytes - u.options["full"].stored_bytes
-        return saved / max(u.options["full"].recompute_s, 1e-12)
+        saved = u.options[KEEP].stored_bytes - u.options[CHECKPOINT].stored_bytes
+        return saved / max(u.options[CHECKPOINT].recompute_s, 1e-12)
 
     return _prefixes(profile, sorted(range(len(profile.units)), key=gain, reverse=True))
 

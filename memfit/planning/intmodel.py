@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from memfit.formats.profile import Profile, after_forwards
 from memfit.planning.roles import FULL, NONE, Role, segment_roles, unit_costs
+from memfit.policy import COARSE
 
 RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
 
@@ -87,7 +88,7 @@ class IntModel:
         ]
         units = profile.units
         roles: list[list[Role]] = [
-            [NONE, FULL, *(Role(k) for k in u.options if fine and k not in (NONE.option, FULL.option))] for u in units
+            [NONE, FULL, *(Role(k) for k in u.options if fine and k not in COARSE)] for u in units
         ]
         if segments and profile.segmentable:
             for seg in segment_roles(len(units), max_segment):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from memfit.devices import usable_bytes
 from memfit.formats.profile import Profile, after_forwards
 from memfit.planning.roles import NONE, member_input, roles_of, unit_costs
+from memfit.policy import Policy, as_policies
 
 
 @dataclass(slots=True)
@@ -27,10 +28,10 @@ class Prediction:
     overhead_uncertainty: float = 0.0  # the same as a share of the un-checkpointed step
 
 
-def predict(profile: Profile, policies: Mapping[str, str]) -> Prediction:
+def predict(profile: Profile, policies: Mapping[str, Policy | str]) -> Prediction:
     """Peak bytes and recompute time of the step when each unit runs with its given policy
-    (memfit/policy.py; units not named are ``none``)."""
-    roles = roles_of(profile, policies)
+    (memfit/policy.py, as a value or spelt as in a schedule file; units not named are ``none``)."""
+    roles = roles_of(profile, as_policies(policies))
     costs = [unit_costs(profile, j, r) for j, r in enumerate(roles)]
     level = profile.baseline_bytes
     peak, where = level, "start"

@@ -19,6 +19,7 @@ from memfit.planning.intmodel import IntModel
 from memfit.planning.options import PlanOptions
 from memfit.planning.peak import device_cap_bytes, predict
 from memfit.planning.roles import policies_of
+from memfit.policy import FULL
 from memfit.trainstep import StepRecord
 
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner
@@ -324,7 +325,7 @@ def _cheapest_fitting(figures: dict[str, dict[str, Any]]) -> str | None:
 
 def strategy_min_budget(profile: Profile, strategy: str) -> int:
     """The smallest budget a baseline strategy fits (they fit every larger budget too)."""
-    full_peak = predict(profile, dict.fromkeys(profile.unit_names, "full")).peak_bytes
+    full_peak = predict(profile, dict.fromkeys(profile.unit_names, FULL)).peak_bytes
     none_peak = predict(profile, {}).peak_bytes
     lo = full_peak // 2
     hi = max(none_peak, 2 * lo + 1)

@@ -19,26 +19,30 @@ from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 from memfit.formats.profile import Profile
-from memfit.policy import COARSE, SEGMENT_HELP, Segment, read
-
-SEGMENT = "segment"
+from memfit.policy import COARSE, KEEP, SEGMENT_HELP, Option, Policy, Segment
+from memfit.policy import FULL as CHECKPOINT
 
 
 @dataclass(frozen=True, slots=True)
 class Role:
-    option: str  # the measured option's name ("none", "full", "child:mlp", ...), or SEGMENT
+    option: Option | None  # the measured option (none, full, child:mlp, ...); None for a segment's member
     first: int = -1  # a segment's first and last unit
     last: int = -1
 
     @property
     def is_segment(self) -> bool:
-        return self.option == SEGMENT
+        return self.option is None
 
-    def policy(self, names: list[str]) -> str:
-        return str(Segment(names[self.first], names[self.last])) if self.is_segment else self.option
+    def policy(self, names: list[str]) -> Policy:
+        return Segment(names[self.first], names[self.last]) if self.option is None else self.option
 
 
-NONE, FULL = (Role(o) for o in COARSE)
+def segment(first: int, last: int) -> Role:
+    """Membership of the segment of units ``first`` to ``last``."""
+    return Role(None, first, last)
+
+
+NONE, FULL = Role(KEEP), Role(CHECKPOINT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +65,12 @@ class Costs:
         return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
 
 
-def policies_of(names: list[str], roles: list[Role]) -> dict[str, str]:
-    """Each unit's policy, as a schedule spells it: the inverse of ``roles_of``."""
+def policies_of(names: list[str], roles: list[Role]) -> dict[str, Policy]:
+    """Each unit's policy: the inverse of ``roles_of``."""
     return {n: r.policy(names) for n, r in zip(names, roles, strict=True)}
 
 
-def roles_of(profile: Profile, policies: Mapping[str, str]) -> list[Role]:
+def roles_of(profile: Profile, policies: Mapping[str, Policy]) -> list[Role]:
     """Each unit's role; units not named are ``none``. Segments must be contiguous and whole."""
     names = profile.unit_names
     index = {n: i for i, n in enumerate(names)}
@@ -75,26 +79,25 @@ def roles_of(profile: Profile, policies: Mapping[str, str]) -> list[Role]:
         raise MemfitError(f"no unit named {unknown[0]!r} in the profile; units: {names}")
     roles = []
     for j, name in enumerate(names):
-        policy = policies.get(name, NONE.option)
+        policy = policies.get(name, KEEP)
         if policy in profile.units[j].options:
-            roles.append(Role(policy))
+            roles.append(Role(policy))  # type: ignore[arg-type]
             continue
-        seg = read(policy)
-        if not isinstance(seg, Segment) or seg.first not in index or seg.last not in index:
-            finer = [o for o in profile.units[j].options if o not in COARSE]
+        if not isinstance(policy, Segment) or policy.first not in index or policy.last not in index:
+            finer = [str(o) for o in profile.units[j].options if o not in COARSE]
             raise MemfitError(
-                f"unknown policy {policy!r} for unit {name!r}; use none, full, {SEGMENT_HELP}"
+                f"unknown policy {str(policy)!r} for unit {name!r}; use none, full, {SEGMENT_HELP}"
                 + (f" or one of its measured options {', '.join(finer)}" if finer else
                    " (finer options need a profile made with granularity 'fine')")
             )
-        role = Role(SEGMENT, index[seg.first], index[seg.last])
+        role = segment(index[policy.first], index[policy.last])
         if not role.first <= j <= role.last or role.last - role.first < 1:
-            raise MemfitError(f"unit {name!r} is not inside its segment {seg.first + '..' + seg.last!r} "
+            raise MemfitError(f"unit {name!r} is not inside its segment {policy.first + '..' + policy.last!r} "
                               "(a segment spans two or more units)")
         roles.append(role)
     for role in roles:
         if role.is_segment and any(roles[m] != role for m in range(role.first, role.last + 1)):
-            raise MemfitError(f"segment {role.policy(names)!r} must name every unit from {names[role.first]!r} "
+            raise MemfitError(f"segment {str(role.policy(names))!r} must name every unit from {names[role.first]!r} "
                               f"to {names[role.last]!r}")
     if any(r.is_segment for r in roles) and not profile.segmentable:
         if profile.chain:
@@ -108,11 +111,11 @@ def roles_of(profile: Profile, policies: Mapping[str, str]) -> list[Role]:
 def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
     """Exact (float) costs of unit ``j`` in ``role``."""
     u = profile.units[j]
-    if not role.is_segment:
+    if role.option is not None:
         o = u.options[role.option]
         return Costs(o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.recompute_s,
                      *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s, o.freed_after_bytes)
-    full = u.options[FULL.option]
+    full = u.options[CHECKPOINT]
     rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
     head = j == role.first
     # a later member stashes no RNG state of its own (measured peak: one RNG state below full's)
@@ -120,7 +123,7 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
     fwd = (full.fwd_peak_bytes - (0 if head else rng),
            full.stored_bytes - (0 if head else profile.units[j - 1].output_bytes + rng))
     if j < role.last:
-        none = u.options[NONE.option]
+        none = u.options[KEEP]
         (p0, e0), (p1, e1) = none.backward(False), none.backward(True)
         head_rng = rng if head else 0
         return Costs(*fwd, p0, e0 - head_rng, full.recompute_s, p1, e1 - head_rng, full.release_bytes,
@@ -143,9 +146,9 @@ def rematerialised(profile: Profile, role: Role) -> int:
     total = profile.rng_state_bytes * (role.last - role.first)
     for m in range(role.first, role.last):
         u = profile.units[m]
-        total += u.options[NONE.option].stored_bytes - u.options[FULL.option].stored_bytes + u.output_bytes
+        total += u.options[KEEP].stored_bytes - u.options[CHECKPOINT].stored_bytes + u.output_bytes
     return total
 
 
 def segment_roles(n: int, max_len: int) -> list[Role]:
-    return [Role(SEGMENT, i, k) for i in range(n) for k in range(i + 1, min(n, i + max_len))]
+    return [segment(i, k) for i in range(n) for k in range(i + 1, min(n, i + max_len))]

@@ -28,6 +28,7 @@ from memfit.planning.options import PlanOptions, check_strategies
 from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import check_granularity, min_budget_bytes
 from memfit.planning.roles import policies_of
+from memfit.policy import KEEP, spelt
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -115,7 +116,7 @@ def _row(budget: int, strategy: str, status: str, policies: Policies | None, pre
     return {"budget_bytes": budget, "strategy": strategy, "status": status, "predicted_peak_bytes": pred.peak_bytes,
             "predicted_overhead": pred.overhead, "recompute_s": pred.recompute_s,
             "predicted_uncertainty": pred.overhead_uncertainty,
-            "checkpointed": sum(v != "none" for v in policies.values()), "policies": json.dumps(policies),
+            "checkpointed": sum(v != KEEP for v in policies.values()), "policies": json.dumps(spelt(policies)),
             "solve_s": seconds, "frontier_violation": False}
 
 

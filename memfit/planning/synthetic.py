@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from memfit.formats.profile import OptionCost, Phase, Profile, UnitProfile
-from memfit.policy import Children
+from memfit.policy import FULL, KEEP, Children
 
 
 def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0,
@@ -29,21 +29,21 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
             UnitProfile(
                 f"u{i}", r.uniform(0.001, 0.01), 0.01, s, a, grads,
                 {
-                    "none": OptionCost(a + r.randint(0, 30), a, r.randint(0, 40), grads - a, 0.0),
-                    "full": OptionCost(s + r.randint(0, 30), s, a + r.randint(0, 40), grads - s,
+                    KEEP: OptionCost(a + r.randint(0, 30), a, r.randint(0, 40), grads - a, 0.0),
+                    FULL: OptionCost(s + r.randint(0, 30), s, a + r.randint(0, 40), grads - s,
                                        r.randint(1, 1000) * 1e-6),
                 },
                 output_bytes=r.randint(1, s),
             )
         )
-        full = units[-1].options["full"]
+        full = units[-1].options[FULL]
         if frees and (i == n - 1 or not chain):  # in a chain, outputs live on as the next inputs
             full.freed_after_bytes = rr.randint(0, s)
             full.bwd_end_bytes += full.freed_after_bytes
         for m in range(fine):
             kept = rf.randint(s, a)
             freed = rr.randint(0, full.freed_after_bytes)
-            units[-1].options[str(Children.of(f"c{m}"))] = OptionCost(
+            units[-1].options[Children.of(f"c{m}")] = OptionCost(
                 kept + rf.randint(0, 30), kept, rf.randint(0, a - kept + 40), grads - kept + freed,
                 full.recompute_s * rf.uniform(0.1, 1.0), freed_after_bytes=freed)
         phases.append(Phase(f"forward u{i}", i, "forward"))

@@ -31,7 +31,7 @@ from memfit.measure.step import (
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
-from memfit.policy import COARSE, Children, read
+from memfit.policy import COARSE, KEEP, Children, Option, Policy
 from memfit.profiler import costs
 from memfit.profiler import phases as timeline
 from memfit.profiler.options import fine_options
@@ -134,18 +134,19 @@ def profile(
             finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
         options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
         _check_children(model, names, options, children)
-        configs = [{n: o if o in COARSE or o in finer[n] else "none" for n in names} for o in options]
+        configs: list[dict[str, Policy]] = [{n: o if o in COARSE or o in finer[n] else KEEP for n in names}
+                                            for o in options]
         memory = _memory(harness, state, names, dict(zip(options, configs, strict=True)), meters, say, facts)
         times, full_times, *finer_times = _times(harness, state, names, dict(zip(options, configs, strict=True)),
                                                  repeat, meters, say)
         state.zero_grad()
         baseline = static_bytes(model, state, inp)
         state_bytes = storage_bytes(state.state_tensors())
-    measured = timeline.Runs.of(memory["none"], len(names)).count
+    measured = timeline.Runs.of(memory[KEEP], len(names)).count
     per_step = max(measured, state.step.accumulate)  # micro-batches past the two measured repeat the second
     groups = costs.structures(model, names, facts)
     if meters is None:  # fake meters time nothing: their times are estimates
-        costs.check_alike(timeline.first_runs(times, timeline.Runs.of(memory["none"], len(names)).forwards), groups,
+        costs.check_alike(timeline.first_runs(times, timeline.Runs.of(memory[KEEP], len(names)).forwards), groups,
                           names)
     full_sure, *finer_sure = ratio_uncertainties([_seconds(r) for r in times],
                                                  [[_seconds(r) for r in runs] for runs in (full_times, *finer_times)])
@@ -153,7 +154,7 @@ def profile(
                      _recompute_factor(times, full_times, full_sure), measured, per_step, groups)
     scale = per_step / measured
     for option, runs, sure in zip(options[len(COARSE):], finer_times, finer_sure, strict=True):
-        _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory["none"],
+        _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory[KEEP],
                     times, runs, scale, facts.saved_casts, groups, sure)
     _prune(prof)
     return prof
@@ -174,7 +175,7 @@ def _check_arguments(model: nn.Module, repeat: int, granularity: str, children: 
 
 
 def _times(harness: StepHarness, state: StepState | UserStepState, names: list[str],
-           configs: dict[str, dict[str, str]], repeat: int, meters: Meters | None,
+           configs: dict[Option, dict[str, Policy]], repeat: int, meters: Meters | None,
            say: Progress) -> list[list[list[Stretch]]]:
     """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``)."""
     options, policies = list(configs), list(configs.values())
@@ -184,16 +185,16 @@ def _times(harness: StepHarness, state: StepState | UserStepState, names: list[s
     with harness.switching() as use:
         def timed(k: int) -> list[Stretch]:
             if (call := next(calls)) % per_round == 0:
-                say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
+                say(f"timing {call // per_round + 1}/{repeat} ({', '.join(map(str, options))})")
             use(policies[k])
             return stretches(harness.marked_step(state, names, "time", meters))
 
         return alternate(timed, len(options), repeat)
 
 
-def _check_children(model: nn.Module, names: list[str], options: list[str], children: list[str] | None) -> None:
+def _check_children(model: nn.Module, names: list[str], options: list[Option], children: list[str] | None) -> None:
     """Every child the caller named is an option of some unit."""
-    offered = {o.names for o in map(read, options) if isinstance(o, Children)}
+    offered = {o.names for o in options if isinstance(o, Children)}
     for c in children or []:
         if c not in offered:
             unit = model.get_submodule(names[0])
@@ -202,21 +203,21 @@ def _check_children(model: nn.Module, names: list[str], options: list[str], chil
 
 
 def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[str],
-            configs: dict[str, dict[str, str]], meters: Meters | None, say: Progress,
-            facts: UnitFacts) -> dict[str, list[Stretch]]:
+            configs: dict[Option, dict[str, Policy]], meters: Meters | None, say: Progress,
+            facts: UnitFacts) -> timeline.Memory:
     """The memory stretches of a steady-state step with every unit running each option, and where
     a unit's checkpoint may free what the model's own code drops after it, with alternate units
     checkpointed (``timeline.separate``)."""
     model, inp, loss = harness.model, harness.inputs, harness.loss_fn
-    memory: dict[str, list[Stretch]] = {}
+    memory: timeline.Memory = {}
     for option, policies in configs.items():
         say(f"memory with every unit {option}")
         with harness.options(policies):
             state.zero_grad()
             training_step(model, inp, loss, state)  # warm-up in this configuration
             memory[option] = stretches(harness.marked_step(state, names, "memory", meters))
-        check_same_shape(memory["none"], memory[option], f"every unit was {option}")
-    timeline.check_order(memory["none"], names)
+        check_same_shape(memory[KEEP], memory[option], f"every unit was {option}")
+    timeline.check_order(memory[KEEP], names)
     if len(names) > 1 and timeline.needs_alternating(memory, names, facts):
         for key, policies in timeline.alternating(names).items():
             say(f"memory with {key.replace(':', ' ')} units checkpointed")
@@ -224,7 +225,7 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
                 state.zero_grad()
                 training_step(model, inp, loss, state)
                 memory[key] = stretches(harness.marked_step(state, names, "memory", meters))
-            check_same_shape(memory["none"], memory[key], key)
+            check_same_shape(memory[KEEP], memory[key], key)
     return memory
 
 
@@ -234,7 +235,7 @@ def _assemble(
     inp: Inputs,
     state: StepState | UserStepState,
     device: torch.device,
-    memory: dict[str, list[Stretch]],
+    memory: timeline.Memory,
     times: list[list[Stretch]],
     facts: UnitFacts,
     baseline: int,
@@ -315,7 +316,7 @@ def _cumulative(run: list[Stretch]) -> list[Stretch]:
     return out
 
 
-def _add_option(prof: Profile, option: str, has: list[bool], memory: list[Stretch], plain_memory: list[Stretch],
+def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Stretch], plain_memory: list[Stretch],
                 plain: list[list[Stretch]], runs: list[list[Stretch]], scale: float, saved_casts: list[int],
                 groups: list[int], sure: float) -> None:
     """A finer option's costs, for the units that ``has`` it, from the step that ran them all so;

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit import policy
 from memfit.errors import MemfitError, PolicyError
 from memfit.measure.step import Inputs, LossFn, packed, storage_key
-from memfit.policy import DERIVE, DERIVE_PRODUCTS, Children, Nested, Selective, read
+from memfit.policy import DERIVE, DERIVE_PRODUCTS, Children, Nested, Option, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
 from memfit.runtime.op_sets import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
@@ -35,14 +36,14 @@ MAX_CHILDREN = 3  # child options per unit class, the largest savers first
 
 
 def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: LossFn,
-                 unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[str]]:
+                 unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[Option]]:
     """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
     ``nested:<the child options' regions that do not overlap>``, ``selective:gemm[@<name>]``,
     ``derive``, ``derive:products``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
-    out: dict[str, list[str]] = {}
-    chosen: dict[tuple[object, ...], list[str]] = {}
+    out: dict[str, list[Option]] = {}
+    chosen: dict[tuple[object, ...], list[Option]] = {}
     for j, name in enumerate(names):
         unit = model.get_submodule(name)
         key = (type(unit), *((n, tuple(p.shape), p.dtype) for n, p in unit.named_parameters()))
@@ -50,30 +51,30 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             if children is None:
                 chains = _chains(model, name, inputs, loss_fn)
                 kids = _children(model, name, inputs, loss_fn, unit_saved[j])
-                chosen[key] = [str(_with_chains(c, chains)) for c in kids]
+                chosen[key] = [_with_chains(c, chains) for c in kids]
                 if chains:
-                    chosen[key].insert(0, str(Children(tuple((p, recv[-1]) for p, recv in chains))))
+                    chosen[key].insert(0, Children(tuple((p, recv[-1]) for p, recv in chains)))
             else:
                 kids = [c for c in children
                         if (o := _children_of(c)) and all(_has(unit, m) for r in o.regions for m in r)]
-                chosen[key] = [str(Children.of(c)) for c in kids]
+                chosen[key] = [Children.of(c) for c in kids]
             # the unit checkpointed whole with regions of its children nested inside: the forward
             # keeps what ``full`` keeps, the unit's backward less (ViT-Ti/16 blocks at 224 px: a
             # step of six peaked 44.6 MiB against full's 53.9)
-            nested = _nested(unit, [o for c in chosen[key] if isinstance(o := read(c), Children)])
+            nested = _nested(unit, [o for o in chosen[key] if isinstance(o, Children)])
             if nested is not None:
-                chosen[key].append(str(nested))
+                chosen[key].append(nested)
             # the op set inside each chosen child (measured cheaper than on the whole unit, whose
             # child options beat it: GPT block 30 MiB kept for 25 ms, attention alone 26 MiB for 23 ms);
             # on the whole unit only where no child stands out
             inner = [c for c in kids if _children_of(c) == Children(((c,),))]  # one module each
-            chosen[key] += [str(Selective(GEMM, c)) for c in inner if _has_products(unit.get_submodule(c))]
+            chosen[key] += [Selective(GEMM, c) for c in inner if _has_products(unit.get_submodule(c))]
             if not inner and _has_products(unit):
-                chosen[key].append(str(Selective(GEMM)))
+                chosen[key].append(Selective(GEMM))
             # written-out attention: its activation products' inputs and outputs recomputed, the
             # weight products kept (Megatron's core attention); where none runs this is gemm's twin
             between = _activation_products(model, name, inputs)
-            chosen[key] += [str(Selective(WEIGHTS, c)) for c in (inner or [""]) if c in between]
+            chosen[key] += [Selective(WEIGHTS, c) for c in (inner or [""]) if c in between]
             chosen[key] += _derive_options(model, name, inputs, loss_fn, unit_saved[j])
         out[name] = list(chosen[key])
     return out
@@ -142,16 +143,17 @@ def _activation_products(model: nn.Module, name: str, inputs: Inputs) -> set[str
     return found
 
 
-def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, saved: int) -> list[str]:
+def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, saved: int) -> list[policy.Derive]:
     """``derive`` where it sheds ``MIN_SHARE`` of the unit's saved bytes, and ``derive:products``
     where going through products and softmax sheds that much more again (written-out attention)."""
     if saved <= 0:
         return []
-    out, shed = [], 0
-    for policy in (DERIVE, DERIVE_PRODUCTS):
-        more = _derivable(model, name, inputs, loss_fn, policy.products)
+    out: list[policy.Derive] = []
+    shed = 0
+    for option in (DERIVE, DERIVE_PRODUCTS):
+        more = _derivable(model, name, inputs, loss_fn, option.products)
         if more - shed >= MIN_SHARE * saved:
-            out.append(str(policy))
+            out.append(option)
             shed = more
     return out
 

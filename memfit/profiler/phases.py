@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from memfit.errors import MemfitError
 from memfit.formats.profile import OptionCost, Phase, UnitProfile, after_forwards
-from memfit.policy import COARSE
+from memfit.policy import COARSE, FULL, KEEP, Option, Policy
 from memfit.profiler import costs
 from memfit.profiler.saved import UnitFacts
 from memfit.runtime.marks import Stretch
+
+# each all-units option's memory run, and the two ALTERNATE runs (named by these strings)
+Memory = dict[Option | str, list[Stretch]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,7 @@ class Runs:
         return max((len(f) for f in self.forwards), default=0)
 
 
-def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[Stretch]], facts: UnitFacts,
+def units(names: list[str], memory: Memory, times: list[list[Stretch]], facts: UnitFacts,
           factor: float, sure: float, runs_per_step: int, param_bytes: list[int],
           groups: list[int], freed: list[int]) -> list[UnitProfile]:
     """Each unit's times and its coarse options' memory figures. A checkpointed unit runs its
@@ -64,9 +67,9 @@ def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[S
     (``factor``, sure within ``sure`` of it), ``runs_per_step`` times a step. Units of one
     structure (``groups``: profiler/costs.py) share their times' samples; ``freed``: what
     checkpointing each frees right after its forward (``separate``)."""
-    runs = Runs.of(memory["none"], len(names))
+    runs = Runs.of(memory[KEEP], len(names))
     every = [True] * len(names)
-    released = {o: releases(memory["none"], memory[o], every, facts.saved_casts) for o in COARSE}
+    released = {o: releases(memory[KEEP], memory[o], every, facts.saved_casts) for o in COARSE}
     for i, name in enumerate(names):
         if not runs.forwards[i] or not runs.backwards[i]:
             raise MemfitError(
@@ -78,14 +81,14 @@ def units(names: list[str], memory: dict[str, list[Stretch]], times: list[list[S
     out: list[UnitProfile] = []
     for i, name in enumerate(names):
         fwd_s, bwd_s = fwd[i], bwd[i]
-        options = {o: option_cost(memory[o], runs, i, name, 0.0 if o == "none" else fwd_s * factor * runs_per_step,
-                                  released[o][i], 0.0 if o == "none" else fwd_s * sure * runs_per_step)
+        options = {o: option_cost(memory[o], runs, i, name, 0.0 if o == KEEP else fwd_s * factor * runs_per_step,
+                                  released[o][i], 0.0 if o == KEEP else fwd_s * sure * runs_per_step)
                    for o in COARSE}
         out.append(UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], param_bytes[i], options,
                                facts.outputs[i]))
     _share_outputs(out, facts)
     for u, f in zip(out, freed, strict=True):
-        u.options["full"].freed_after_bytes = f
+        u.options[FULL].freed_after_bytes = f
     return out
 
 
@@ -134,30 +137,30 @@ def releases(plain: list[Stretch], run: list[Stretch], has: list[bool], weights:
 ALTERNATE = ("alternate:even", "alternate:odd")  # memory runs: the even units full, the rest none; the reverse
 
 
-def alternating(names: list[str]) -> dict[str, dict[str, str]]:
+def alternating(names: list[str]) -> dict[str, dict[str, Policy]]:
     """The two memory runs that tell apart, after a unit's forward, what checkpointing that unit
     frees from what checkpointing any unit keeps (``separate``)."""
-    return {key: {n: "full" if i % 2 == parity else "none" for i, n in enumerate(names)}
+    return {key: {n: FULL if i % 2 == parity else KEEP for i, n in enumerate(names)}
             for parity, key in enumerate(ALTERNATE)}
 
 
-def needs_alternating(memory: dict[str, list[Stretch]], names: list[str], facts: UnitFacts) -> bool:
+def needs_alternating(memory: Memory, names: list[str], facts: UnitFacts) -> bool:
     """Whether some remainder right after a unit's forward may end otherwise with that unit
     checkpointed (a unit saves an output the next does not take, or the all-checkpointed step
     ends such a remainder elsewhere): the alternating runs tell what that unit's option frees
     from what any checkpoint keeps, which can cancel out in the all-checkpointed step."""
     after = after_forwards(phases(memory, names, "run"))
-    return any(facts.may_free_output) or any(memory["full"][t].end != memory["none"][t].end for t in after)
+    return any(facts.may_free_output) or any(memory[FULL][t].end != memory[KEEP][t].end for t in after)
 
 
-def separate(memory: dict[str, list[Stretch]], steps: list[Phase], n: int) -> list[int]:
+def separate(memory: Memory, steps: list[Phase], n: int) -> list[int]:
     """Split the remainders right after a unit's forward (of ``steps``, the step's phases) with the
     alternating runs where they were made: in the one where unit ``j`` is kept the phase shows what
     the other checkpoints keep (its ``ckpt_end_bytes``, set here), in the one where it is
     checkpointed also what that frees. Returns what checkpointing each unit frees there (the
     least over its runs). A phase that does not add up (the all-checkpointed run ends elsewhere,
     or a part comes out negative) keeps the cautious rule and frees nothing."""
-    none, full = memory["none"], memory["full"]
+    none, full = memory[KEEP], memory[FULL]
     runs = (memory[ALTERNATE[0]], memory[ALTERNATE[1]]) if ALTERNATE[0] in memory else None
     if n == 1:
         runs = (full, none)
@@ -184,12 +187,12 @@ def option_frees(memory: list[Stretch], plain: list[Stretch], steps: list[Phase]
     return [min(by_unit.get(j, [0])) for j in range(len(has))]
 
 
-def phases(memory: dict[str, list[Stretch]], names: list[str], word: str) -> list[Phase]:
+def phases(memory: Memory, names: list[str], word: str) -> list[Phase]:
     """The step's phases: each unit's forwards and backwards, and the remainder between them;
     ``word`` names a unit's later runs (``micro-batch``, or ``run`` for a user's step)."""
     out = []
     seen: set[int] = set()
-    for s_none, s_full in zip(memory["none"], memory["full"], strict=True):
+    for s_none, s_full in zip(memory[KEEP], memory[FULL], strict=True):
         lab = Label.of(s_none.label)
         if lab.kind in ("fwd", "bwd") and lab.unit is not None:
             label = f"{'forward' if lab.kind == 'fwd' else 'backward'} {names[lab.unit]}" + _nth(lab.run, word)
@@ -265,7 +268,7 @@ def _share_outputs(units: list[UnitProfile], facts: UnitFacts) -> None:
     for j in range(len(units) - 1):
         if facts.keeps_output[j]:
             out = facts.outputs[j]
-            nxt, cur = units[j + 1].options["full"], units[j].options["full"]
+            nxt, cur = units[j + 1].options[FULL], units[j].options[FULL]
             nxt.bwd_end_bytes += out
             cur.bwd_peak_bytes -= out
             cur.bwd_end_bytes -= out

@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError, MemfitWarning, ScheduleMismatchError
 from memfit.formats.schedule import Schedule, fingerprint_difference, load_schedule, model_fingerprint
-from memfit.policy import KEEP, KINDS_HELP, Children, Full, Nested, Segment, Selective, read
+from memfit.policy import KEEP, KINDS_HELP, Children, Full, Nested, Policies, Segment, Selective
 from memfit.policy import Derive as DerivePolicy
 from memfit.runtime.derive import Derive
 from memfit.runtime.kv_cache import cache_off
@@ -85,7 +85,7 @@ class _Applied:
     schedule: Schedule
     shape: int  # the plan in use: an index into schedule.plans
     levels: dict[int, int]  # per shape, 0 (or absent): its plan itself; k: its k-th fallback
-    policies: dict[str, str]  # what runs now
+    policies: Policies  # what runs now
     drift_hook: RemovableHandle
 
 
@@ -139,7 +139,7 @@ def remove(model: nn.Module) -> nn.Module:
     return model
 
 
-def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
+def set_policies(model: nn.Module, policies: Policies) -> None:
     """Run each unit as its policy (memfit/policy.py) says. Every name must be a submodule, and
     a segment's units must all say so, in order."""
     regions = _set_units(model, policies)
@@ -147,14 +147,14 @@ def set_policies(model: nn.Module, policies: dict[str, str]) -> None:
     model.__dict__["_memfit_guard"] = guard(model, regions) + cache_off(model)
 
 
-def _switch(model: nn.Module, policies: dict[str, str]) -> None:
+def _switch(model: nn.Module, policies: Policies) -> None:
     """Other policies from the next forward on, the model's own hooks (the guard, the cache's)
     kept: a switch runs inside the model's forward pre-hooks, whose list PyTorch took before."""
     _units_off(model)
     model.__dict__["_memfit_regions"][:] = _set_units(model, policies)
 
 
-def _set_units(model: nn.Module, policies: dict[str, str]) -> list[Region]:
+def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
     modules: dict[str, nn.Module] = {}
     for name in policies:
         try:
@@ -163,7 +163,7 @@ def _set_units(model: nn.Module, policies: dict[str, str]) -> list[Region]:
             raise ScheduleMismatchError(f"the model has no unit named {name!r}") from None
     _refuse_shared(modules)
     plan = _region_plan(policies)
-    derived = {n: d for n, p in policies.items() if isinstance(d := read(p), DerivePolicy)}
+    derived = {n: p for n, p in policies.items() if isinstance(p, DerivePolicy)}
     for name in derived:
         _refuse_checkpointed(name, modules[name])
     for members, _, _, _ in plan:
@@ -181,14 +181,14 @@ def _set_units(model: nn.Module, policies: dict[str, str]) -> list[Region]:
             for members, op_set, chain, inner in plan]
 
 
-def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool, bool]]:
+def _region_plan(policies: Policies) -> list[tuple[list[str], str, bool, bool]]:
     """(module names, op set, chain, inside a checkpointed unit) of each region the policies
     ask for, in order."""
     names = list(policies)
     plan: list[tuple[list[str], str, bool, bool]] = []
     j = 0
     while j < len(names):
-        unit, policy = names[j], read(policies[names[j]])
+        unit, policy = names[j], policies[names[j]]
         j += 1
         if isinstance(policy, Full):
             plan.append(([unit], "", False, False))
@@ -205,11 +205,11 @@ def _region_plan(policies: dict[str, str]) -> list[tuple[list[str], str, bool, b
             k = names.index(policy.last)
             if any(policies[n] != policies[unit] for n in names[j - 1 : k + 1]):
                 raise MemfitError(f"every unit from {policy.first!r} to {policy.last!r} must have the policy "
-                                  f"{policies[unit]!r}")
+                                  f"{str(policies[unit])!r}")
             plan.append((names[j - 1 : k + 1], "", False, False))
             j = k + 1
         elif policy != KEEP and not isinstance(policy, DerivePolicy):
-            raise MemfitError(f"unit {unit!r} has the policy {policies[unit]!r}; use {KINDS_HELP} "
+            raise MemfitError(f"unit {unit!r} has the policy {str(policies[unit])!r}; use {KINDS_HELP} "
                               "naming this unit first and a later unit last")
     return plan
 

@@ -36,6 +36,7 @@ from memfit.measure.step import (
 )
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, timed_step
 from memfit.measure.userstep import StepFn, UserStepState
+from memfit.policy import Policies
 from memfit.runtime.apply import apply, clear_policies, remove, set_policies
 from memfit.runtime.marks import recorded_step, stretches
 from memfit.trainstep import OptimizerFactory, TrainStep, step_of
@@ -121,7 +122,7 @@ class StepHarness:
             snapshot.restore()
 
     @contextmanager
-    def options(self, policies: dict[str, str]) -> Iterator[None]:
+    def options(self, policies: Policies) -> Iterator[None]:
         """Units running the given policies (memfit/policy.py) for the duration."""
         set_policies(self.model, policies)
         try:
@@ -130,14 +131,14 @@ class StepHarness:
             clear_policies(self.model)
 
     @contextmanager
-    def switching(self) -> Iterator[Callable[[dict[str, str]], None]]:
+    def switching(self) -> Iterator[Callable[[Policies], None]]:
         """For interleaved series: a function that puts the units in the given policies, changing
         nothing when they already are (``alternate`` runs each configuration's untimed step right
         before its timed one, so the timed step finds the state a loop's steady state has: a
         ``derive`` unit's learned plan, say); every policy is cleared at the end."""
-        current: list[dict[str, str] | None] = [None]
+        current: list[Policies | None] = [None]
 
-        def use(policies: dict[str, str]) -> None:
+        def use(policies: Policies) -> None:
             if current[0] is not policies:
                 clear_policies(self.model)
                 set_policies(self.model, policies)
@@ -181,7 +182,7 @@ class StepHarness:
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         return StepRun(losses, grads, buffers, peak, figures)
 
-    def step_times(self, plans: list[dict[str, str]], rounds: int) -> tuple[float, list[float], list[float]]:
+    def step_times(self, plans: list[Policies], rounds: int) -> tuple[float, list[float], list[float]]:
         """Median step time of the plain model, the median ratio of each plan's step time to
         the plain step's in the same round (``alternate``), and each ratio's uncertainty
         (``ratio_uncertainties``): one series for all plans, so that they share the plain steps and the

@@ -20,6 +20,7 @@ from memfit.measure.step import (
     device_of,
 )
 from memfit.measure.userstep import StepFn
+from memfit.policy import Policies
 from memfit.runtime.harness import StepHarness
 from memfit.trainstep import OptimizerFactory, TrainStep, step_difference, step_of
 
@@ -95,7 +96,7 @@ class Validation:
 
 
 def step_times(
-    model: nn.Module, inputs: Any, schedules: list[dict[str, str]], *, loss_fn: LossFn | None = None,
+    model: nn.Module, inputs: Any, schedules: list[Policies], *, loss_fn: LossFn | None = None,
     optimizer: str | OptimizerFactory | None = "adamw", step: TrainStep | None = None, steps: int = 5,
 ) -> tuple[float, list[float]]:
     """``StepHarness.step_times``: the plain model's median step time, and each schedule's
@@ -275,7 +276,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, noise: float = 0.0) -> bool:
 
 
 def measure_plans(
-    model: nn.Module, inputs: Any, plans: list[dict[str, str]], *, loss_fn: LossFn | None = None,
+    model: nn.Module, inputs: Any, plans: list[Policies], *, loss_fn: LossFn | None = None,
     optimizer: str | None = "adamw", step: TrainStep | None = None, steps: int = 3,
     progress: Callable[[], None] | None = None,
 ) -> tuple[list[int], list[float], list[float]]:

@@ -36,7 +36,7 @@ from memfit.budget import format_bytes
 from memfit.errors import EagerPlanCompiledWarning, MemfitWarning, PlanDriftWarning
 from memfit.formats.schedule import Schedule
 from memfit.measure.step import Inputs, iter_tensors
-from memfit.policy import is_segment
+from memfit.policy import Segment
 from memfit.runtime.threads import Weak
 from memfit.torch_private import allow_in_compiled_graph
 
@@ -157,7 +157,7 @@ class Watch:
             f"memfit: this {type(model).__name__} runs under torch.compile, and its schedule was planned for the "
             "eager step: the compiled step saves what the compiler's partitioner chooses"
             + (" and runs each segment member as its own checkpoint"
-               if any(is_segment(p) for p in schedule.policies.values()) else "")
+               if any(isinstance(p, Segment) for p in schedule.policies.values()) else "")
             + ", so its peak may exceed the planned "
             f"{format_bytes(schedule.predicted_peak_bytes)}; plan the compiled step (memfit plan --compile inductor), "
             "or check this one (memfit validate --compile inductor)")
