@@ -25,6 +25,7 @@ from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema, sa
 # largest operand, live during the op. Fitted on the CPU to the ResNet-style test CNN, whose
 # measured backward holds about two (tests/test_estimate.py); cuDNN's depend on the algorithm.
 _WORKSPACE = {"convolution": 1, "convolution_backward": 2}
+_WORKSPACE_KEY = object()  # the allocator model's name for a kernel's workspace, freed as soon as made
 
 
 def fake_meters(target: Device, reserved: list[tuple[int, int]] | None = None) -> Meters:
@@ -81,6 +82,9 @@ class FakeMemoryRecorder(TorchDispatchMode):
         if workspace:  # buffers the kernel allocates and frees inside itself, which no tensor shows
             largest = max((t.numel() * t.element_size() for t in iter_tensors((args, kwargs))), default=0)
             self._peak = max(self._peak, self._level + workspace * largest)
+            if self._allocator is not None:  # cuDNN takes its workspace from the caching allocator too
+                self._allocator.malloc(_WORKSPACE_KEY, workspace * largest)
+                self._allocator.free(_WORKSPACE_KEY)
         return out
 
     def __enter__(self) -> FakeMemoryRecorder:

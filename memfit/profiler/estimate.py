@@ -24,6 +24,7 @@ from memfit.measure.fake import fake_meters
 from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
 from memfit.profiler.autocast_lists import cuda_lists
 from memfit.profiler.fake_build import fake_build, real_to_fake
+from memfit.profiler.phases import ALTERNATE
 from memfit.torch_private import FakeTensorMode, fake_store
 from memfit.trainstep import TrainStep, step_of
 from memfit.units import find_units
@@ -128,8 +129,11 @@ def estimate(
             prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
             prof.baseline_bytes += held_by_wrapper(model, parallel)
     prof.mode, prof.target, prof.memory = "estimated", spec.name, spec.memory
-    if len(reserved) == len(prof.measured_peak_bytes):  # one memory step per all-units option, in order
-        prof.reserved_peak_bytes = {o: r for o, (_, r) in zip(prof.measured_peak_bytes, reserved, strict=True)}
+    # the profiler's memory steps: one per all-units option, in the order of measured_peak_bytes,
+    # then, where it needs them, the two alternating ones (profiler/phases.ALTERNATE), not kept here
+    options = list(prof.measured_peak_bytes)
+    if len(reserved) in (len(options), len(options) + len(ALTERNATE)):
+        prof.reserved_peak_bytes = {o: r for o, (_, r) in zip(options, reserved[:len(options)], strict=True)}
     if spec.cuda:
         prof.device = "cuda"
         prof.rng_state_bytes = 0  # a CUDA checkpoint keeps its RNG state on the host
