@@ -91,23 +91,57 @@ def fit(
     root = cache_root(cache_dir)
     entry = Entry(root, key) if root is not None else None
     plan_name = f"plan-{digest({'budget': budget_bytes, **plan_options})}.json"
-    schedule = entry.read(plan_name, _loader(load_schedule, key)) if entry else None
+    # several ranks (TP, FSDP2, DDP): rank 0 reads the cache and plans, and every rank applies its
+    # plan, since a checkpointed unit re-runs its collectives in the backward; every rank profiles
+    # with it, since the profile's steps run them too
+    ranks = _ranks()
+    lead = ranks is None or ranks.get_rank() == 0
+    schedule = entry.read(plan_name, _loader(load_schedule, key)) if entry and lead else None
     how = "from the cache"
-    if schedule is None:
-        prof = entry.read("profile.json", _loader(Profile.load, key)) if entry else None
-        if prof is None:
-            prof = _measure(model, inputs, loss_fn, train_step, names, target, repeat, granularity)
-            if entry:
+    failed: MemfitError | None = None
+    if _agreed(ranks, schedule is None):
+        prof = entry.read("profile.json", _loader(Profile.load, key)) if entry and lead else None
+        if _agreed(ranks, prof is None):
+            if lead or target is None:
+                prof = _measure(model, inputs, loss_fn, train_step, names, target, repeat, granularity)
+            if entry and lead:
                 entry.write("profile.json", prof.save)
             how = f"{'estimated for ' + target if target else 'profiled'} in {time.perf_counter() - started:.1f} s"
         else:
             how = "planned from the cached profile"
-        schedule = plan(prof, budget_bytes, **plan_options)
-        if entry:
-            entry.write(plan_name, schedule.save)
+        if lead:
+            try:
+                schedule = plan(prof, budget_bytes, **plan_options)
+            except MemfitError as exc:  # said to every rank, so that none waits for a plan
+                failed = exc
+            if entry and schedule is not None:
+                entry.write(plan_name, schedule.save)
+    if ranks is not None:
+        schedule, message = _agreed(ranks, (schedule, None if failed is None else str(failed)))
+        if message is not None and failed is None:
+            raise MemfitError(f"rank 0 could not plan: {message}")
+    if failed is not None:
+        raise failed
+    assert schedule is not None
     apply(model, schedule)
     _announce(schedule, said, how, entry.folder if entry else None)
     return schedule
+
+
+def _ranks() -> Any:
+    """``torch.distributed`` when this process is one of several ranks, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _agreed(ranks: Any, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (``value`` itself in one process)."""
+    if ranks is None:
+        return value
+    shared = [value]
+    ranks.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def resolve_budget(budget: str | int, device: torch.device, target: str | None = None) -> tuple[int, str]:
