@@ -162,3 +162,54 @@ def test_fit_on_every_rank_applies_rank_0s_plan_everywhere(tmp_path):
     assert first[0] == first[1] == cached[0] == cached[1]
     assert any(p != "none" for p in first[0].values())
     assert got["refused"] == ["InfeasibleBudgetError", "MemfitError"]
+
+
+def _fsdp_tp_rank(device: str) -> dict:
+    """FSDP2 over the data-parallel dimension of a 2 x 2 mesh, TP over the other, as torchtitan
+    composes them: each data-parallel group trains on its own half of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import memfit
+    from memfit.measure.memory import measured
+
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
+    plain, batch = _llama()
+    dp = mesh["dp"].get_local_rank()
+    mine = {k: v[dp:dp + 1] if torch.is_tensor(v) else v for k, v in batch.items()}
+    model = copy.deepcopy(plain)
+    for name in UNITS:
+        parallelize_module(model.get_submodule(name), mesh["tp"], _tp_plans(False)[1])
+        fully_shard(model.get_submodule(name), mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    prof = memfit.profile(model, mine, units=UNITS, optimizer="adamw", repeat=1)
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    shared = [memfit.plan(prof, (lo + hi) // 2) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    sched = shared[0]
+    memfit.apply(model, sched)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
+    _step(model, opts[0], mine)
+    _step(plain, opts[1], batch)  # one process: the whole batch, whose loss is the halves' mean
+    opts[0].zero_grad(set_to_none=True)
+    state = [v for s in opts[0].state.values() for v in s.values() if torch.is_tensor(v)]
+    _, peak, _ = measured(lambda: _step(model, opts[0], mine),
+                          lambda: [*model.parameters(), *model.buffers(), *state,
+                                   *(v for v in mine.values() if torch.is_tensor(v))])
+    _step(plain, opts[1], batch)
+    ref = dict(plain.named_parameters())
+    error = max(float((_whole(p.grad) - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-12))
+                for n, p in model.named_parameters())
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (memfit.predict(prof, sched.policies).peak_bytes, peak))
+    return {"ranks": per_rank, "checkpointed": sched.checkpointed, "grad_error": error}
+
+
+@pytest.mark.slow  # four ranks: some 20 s on 2 cores
+def test_fsdp2_times_tp_on_four_ranks_plans_per_rank_and_trains_as_one_process():
+    got = spawn_ranks(_fsdp_tp_rank, 4, "cpu")
+    assert 0 < len(got["checkpointed"]) < len(UNITS)
+    for predicted, measured in got["ranks"]:
+        assert abs(predicted - measured) <= TOLERANCE * predicted, got["ranks"]
+    assert got["grad_error"] < 1e-4
