@@ -87,6 +87,8 @@ def spawn_ranks(target: Any, world_size: int, device: str, *args: Any, who: str 
             p.join(60)
             if p.is_alive():
                 p.kill()
+    if status == "mistake":
+        raise MemfitError(payload)
     if status != "ok":
         raise MemfitError(f"a rank of the {who} failed: {payload}")
     return payload
@@ -126,6 +128,9 @@ def _rank(target: Any, rank: int, world_size: int, port: int, device: str, args:
         result = target(f"cuda:{rank}" if cuda else "cpu", *args, **kwargs)
         if rank == 0:
             queue.put(("ok", result))
+    except MemfitError as exc:  # a mistake to say as it is (a model without a tensor-parallel plan, say)
+        if rank == 0:
+            queue.put(("mistake", str(exc)))
     except Exception as exc:  # reported by the parent, which has the terminal
         if rank == 0:
             queue.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"))

@@ -359,7 +359,8 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
                        f"{format_bytes(usable - headroom)}")
     if schedule.parallel:
         p = schedule.parallel
-        out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks (measured on one of them)")
+        how = "estimated for" if schedule.target else "measured on"
+        out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks ({how} one of them)")
         if headroom:
             short = " (more than this budget leaves)" if peak + headroom > schedule.budget_bytes else ""
             out.append(f"leave {format_bytes(headroom)} of headroom{short}: a rank's peak moves by up to one "

@@ -56,7 +56,7 @@ class Scenario:
     zero_grad: str = "none"
     keep_output: bool = False
     autocast_cache: bool = True  # amp's autocast keeps its weight casts (False: Lightning's cache_enabled=False)
-    parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16 or ddp (formats.profile.PARALLEL)
+    parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16, ddp or tp (formats.profile.PARALLEL)
     world_size: int | None = None  # ranks for parallel (default 2)
     # sequence lengths to plan for (one schedule, a plan each): the factory is called with its
     # ``seq`` argument at the longest, and each length's inputs are its inputs cut to that length

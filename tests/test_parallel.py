@@ -93,7 +93,10 @@ def test_fsdp_shards_what_one_process_holds(tiny):
 
 
 def test_bad_parallel_settings(tiny):
-    with pytest.raises(memfit.MemfitError, match="unknown parallelism 'tp'"):
+    with pytest.raises(memfit.MemfitError, match="unknown parallelism 'pp'"):
+        profile_ranks(tiny, parallel="pp", world_size=2)
+    alone = r"^--parallel tp needs the model's own tensor-parallel plan, which GPT does not declare [^\n]*guide.md\)$"
+    with pytest.raises(memfit.MemfitError, match=alone):  # the message alone, no rank's traceback
         profile_ranks(tiny, parallel="tp", world_size=2)
     with pytest.raises(memfit.MemfitError, match="at least 2"):
         profile_ranks(tiny, parallel="ddp", world_size=1)

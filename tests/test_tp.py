@@ -3,10 +3,12 @@ with ``parallelize_module`` before memfit sees it (issue 41): Hugging Face's Lla
 config on 2 gloo ranks. Each rank profiles its own step (its shards, the collectives' buffers,
 what sequence parallelism shards), rank 0's plan is broadcast (a region's recomputation re-runs
 its collectives, so every rank must checkpoint the same units), and the user's loop then
-measures the predicted peak and trains as one process does."""
+measures the predicted peak and trains as one process does. ``--parallel tp`` shards a Hugging
+Face model by its config's own plan, measured on gloo ranks and estimated on fake ones."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -213,3 +215,71 @@ def test_fsdp2_times_tp_on_four_ranks_plans_per_rank_and_trains_as_one_process()
     for predicted, measured in got["ranks"]:
         assert abs(predicted - measured) <= TOLERANCE * predicted, got["ranks"]
     assert got["grad_error"] < 1e-4
+
+
+LLAMA = """  # a scenario: Hugging Face's Llama, whose config declares its tensor-parallel plan
+description = "small Llama for tensor parallelism"
+model = "memfit.hf:llama"
+parallel = "tp"
+[args]
+batch = 2
+seq = 64
+n_layer = 4
+hidden = 128
+n_head = 4
+vocab = 512
+intermediate = 384
+"""
+
+
+def test_parallel_tp_shards_by_the_models_own_plan_measured_and_estimated(tmp_path):
+    """``--parallel tp``: the ranks apply the Hugging Face config's ``base_model_tp_plan``
+    (column-wise q, k, v and MLP inputs, row-wise outputs) with PyTorch's parallel styles; plans
+    from rank 0's profile hold on the ranks, gradients are one process's, and estimate mode over
+    the fake process group gives the same per-rank model state and peaks within 2%."""
+    import memfit
+    from memfit.parallel import measure_ranks, profile_ranks
+    from memfit.policy import FULL
+    from memfit.profiler.estimate import estimate
+    from memfit.runtime.harness import measure_steps
+    from memfit.scenarios import load_scenario
+
+    (tmp_path / "llama.toml").write_text(LLAMA)
+    sc = load_scenario(str(tmp_path / "llama.toml"))
+    prof = profile_ranks(sc, parallel="tp", world_size=2, repeat=1)
+    assert prof.parallel == {"kind": "tp", "world_size": 2}
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    sched = memfit.plan(prof, (lo + hi) // 2)
+    assert sched.parallel == prof.parallel and 0 < len(sched.checkpointed) < len(UNITS)
+    got = measure_ranks(sc, [sched.policies], parallel="tp", world_size=2)
+    assert abs(got["peaks"][0] - sched.predicted_peak_bytes) <= TOLERANCE * sched.predicted_peak_bytes
+    model, batch = sc.build("cpu")
+    one = measure_steps(model, batch, step=sc.train_step, steps=3)
+    assert got["losses"][0] == pytest.approx(one.losses, rel=1e-5)
+    for name, grad in one.grads.items():
+        assert np.abs(got["grads"][0][name] - grad.numpy()).max() <= 1e-4 * grad.abs().max().item(), name
+    # the layers' products hold half their weights on each rank; the embedding and head are whole
+    layer = sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2) * 4
+    rest = sum(p.numel() for p in model.parameters()) * 4 - layer
+    assert prof.param_bytes <= layer // 2 + rest < sum(p.numel() for p in model.parameters()) * 4
+    est = estimate(lambda: sc.build("cpu"), target="cpu", parallel="tp", world_size=2, step=sc.train_step,
+                   units=sc.units)
+    assert est.param_bytes == prof.param_bytes
+    for policies in ({}, dict.fromkeys(prof.unit_names, FULL)):
+        measured, estimated = memfit.predict(prof, policies).peak_bytes, memfit.predict(est, policies).peak_bytes
+        assert abs(estimated - measured) <= 0.02 * measured, (policies, estimated, measured)
+
+
+def test_a_model_without_a_tensor_parallel_plan_is_refused_with_what_to_do():
+    import memfit
+    from memfit.measure.ranks import tp_plan
+    from memfit.zoo import gpt
+
+    with pytest.raises(memfit.MemfitError, match=r"does not declare .*parallelize_module yourself"):
+        tp_plan(gpt(batch=1, seq=8, vocab=16, d_model=16, n_head=2, n_layer=1)[0], 2)
+    model, _ = _llama()
+    with pytest.raises(memfit.MemfitError, match="do not divide among 3 tensor-parallel ranks"):
+        tp_plan(model, 3)
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
+    with pytest.raises(memfit.MemfitError, match="uses local_rowwise, which memfit does not apply"):
+        tp_plan(model, 2)

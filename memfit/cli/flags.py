@@ -95,7 +95,8 @@ def source_flags(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
                        "context and margin (memfit validate --save-device-spec writes one from a run)")
         g.add_argument("--parallel", choices=PARALLEL,
                        help="plan per rank: measure one of --world-size processes under FSDP2 (fully_shard per unit "
-                       "and the root; fsdp-bf16: with MixedPrecisionPolicy, bf16 params, fp32 reduce) or DDP (gloo "
+                       "and the root; fsdp-bf16: with MixedPrecisionPolicy, bf16 params, fp32 reduce), DDP, or tensor "
+                       "parallelism by a Hugging Face model's own plan (tp: its config's base_model_tp_plan) (gloo "
                        "on the CPU, one GPU each with NCCL)")
         g.add_argument("--world-size", type=int, help="ranks for --parallel (default: 2)")
         g.add_argument("--repeat", type=int,

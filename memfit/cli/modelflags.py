@@ -222,7 +222,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
                           f"for {target.name} from shapes: plan without --compile here, or with it on that GPU")
     step = sc.train_step
     if args.world_size is not None and args.parallel is None and sc.parallel is None:
-        raise MemfitError("--world-size is the number of ranks for --parallel fsdp|ddp; give --parallel too")
+        raise MemfitError("--world-size is the number of ranks for --parallel; give --parallel too")
     parallel = args.parallel or sc.parallel
     ranks = args.world_size if args.world_size is not None else (
         sc.world_size if parallel == sc.parallel and sc.world_size else 2)

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 PROFILE_FORMAT = "memfit.profile/1"
 PROFILES_FORMAT = "memfit.profiles/1"  # one model's profiles at several input shapes
 # per-rank profiles: FSDP2 (fully_shard per unit and the root; fsdp-bf16 with a MixedPrecisionPolicy
-# of bf16 parameters and fp32 gradient reduction) or DDP
-PARALLEL = ("fsdp", "fsdp-bf16", "ddp")
+# of bf16 parameters and fp32 gradient reduction), DDP, or tensor parallelism by the model's own plan
+PARALLEL = ("fsdp", "fsdp-bf16", "ddp", "tp")
 class ParallelLayout(TypedDict):
     """A plan per rank: how the ranks hold the model."""
 

@@ -19,8 +19,9 @@ def is_fsdp(kind: str) -> bool:
 
 
 def shard(model: nn.Module, units: list[str], parallel: str, mesh: Any = None) -> nn.Module:
-    """FSDP2 on each unit then the root (in place), or DDP around the model (a new wrapper).
-    ``mesh``: the FSDP2 device mesh, made here over every rank when not given."""
+    """FSDP2 on each unit then the root (in place), DDP around the model (a new wrapper), or
+    tensor parallelism by the model's own plan (``tp_plan``, in place). ``mesh``: the device
+    mesh, made here over every rank when not given."""
     import torch.distributed as dist
 
     if is_fsdp(parallel):
@@ -42,7 +43,57 @@ def shard(model: nn.Module, units: list[str], parallel: str, mesh: Any = None) -
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
+    if parallel == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if mesh is None:
+            device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+            mesh = init_device_mesh(device, (dist.get_world_size(),))
+        parallelize_module(model, mesh, tp_plan(model, mesh.size()))
+        return model
     raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
+
+
+# Hugging Face's names for the styles of a config's ``base_model_tp_plan``: the two that PyTorch's
+# parallel styles say exactly (its others, such as "colwise_rep" or "local_rowwise", are refused)
+_HF_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+
+
+def tp_plan(model: nn.Module, degree: int) -> dict[str, Any]:
+    """Tensor parallelism as the model's own Hugging Face config declares it (``base_model_tp_plan``:
+    column-wise q, k, v and MLP input products, row-wise output products), in PyTorch's parallel
+    styles; a MemfitError for a model without one, a style memfit does not know, or a sharded
+    dimension ``degree`` does not divide."""
+    import torch.distributed.tensor.parallel as styles
+
+    config = getattr(model, "config", None)
+    declared = getattr(config, "base_model_tp_plan", None)
+    if not declared:
+        raise MemfitError(f"--parallel tp needs the model's own tensor-parallel plan, which {type(model).__name__} "
+                          "does not declare (a Hugging Face config's base_model_tp_plan); for another model, apply "
+                          "parallelize_module yourself and profile it on every rank (docs/guide.md)")
+    unknown = sorted({style for style in declared.values() if style not in _HF_STYLES})
+    if unknown:
+        raise MemfitError(f"{type(model).__name__}'s tensor-parallel plan uses {', '.join(unknown)}, which memfit does "
+                          f"not apply; it knows {', '.join(_HF_STYLES)}")
+    prefix = getattr(model, "base_model_prefix", "")
+    base = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    plan = {f"{base}{key}": style for key, style in declared.items()}
+    for name, module in model.named_modules():
+        style = next((s for key, s in plan.items() if _matches(name, key)), None)
+        weight = getattr(module, "weight", None)
+        if style is not None and weight is not None:
+            dim = 0 if style == "colwise" else 1  # a Linear's weight is (outputs, inputs)
+            if weight.shape[dim] % degree:
+                raise MemfitError(f"{name}'s {weight.shape[dim]} {'outputs' if dim == 0 else 'inputs'} do not "
+                                  f"divide among {degree} tensor-parallel ranks")
+    return {key: getattr(styles, _HF_STYLES[style])() for key, style in plan.items()}
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, keys = name.split("."), pattern.split(".")
+    return len(parts) == len(keys) and all(k in ("*", p) for p, k in zip(parts, keys, strict=True))
 
 
 def check_parallel(parallel: str, world_size: int) -> None:

@@ -21,7 +21,7 @@ from memfit.devices import Device, device_spec
 from memfit.errors import MemfitError
 from memfit.formats.profile import ParallelLayout, Profile
 from memfit.measure.fake import fake_meters
-from memfit.measure.ranks import check_parallel, held_by_wrapper, is_fsdp, shard
+from memfit.measure.ranks import check_parallel, held_by_wrapper, shard
 from memfit.profiler.autocast_lists import cuda_lists
 from memfit.profiler.fake_build import fake_build, real_to_fake
 from memfit.profiler.phases import ALTERNATE
@@ -33,7 +33,7 @@ from memfit.units import find_units
 @contextmanager
 def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
     """Rank 0 of ``world_size`` over the fake process group (its collectives move nothing), and
-    the FSDP2 mesh, made before fake tensors are on (a mesh holds a real rank table)."""
+    the FSDP2 or tensor-parallel mesh, made before fake tensors are on (a mesh holds a real rank table)."""
     if parallel is None:
         yield None
         return
@@ -45,7 +45,7 @@ def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
         raise MemfitError("estimate(parallel=...) runs its own fake ranks; call it outside a distributed run")
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,)) if is_fsdp(parallel) else None
+        yield init_device_mesh("cpu", (world_size,)) if parallel != "ddp" else None
     finally:
         dist.destroy_process_group()
 
@@ -120,7 +120,7 @@ def estimate(
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built
         names = find_units(model, units)
-        if parallel and mesh is not None:  # FSDP2: its fake ranks' mesh
+        if parallel and mesh is not None:  # FSDP2 or TP: its fake ranks' mesh
             shard(model, names, parallel, mesh)
         with measuring_with(fake_meters(spec, reserved), foreach_default=True if spec.cuda else None):
             prof = profile(model, inputs, loss_fn=loss_fn, units=names, step=step_of(step, optimizer), repeat=1,
