@@ -157,6 +157,10 @@ def make_optimizer(optimizer: str | OptimizerFactory | None, params: Iterable[nn
                            ("-single", {"foreach": False})):
         if base.endswith(suffix):
             base, kernels = base.removesuffix(suffix), forced
+    if "fused" not in kernels and len({hasattr(p, "device_mesh") for p in params}) > 1:
+        # tensor parallelism over the layers only: PyTorch's foreach kernels (its default on CUDA)
+        # refuse a mix of DTensor and plain parameters, so the step is the single-tensor one
+        kernels = {"foreach": False}
     if base == "adamw":
         return torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, **kernels)
     if base == "adam":
