@@ -153,11 +153,12 @@ def make_optimizer(optimizer: str | OptimizerFactory | None, params: Iterable[nn
         return built
     base = "none" if optimizer is None else optimizer.lower()
     kernels: dict[str, Any] = {"foreach": foreach_default}
+    named = False  # the kernels the name asks for, which run as asked
     for suffix, forced in (("-foreach", {"foreach": True}), ("-fused", {"fused": True}),
                            ("-single", {"foreach": False})):
         if base.endswith(suffix):
-            base, kernels = base.removesuffix(suffix), forced
-    if "fused" not in kernels and len({hasattr(p, "device_mesh") for p in params}) > 1:
+            base, kernels, named = base.removesuffix(suffix), forced, True
+    if not named and len({hasattr(p, "device_mesh") for p in params}) > 1:
         # tensor parallelism over the layers only: PyTorch's foreach kernels (its default on CUDA)
         # refuse a mix of DTensor and plain parameters, so the step is the single-tensor one
         kernels = {"foreach": False}
