@@ -74,12 +74,43 @@ def _whole(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
 
 
+def _one_plan(prof):
+    """Rank 0's plan halfway between its floor and its unplanned peak, on every rank (a region's
+    recomputation re-runs its collectives: ranks with other plans would wait on each other)."""
+    import memfit
+
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    shared = [memfit.plan(prof, (lo + hi) // 2) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0], lo, hi
+
+
+def _train_beside(model, plain, mine: dict, whole: dict):
+    """Two AdamW steps of the scheduled model on its batch and of the plain one on the whole
+    batch (the first makes the optimizer's state), the second scheduled one measured: both
+    losses, that step's exact CPU peak, and the largest gradient difference (relative)."""
+    from memfit.measure.memory import measured
+
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
+    losses = [[_step(model, opts[0], mine)], [_step(plain, opts[1], whole)]]
+    opts[0].zero_grad(set_to_none=True)
+    state = [v for s in opts[0].state.values() for v in s.values() if torch.is_tensor(v)]
+    loss, peak, _ = measured(lambda: _step(model, opts[0], mine),
+                             lambda: [*model.parameters(), *model.buffers(), *state,
+                                      *(v for v in mine.values() if torch.is_tensor(v))])
+    losses[0].append(loss)
+    losses[1].append(_step(plain, opts[1], whole))
+    ref = dict(plain.named_parameters())
+    error = max(float((_whole(p.grad) - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-12))
+                for n, p in model.named_parameters())
+    return losses, peak, error
+
+
 def _rank(device: str, sequence_parallel: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     import memfit
-    from memfit.measure.memory import measured
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     plain, batch = _llama()
@@ -90,24 +121,9 @@ def _rank(device: str, sequence_parallel: bool) -> dict:
     for name in UNITS:
         parallelize_module(model.get_submodule(name), mesh, layer)
     prof = memfit.profile(model, batch, units=UNITS, optimizer="adamw", repeat=1)
-    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
-    sched = memfit.plan(prof, (lo + hi) // 2) if dist.get_rank() == 0 else None
-    shared = [sched]
-    dist.broadcast_object_list(shared, src=0)  # one plan for every rank: recomputation re-runs collectives
-    sched = shared[0]
+    sched, lo, hi = _one_plan(prof)
     memfit.apply(model, sched)  # refuses a schedule for another model: the fingerprint is every rank's
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
-    losses = [[_step(m, o, batch)] for m, o in zip((model, plain), opts, strict=True)]  # makes AdamW's state
-    opts[0].zero_grad(set_to_none=True)
-    state = [v for s in opts[0].state.values() for v in s.values() if torch.is_tensor(v)]
-    loss, peak, _ = measured(lambda: _step(model, opts[0], batch),
-                             lambda: [*model.parameters(), *model.buffers(), *state,
-                                     *(v for v in batch.values() if torch.is_tensor(v))])
-    losses[0].append(loss)
-    losses[1].append(_step(plain, opts[1], batch))
-    ref = dict(plain.named_parameters())
-    error = max(float((_whole(p.grad) - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-12))
-                for n, p in model.named_parameters())
+    losses, peak, error = _train_beside(model, plain, batch, batch)
     out = {"predicted": sched.predicted_peak_bytes, "measured": peak, "budget": sched.budget_bytes,
            "floor": lo, "plain": hi, "checkpointed": sched.checkpointed, "losses": losses[0], "ref_losses": losses[1],
            "grad_error": error}
@@ -117,7 +133,9 @@ def _rank(device: str, sequence_parallel: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+# plain TP 2 is also what --parallel tp and the fit test below run: in the slow set, to keep the suite short
+@pytest.mark.parametrize("sequence_parallel", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["tp2", "tp2-sp"])
 def test_a_user_parallelized_llama_plans_per_rank_and_trains_as_one_process(sequence_parallel):
     got = spawn_ranks(_rank, 2, "cpu", sequence_parallel)
     assert got["floor"] < got["budget"] < got["plain"] and 0 < len(got["checkpointed"]) < len(UNITS)
@@ -174,7 +192,6 @@ def _fsdp_tp_rank(device: str) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     import memfit
-    from memfit.measure.memory import measured
 
     mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     plain, batch = _llama()
@@ -186,23 +203,9 @@ def _fsdp_tp_rank(device: str) -> dict:
         fully_shard(model.get_submodule(name), mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     prof = memfit.profile(model, mine, units=UNITS, optimizer="adamw", repeat=1)
-    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
-    shared = [memfit.plan(prof, (lo + hi) // 2) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    sched = shared[0]
+    sched, _, _ = _one_plan(prof)
     memfit.apply(model, sched)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, plain)]
-    _step(model, opts[0], mine)
-    _step(plain, opts[1], batch)  # one process: the whole batch, whose loss is the halves' mean
-    opts[0].zero_grad(set_to_none=True)
-    state = [v for s in opts[0].state.values() for v in s.values() if torch.is_tensor(v)]
-    _, peak, _ = measured(lambda: _step(model, opts[0], mine),
-                          lambda: [*model.parameters(), *model.buffers(), *state,
-                                   *(v for v in mine.values() if torch.is_tensor(v))])
-    _step(plain, opts[1], batch)
-    ref = dict(plain.named_parameters())
-    error = max(float((_whole(p.grad) - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-12))
-                for n, p in model.named_parameters())
+    _, peak, error = _train_beside(model, plain, mine, batch)  # one process: the whole batch, the halves' mean
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (memfit.predict(prof, sched.policies).peak_bytes, peak))
     return {"ranks": per_rank, "checkpointed": sched.checkpointed, "grad_error": error}
