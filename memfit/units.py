@@ -36,7 +36,7 @@ def find_units(model: nn.Module, spec: str | Sequence[str] = "auto") -> list[str
     names = [n for n, _ in model.named_modules() if n]
     chosen: list[str] = []
     for pattern in patterns:
-        hits = [n for n in names if _matches(n, pattern)]
+        hits = [n for n in names if matches(n, pattern)]
         if not hits:
             raise UnitSelectionError(
                 f"no module matches the unit pattern {pattern!r}; "
@@ -50,7 +50,7 @@ def find_units(model: nn.Module, spec: str | Sequence[str] = "auto") -> list[str
     return chosen
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches(name: str, pattern: str) -> bool:
     """Glob by dotted component: ``layers.*`` matches ``layers.3`` but not ``layers.3.mlp``."""
     parts, pats = name.split("."), pattern.split(".")
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True))

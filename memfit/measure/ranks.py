@@ -11,6 +11,7 @@ from torch import nn
 
 from memfit.errors import MemfitError
 from memfit.formats.profile import PARALLEL
+from memfit.units import matches
 
 
 def is_fsdp(kind: str) -> bool:
@@ -81,7 +82,7 @@ def tp_plan(model: nn.Module, degree: int) -> dict[str, Any]:
     base = f"{prefix}." if prefix and hasattr(model, prefix) else ""
     plan = {f"{base}{key}": style for key, style in declared.items()}
     for name, module in model.named_modules():
-        style = next((s for key, s in plan.items() if _matches(name, key)), None)
+        style = next((s for key, s in plan.items() if matches(name, key)), None)
         weight = getattr(module, "weight", None)
         if style is not None and weight is not None:
             dim = 0 if style == "colwise" else 1  # a Linear's weight is (outputs, inputs)
@@ -89,11 +90,6 @@ def tp_plan(model: nn.Module, degree: int) -> dict[str, Any]:
                 raise MemfitError(f"{name}'s {weight.shape[dim]} {'outputs' if dim == 0 else 'inputs'} do not "
                                   f"divide among {degree} tensor-parallel ranks")
     return {key: getattr(styles, _HF_STYLES[style])() for key, style in plan.items()}
-
-
-def _matches(name: str, pattern: str) -> bool:
-    parts, keys = name.split("."), pattern.split(".")
-    return len(parts) == len(keys) and all(k in ("*", p) for p, k in zip(parts, keys, strict=True))
 
 
 def check_parallel(parallel: str, world_size: int) -> None:

@@ -12,14 +12,14 @@ from memfit.devices import MemoryRecord, describe_memory
 from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
 from memfit.formats.profile import ParallelLayout, Profile
 from memfit.formats.schedule import BaselineFigures, Fallback, Schedule
-from memfit.planning.baselines import BASELINES, STRATEGIES, Policies, not_applicable, pick, predicted
+from memfit.planning.baselines import BASELINES, STRATEGIES, not_applicable, pick, predicted
 from memfit.planning.dp import dp_exact
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
 from memfit.planning.options import PlanOptions
 from memfit.planning.peak import device_cap_bytes, predict
 from memfit.planning.roles import policies_of
-from memfit.policy import FULL
+from memfit.policy import FULL, Policies
 from memfit.trainstep import StepRecord
 
 TIE_FRACTION = 1e-4  # of the step time: recompute times closer than this are one cost to the planner

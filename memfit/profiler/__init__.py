@@ -134,11 +134,10 @@ def profile(
             finer = fine_options(model, names, inp, loss, facts.saved, children) if granularity == "fine" else {}
         options = [*COARSE, *dict.fromkeys(o for opts in finer.values() for o in opts)]
         _check_children(model, names, options, children)
-        configs: list[dict[str, Policy]] = [{n: o if o in COARSE or o in finer[n] else KEEP for n in names}
-                                            for o in options]
-        memory = _memory(harness, state, names, dict(zip(options, configs, strict=True)), meters, say, facts)
-        times, full_times, *finer_times = _times(harness, state, names, dict(zip(options, configs, strict=True)),
-                                                 repeat, meters, say)
+        configs: dict[Option, dict[str, Policy]] = {
+            o: {n: o if o in COARSE or o in finer[n] else KEEP for n in names} for o in options}
+        memory = _memory(harness, state, names, configs, meters, say, facts)
+        times, full_times, *finer_times = _times(harness, state, names, configs, repeat, meters, say)
         state.zero_grad()
         baseline = static_bytes(model, state, inp)
         state_bytes = storage_bytes(state.state_tensors())
