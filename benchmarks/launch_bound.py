@@ -51,7 +51,7 @@ from memfit import zoo
 from memfit.jsonio import write_json_atomic
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, ratio_uncertainty
-from memfit.policy import parse
+from memfit.policy import Children, Nested, parse
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts
 from memfit.report import table
@@ -111,8 +111,8 @@ def _child_options(model: nn.Module, names: list[str], inputs: Inputs) -> list[t
     probe = copy.deepcopy(model)
     facts = unit_facts(probe, names, inputs, default_loss)
     fine = fine_options(probe, names, inputs, default_loss, facts.saved)
-    order = list(dict.fromkeys(o for n in names for o in fine[n] if o.startswith(("child:", "nested:"))))
-    return [(o, [n for n in names if o in fine[n]]) for o in order]
+    order = list(dict.fromkeys(o for n in names for o in fine[n] if isinstance(o, Children | Nested)))
+    return [(str(o), [n for n in names if o in fine[n]]) for o in order]
 
 
 def _timed(model: nn.Module, inputs: Inputs, state: StepState) -> tuple[float, float]:

@@ -117,3 +117,63 @@ def test_a_single_units_region_needs_no_hooks_and_a_raising_forward_leaves_nothi
     assert inside[-1] is False and model[1].calls[-2:] == [False, True]
     region.remove()
     segment.remove()
+
+
+class _OwnForwardNorm(nn.BatchNorm1d):
+    """A BatchNorm with a forward of its own: memfit cannot hold it still by its attributes, so
+    its buffers are copied back after the recomputation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 1.0
+
+
+class _Norms(nn.Module):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(16, 16), norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.lin(x))) + x
+
+
+def test_batch_norm_statistics_after_a_recomputation_are_the_plain_models():
+    """Every kind of BatchNorm (momentum, the cumulative average of momentum=None, a subclass with
+    its own forward) ends two steps with the plain model's statistics, counter and momentum; the
+    layers that run BatchNorm's own forward are held still with no tensor op (no clone, no copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for make, copies in [(lambda: nn.BatchNorm1d(16), False), (lambda: nn.BatchNorm1d(16, momentum=None), False),
+                         (lambda: _OwnForwardNorm(16), True)]:
+        torch.manual_seed(0)
+        plain = nn.Sequential(*(_Norms(make()) for _ in range(2)))
+        ckpt = copy.deepcopy(plain)
+        regions = [Region([m]) for m in ckpt]
+        handles = guard(ckpt, regions)
+        for _ in range(2):
+            torch.manual_seed(1)
+            x = torch.randn(8, 16)
+            plain(x).sum().backward()
+            loss = ckpt(x).sum()
+            ops = Ops()
+            with ops:
+                loss.backward()
+            assert any(n.startswith("native_batch_norm") for n in ops.names)  # recomputed in the backward
+            assert any(n.startswith(("clone", "copy_")) for n in ops.names) == copies, ops.names
+        for p, c in zip(plain.modules(), ckpt.modules(), strict=True):
+            if isinstance(p, nn.BatchNorm1d):
+                assert torch.equal(p.running_mean, c.running_mean) and torch.equal(p.running_var, c.running_var)
+                assert p.num_batches_tracked == c.num_batches_tracked == 2 and p.momentum == c.momentum
+                assert "num_batches_tracked" in c._buffers
+        for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+        for h in handles:
+            h.remove()

@@ -50,7 +50,10 @@ the first forward" and "exit after the last".
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import operator
+import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -149,18 +152,20 @@ class Region(PerThread):
         """The region's checkpoint contexts: the op set's, and around its recomputation, the
         BatchNorm statistics put back as they were (outside SAC's dispatch mode, which would
         take the copies for ops of the unit)."""
-        made = self.compiled_context_fn()
         if self.op_set:  # estimate mode's clock prices the op set's dispatch modes per op
+            made = self.compiled_context_fn()
             made = (UnderDispatchMode(made[0]), UnderDispatchMode(made[1]))
+        else:
+            made = _NOTHING
         norms = self._norms()
         return (made[0], _PutBack(norms, made[1])) if norms else made
 
-    def _tables(self, k: int) -> list[dict[str, Any]]:
+    def _tables(self, k: int) -> _Tables:
         """The parameter tables of member ``k``'s modules that have parameters, found once per
         thread (a walk over every submodule on every call cost more than the check itself)."""
         tables = getattr(self._tls, "tables", None)
         if tables is None:
-            tables = self._tls.tables = [[m._parameters for m in module.modules() if m._parameters]
+            tables = self._tls.tables = [_Tables([m._parameters for m in module.modules() if m._parameters])
                                          for module in self.modules]
         return tables[k]
 
@@ -269,7 +274,6 @@ class Region(PerThread):
 
     def _recompute(self, calls: list[_Call], kwargs: dict[str, Any]) -> Callable[..., None]:
         def run(*args: Any) -> None:
-            modules = self.modules
             with Recomputing(self._tls):
                 out: Any = None
                 for i, call in enumerate(calls):
@@ -277,13 +281,16 @@ class Region(PerThread):
                         inputs, kw = args, kwargs
                     else:
                         inputs, kw = (out[0] if call.takes_first else out, *call.rest), call.kwargs
-                    module = modules[call.k]
+                    module = self._modules[call.k]()
                     if call.tensors is None:
                         out = module(*inputs, **kw)
                     else:  # the fast weights the forward ran with
                         out = torch.func.functional_call(module, call.tensors, inputs, kw)
 
         return run
+
+
+_NOTHING = (contextlib.nullcontext(), contextlib.nullcontext())  # reusable: what noop_context_fn makes
 
 
 def _finish(gen: Generator[None, None, None]) -> None:
@@ -310,42 +317,91 @@ def _same(t: Any) -> Any:
     return t
 
 
-def _substituted(module: nn.Module, tables: list[dict[str, Any]]) -> dict[str, torch.Tensor] | None:
+class _Tables:
+    """A unit's modules' parameter tables, and (weakly, so that a parameter the user replaced is
+    not kept) the parameters last seen in them, all of them ``nn.Parameter``: while the tables
+    hold the same objects, no call substituted any."""
+
+    __slots__ = ("seen", "tables")
+
+    def __init__(self, tables: list[dict[str, Any]]) -> None:
+        self.tables = tables
+        self.seen: list[weakref.ref[Any]] = []
+
+    def current(self) -> list[Any]:
+        return [p for table in self.tables for p in table.values() if p is not None]
+
+    def same(self, now: list[Any]) -> bool:
+        return len(now) == len(self.seen) and all(map(operator.is_, now, map(_deref, self.seen)))
+
+    def remember(self, now: list[Any]) -> None:
+        self.seen = [weakref.ref(p) for p in now]
+
+
+_deref = weakref.ref.__call__
+
+
+def _substituted(module: nn.Module, tables: _Tables) -> dict[str, torch.Tensor] | None:
     """The unit's parameters and buffers as this call sees them, when any parameter is not the
     module's own (``torch.func.functional_call`` puts plain tensors in ``_parameters``); None
-    otherwise, the usual case, which costs one look at each parameter (``tables``: the unit's
-    modules' parameter tables)."""
+    otherwise, the usual case, which costs one comparison of the tables' objects with the last
+    ones seen (identity first: a per-parameter type check cost a launch-bound step a point)."""
+    now = tables.current()
+    if tables.same(now):
+        return None
     # type() first: isinstance against Parameter's metaclass is a Python call per parameter
-    if all(p is None or type(p) is nn.Parameter or isinstance(p, nn.Parameter)
-           for table in tables for p in table.values()):
+    if all(type(p) is nn.Parameter or isinstance(p, nn.Parameter) for p in now):
+        tables.remember(now)
         return None
     return {**dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False))}
 
 
 class _PutBack:
-    """Around a recomputation: the BatchNorm buffers that it updates a second time in training
-    mode, put back as they were when it began (not as after the forward: a second forward of
-    the model before this backward has updated them since)."""
+    """Around a recomputation: the BatchNorm statistics that it would update a second time in
+    training mode left as they were when it began (not as after the forward: a second forward of
+    the model before this backward has updated them since). Layers that run ``_BatchNorm``'s own
+    forward (BatchNorm1d/2d/3d) are held still for its duration with no tensor op: momentum 0
+    (the kernel's running = 0 * batch + 1 * running leaves every finite value as it was) and no
+    ``num_batches_tracked`` to count; the batch statistics normalize as in the forward. Others
+    (SyncBatchNorm, subclasses with a forward of their own) get their buffers copied back after."""
 
     def __init__(self, norms: list[nn.Module], inner: Any) -> None:
         self.norms = norms
         self.inner = inner
+        self.held: list[tuple[nn.Module, Any, Any]] = []
         self.stats: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
-        self.stats = [(b, b.clone()) for m in self.norms if m.training and m.track_running_stats
-                      for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+        for m in self.norms:
+            if not (m.training and m.track_running_stats):
+                continue
+            if type(m).forward is _BATCH_NORM_FORWARD:  # plain attributes: no Module.__setattr__ per layer
+                buffers = m._buffers
+                self.held.append((m, m.momentum, buffers.get("num_batches_tracked")))
+                m.__dict__["momentum"] = 0.0
+                if "num_batches_tracked" in buffers:
+                    buffers["num_batches_tracked"] = None
+            else:
+                self.stats += [(b, b.clone()) for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+                               if b is not None]
         self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             self.inner.__exit__(*exc)
         finally:
+            for m, momentum, tracked in self.held:
+                m.__dict__["momentum"] = momentum
+                if tracked is not None:
+                    m._buffers["num_batches_tracked"] = tracked
             with torch.no_grad():
                 for buffer, value in self.stats:
                     buffer.copy_(value)
-            self.stats = []
+            self.held, self.stats = [], []
+
+
+_BATCH_NORM_FORWARD = getattr(BatchNorm, "forward", None)  # a stand-in class has none (torch_private)
 
 
 class _UnitForward:
@@ -365,7 +421,7 @@ class _UnitForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module()
         assert module is not None, "a unit's forward outlived its module"
-        own = module.__dict__["_memfit_forward"] or functools.partial(type(module).forward, module)
+        own = module.__dict__["_memfit_forward"] or type(module).forward.__get__(module)
         if not torch.compiler.is_compiling():
             region = module.__dict__["_memfit_region"]
             return region.run(module, own, args, kwargs) if region.single else own(*args, **kwargs)
