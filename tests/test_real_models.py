@@ -94,6 +94,27 @@ def test_a_real_plan_on_a_resnet_trains_as_the_plain_model():
     train_and_compare(plain, scheduled, x)
 
 
+def test_a_resnet_stem_as_units_is_planned_and_trains_as_the_plain_model():
+    """Units outside the blocks, named by the user: torchvision's stem (conv1, bn1, maxpool) beside
+    the blocks, checkpointed at the smallest budget: predicted = measured, the plain loop's results.
+    The stem's ReLU(inplace=True) changes its input in place, so
+    it cannot be a unit of its own: naming it is refused with what to do, before any step fails in the
+    backward; and since it changes bn1's output between two units, the units are no chain."""
+    plain, x = resnet18ish(batch=4, image=64)
+    with pytest.raises(memfit.UnitSelectionError, match=r"'relu' \(ReLU\) changes its input in place"):
+        memfit.profile(copy.deepcopy(plain), x, units=["conv1", "bn1", "relu", "layer1.*"], repeat=1)
+    names = ["conv1", "bn1", "maxpool", *BLOCKS["resnet18"][1]]
+    prof = memfit.profile(copy.deepcopy(plain), x, units=names, optimizer="sgd-momentum", repeat=1)
+    sched = memfit.plan(prof, memfit.min_budget_bytes(prof))
+    assert {"conv1", "bn1", "maxpool"} & set(sched.checkpointed)
+    assert not prof.chain  # relu_ between bn1 and maxpool: a segment's replay would leave it out
+    check = memfit.validate(copy.deepcopy(plain), x, sched, steps=0)
+    assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes
+    scheduled = copy.deepcopy(plain)
+    memfit.apply(scheduled, sched)
+    train_and_compare(plain, scheduled, x)
+
+
 @pytest.mark.parametrize("image", [64, 96])
 def test_mobilenet_v3_small_plans_fit_and_train_as_the_plain_model(image):
     """torchvision's MobileNetV3-Small (in-place hardswish, squeeze-excitation, BatchNorm), its 13

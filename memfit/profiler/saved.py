@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.errors import UnitSelectionError
 from memfit.measure.step import Inputs, LossFn, iter_tensors, local, packed, storage_bytes, storage_key
 from memfit.runtime.marks import UnitMarks
 from memfit.torch_private import TorchDispatchMode
@@ -107,14 +108,31 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
         for i, u in enumerate(units)
     ]
     first: set[int] = set()
+    versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
+    out_version: list[int] = []
+
+    changed_between: list[bool] = []  # a unit's output changed in place before the next unit took it
+
+    def before(i: int) -> Callable[..., None]:
+        def hook(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
+            if i not in first:
+                versions[i] = [(t, t._version) for t in iter_tensors((a, k))]
+                if calls and a and isinstance(a[0], torch.Tensor) and a[0] is calls[-1][2] and (
+                        a[0]._version != out_version[-1]):
+                    changed_between.append(True)
+        return hook
 
     def called(i: int) -> Callable[..., None]:
         def hook(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], out: Any) -> None:
             if i not in first:
                 first.add(i)
                 calls.append((a, k, out))
+                out_version.append(out._version if isinstance(out, torch.Tensor) else 0)
+                if any(t._version != v for t, v in versions.pop(i, [])):
+                    raise _changes_input(unit_names[i], m)
         return hook
 
+    handles += [u.register_forward_pre_hook(before(i), with_kwargs=True) for i, u in enumerate(units)]
     handles += [u.register_forward_hook(called(i), with_kwargs=True) for i, u in enumerate(units)]
     try:
         with marks, producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -124,7 +142,10 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
             else:
                 run(marks.step_mark)
         outputs = [storage_bytes(list(iter_tensors(out))) for _, _, out in calls]
-        chain = len(calls) == n and _is_chain(calls) and (run is None or all(c == 1 for c in marks.runs))
+        # an op between two units that changes the first one's output in place (a ReLU(inplace=True)
+        # between named units) is no member of a segment, whose recomputation would leave it out
+        chain = (len(calls) == n and _is_chain(calls) and not changed_between
+                 and (run is None or all(c == 1 for c in marks.runs)))
         keeps, frees = [False] * n, [False] * n
         for j in range(min(n, len(calls))):
             out = next(iter_tensors(calls[j][2]), None)
@@ -138,6 +159,14 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
         for h in handles:
             h.remove()
     return UnitFacts(saved_bytes, input_bytes, outputs, chain, keeps, saved_casts, frees)
+
+
+def _changes_input(name: str, module: nn.Module) -> UnitSelectionError:
+    return UnitSelectionError(
+        f"unit {name!r} ({type(module).__name__}) changes its input in place (an in-place op such as "
+        "nn.ReLU(inplace=True) on the tensor it was called with): a checkpoint keeps that input to run the "
+        "unit again in the backward, and it would find it changed. Name units around it instead (with "
+        "--units / units=, a module that contains it, or leave it out), or make the op out of place")
 
 
 def _is_chain(calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> bool:

@@ -90,6 +90,7 @@ class _Open:
     calls: list[_Call]
     k: int  # the member that ran last
     last: Any = None  # its output, until the next member takes it
+    version: int = 0  # that output's version counter then: changed in place since, it is not what the replay makes
     pause: Any = None  # identity saved-tensor hooks between members
     ran: bool = False  # the member ``k`` returned
 
@@ -192,7 +193,8 @@ class Region(PerThread):
         if self._aside() or torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return  # no_grad: nothing is saved, nothing to checkpoint
         st: _Open | None = getattr(self._tls, "open", None)
-        if st is not None and st.ran and k == st.k + 1 and (takes_first := _takes(st.last, args)) is not None:
+        if (st is not None and st.ran and k == st.k + 1 and (takes_first := _takes(st.last, args)) is not None
+                and _version(st.last) == st.version):
             st.pause.__exit__(None, None, None)
             st.pause, st.last, st.k, st.ran = None, None, k, False
             st.calls.append(_Call(k, args[1:], kwargs, takes_first, _substituted(module, self._tables(k))))
@@ -249,7 +251,7 @@ class Region(PerThread):
         elif k == len(self._modules) - 1:
             self._close(error=False)
         else:
-            st.last, st.ran = output, True
+            st.last, st.ran, st.version = output, True, _version(output)
             st.pause = torch.autograd.graph.saved_tensors_hooks(packed, _same)
             st.pause.__enter__()
 
@@ -311,6 +313,14 @@ def _takes(last: Any, args: tuple[Any, ...]) -> bool | None:
     if isinstance(last, (tuple, list)) and last and args[0] is last[0]:
         return True
     return None
+
+
+def _version(output: Any) -> int:
+    """The version counter of a member's output (its first element's, for a tuple): an in-place op
+    between two members (``bn1``, then ``relu_``, then ``maxpool``) bumps it, and the recomputation,
+    which feeds each member the previous one's output, would leave that op out."""
+    first = output[0] if isinstance(output, (tuple, list)) and output else output
+    return first._version if isinstance(first, torch.Tensor) else 0
 
 
 def _same(t: Any) -> Any:
