@@ -46,6 +46,7 @@ _LAZY = {
     "predict": "memfit.planning.peak",
     "min_budget_bytes": "memfit.planning.planner",
     "plan": "memfit.planning.planner",
+    "PlanOptions": "memfit.planning.options",
     "plan_compiled": "memfit.compiled",
     "Profile": "memfit.formats.profile",
     "profile": "memfit.profiler",
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from memfit.formats.schedule import Schedule, load_schedule
     from memfit.measure.malloc import keep_freed_cpu_memory
     from memfit.measure.step import default_loss
+    from memfit.planning.options import PlanOptions
     from memfit.planning.peak import Prediction, predict
     from memfit.planning.planner import min_budget_bytes, plan
     from memfit.planning.sweep import sweep
@@ -104,6 +106,7 @@ __all__ = [
     "NoisyTimesWarning",
     "PlanDriftWarning",
     "PlanOptionError",
+    "PlanOptions",
     "Policy",
     "PolicyError",
     "Prediction",

@@ -11,6 +11,7 @@ compiled step itself, measured, and tightened until that fits. Segments are rule
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from memfit.formats.profile import Profile
 from memfit.formats.schedule import CompiledPeak, Schedule
 from memfit.measure.step import LossFn
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
+from memfit.planning.options import PlanOptions, settle
 from memfit.policy import Policies
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import StepHarness
@@ -54,9 +56,10 @@ def compiled_peak(model: nn.Module, inputs: Any, policies: Policies, backend: st
         torch.compiler.reset()  # the next plan's hooks differ: start it from a clean cache
 
 
-def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str | int, backend: str, *,
-                  loss_fn: LossFn | None = None, step: TrainStep | None = None,
-                  progress: Callable[[str], None] | None = None, **plan_kwargs: Any) -> Schedule:
+def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str | int, backend: str,
+                  options: PlanOptions | None = None, *, loss_fn: LossFn | None = None,
+                  step: TrainStep | None = None, progress: Callable[[str], None] | None = None,
+                  **settings: Any) -> Schedule:
     """The plan for ``model`` compiled with ``backend`` whose measured compiled peak fits ``budget``
     at the least predicted recompute time among the plans tried.
 
@@ -66,13 +69,16 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     schedule records the backend and the measured peak in ``schedule.compile``, which
     ``validate`` compares with. Raises ``InfeasibleBudgetError`` when no plan's compiled step
     fits. Clears torch.compile's caches after each measurement. ``step``: the training step, by
-    default the profile's (needed again for a callable optimizer).
+    default the profile's (needed again for a callable optimizer). ``options`` and ``settings``:
+    the planning settings as in ``plan``, whose segments are turned off (a compiled segment keeps
+    every member's input).
     """
     from memfit.planning.planner import plan
 
     check_backend(backend)
     step = step or profile.train_step
-    if plan_kwargs.get("fallbacks"):
+    opts = dataclasses.replace(settle(options, **settings), segments=False)
+    if opts.fallbacks:
         raise MemfitError("fallbacks are planned for the eager step only; plan a compiled step without them")
     target = parse_bytes(budget)
     cap = target
@@ -81,7 +87,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     best: Schedule | None = None
     for _ in range(ROUNDS):
         try:
-            schedule = plan(profile, cap, **{**plan_kwargs, "segments": False})
+            schedule = plan(profile, cap, opts)
         except InfeasibleBudgetError:
             break
         key = tuple(schedule.policies.values())

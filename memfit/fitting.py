@@ -9,6 +9,7 @@ calls it once before its loop. The first run measures the step; later runs of th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from memfit.errors import MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule, load_schedule, model_fingerprint
 from memfit.measure.step import Inputs, LossFn
+from memfit.planning.options import PlanOptions, settle
 from memfit.planning.planner import plan
 from memfit.profiler import profile
 from memfit.profiler.estimate import estimate
@@ -47,7 +49,8 @@ def fit(
     target: str | None = None,
     cache_dir: str | os.PathLike[str] | bool | None = None,
     repeat: int = 3,
-    **plan_options: Any,
+    options: PlanOptions | None = None,
+    **settings: Any,
 ) -> Schedule:
     """Checkpoint ``model`` in place so that its training step on batches like ``inputs`` fits
     ``budget``, at the least recompute; returns the schedule and logs one line of what it chose
@@ -59,7 +62,8 @@ def fit(
     training step as the loop runs it (``memfit.TrainStep``: optimizer, micro-batches,
     precision, clipping). ``target``: a device name (``h100``, ``a100-80gb``, …) to estimate
     the step from shapes for a GPU that is not at hand instead of measuring it here.
-    ``plan_options`` go to ``memfit.plan`` (``granularity``, ``segments``, ``solver``, …).
+    ``options`` (a ``memfit.PlanOptions``) and ``settings`` given as keywords (``granularity``,
+    ``segments``, ``solver``, …, put into ``options``): how to plan, as ``memfit.plan`` takes them.
 
     ``cache_dir``: where plans are kept between runs (default ``$MEMFIT_CACHE`` or
     ``~/.cache/memfit``; ``False``: no cache). An entry is keyed by the model's fingerprint, the
@@ -77,7 +81,8 @@ def fit(
     budget_bytes, said = resolve_budget(budget, device, target)
     names = find_units(model, units)
     inp = Inputs.of(inputs)
-    granularity = plan_options.get("granularity", "module")
+    opts = settle(options, **settings)
+    granularity = opts.granularity
     key = {
         "fingerprint": model_fingerprint(model, names),
         "inputs": inp.describe(),
@@ -90,7 +95,7 @@ def fit(
     }
     root = cache_root(cache_dir)
     entry = Entry(root, key) if root is not None else None
-    plan_name = f"plan-{digest({'budget': budget_bytes, **plan_options})}.json"
+    plan_name = f"plan-{digest({'budget': budget_bytes, **dataclasses.asdict(opts)})}.json"
     # several ranks (TP, FSDP2, DDP): rank 0 reads the cache and plans, and every rank applies its
     # plan, since a checkpointed unit re-runs its collectives in the backward; every rank profiles
     # with it, since the profile's steps run them too
@@ -111,7 +116,7 @@ def fit(
             how = "planned from the cached profile"
         if lead:
             try:
-                schedule = plan(prof, budget_bytes, **plan_options)
+                schedule = plan(prof, budget_bytes, opts)
             except MemfitError as exc:  # said to every rank, so that none waits for a plan
                 failed = exc
             if entry and schedule is not None:

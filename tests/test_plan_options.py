@@ -40,3 +40,40 @@ def test_strategies_once_each_in_order():
         check_strategies(["ilp", "magic"], "--strategies")
     with pytest.raises(MemfitError, match=r"unknown \(none given\)"):
         check_strategies([])
+
+
+def test_one_record_by_options_or_by_keywords(gpt_profile):
+    """``plan`` and ``sweep`` take the record, or its settings as keywords put into it: the same plan
+    either way, a keyword over the record's setting, and one record checked once."""
+    budget = (memfit.min_budget_bytes(gpt_profile) + memfit.predict(gpt_profile, {}).peak_bytes) // 2
+    record = memfit.PlanOptions(segments=False, fallbacks=2)
+    by_record = memfit.plan(gpt_profile, budget, record)
+    by_keywords = memfit.plan(gpt_profile, budget, segments=False, fallbacks=2)
+    assert by_record.policies == by_keywords.policies and by_record.strategy == "ilp"
+    assert [f["policies"] for f in by_record.fallbacks] == [f["policies"] for f in by_keywords.fallbacks]
+    assert by_record.fallbacks  # at least one tighter plan (the ladder stops at the floor)
+    every_k = memfit.plan(gpt_profile, budget, record, strategy="every-k", fallbacks=0)  # keywords win
+    assert every_k.strategy == "every-k" and not every_k.fallbacks
+    frame = memfit.sweep(gpt_profile, [budget], memfit.PlanOptions(segments=False), strategies=["ilp"])
+    again = memfit.sweep(gpt_profile, [budget], segments=False, strategies=["ilp"])
+    assert frame["policies"][0] == again["policies"][0]
+    with pytest.raises(MemfitError, match=r"options must be a memfit\.PlanOptions, got dict"):
+        memfit.plan(gpt_profile, budget, {"strategy": "full"})
+
+
+def test_fit_names_what_is_no_setting_and_keys_its_cache_by_the_record(tmp_path):
+    """A keyword ``fit`` does not know is named with the settings there are (it used to reach
+    ``plan`` as a TypeError); a setting spelt at its default is the same plan in the cache as one
+    left out (the cache digests the record, not the keywords as written)."""
+    from .conftest import tiny_gpt
+
+    model, batch = tiny_gpt()
+    with pytest.raises(MemfitError, match=r"unknown planning setting batch_size; the settings .* are strategy, "):
+        memfit.fit(model, batch, "8MB", cache_dir=tmp_path, repeat=1, batch_size=4)
+    memfit.fit(model, batch, "8MB", cache_dir=tmp_path, repeat=1)
+    memfit.fit(model, batch, "8MB", cache_dir=tmp_path, repeat=1, segments=True, solver="cpsat")
+    memfit.fit(model, batch, "8MB", cache_dir=tmp_path, repeat=1, options=memfit.PlanOptions(max_segment=8))
+    [entry] = list(tmp_path.iterdir())
+    assert len(list(entry.glob("plan-*.json"))) == 1
+    memfit.fit(model, batch, "8MB", cache_dir=tmp_path, repeat=1, segments=False)
+    assert len(list(entry.glob("plan-*.json"))) == 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +71,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         budget = max(1, round(share * max(predict(p, {}).peak_bytes for p in profs)))
         print(f"budget {args.budget.strip()} of the unplanned peak: {format_bytes(budget)}")
     if args.compile:
-        options = {k: v for k, v in asdict(settings).items() if k not in ("segments", "fallbacks")}
-        schedule = _plan_compiled(args, prof, budget, options)
+        schedule = _plan_compiled(args, prof, budget, settings)
     else:
-        schedule = plan(profs if len(profs) > 1 else prof, budget, **asdict(settings), shares=shares)
+        schedule = plan(profs if len(profs) > 1 else prof, budget, settings, shares=shares)
         prof = next(p for p in profs if p.input_shapes == schedule.input_shapes)  # the largest shape's
     check_interrupt()
     idle = not any(p.checkpointed for p in schedule.plans)
@@ -147,7 +145,7 @@ def flag_options(**settings: Any) -> PlanOptions:
         raise e.spelled(lambda name: "--" + name.replace("_", "-")) from None
 
 
-def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: dict[str, Any]) -> Any:
+def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: PlanOptions) -> Any:
     """The plan whose step, compiled with ``args.compile``, is measured to fit (plan_compiled)."""
     from memfit.compiled import plan_compiled
     from memfit.scenarios import scenario_from_source
@@ -162,8 +160,8 @@ def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: di
         check_interrupt()
         print(message, file=sys.stderr)
 
-    return plan_compiled(model, inputs, prof, budget, args.compile, step=prof.train_step, progress=progress,
-                         **options)
+    return plan_compiled(model, inputs, prof, budget, args.compile, options, step=prof.train_step,
+                         progress=progress)
 
 
 def _schedule_for_another_model(path: str, schedule: Any) -> str | None:

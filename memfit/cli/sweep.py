@@ -25,8 +25,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if budgets is not None and args.points is not None:
         raise MemfitError("give either --budgets or --points, not both")
     strategies = check_strategies([s.strip() for s in args.strategies.split(",") if s.strip()], "--strategies")
-    flag_options(solver=args.solver, segments=not args.no_segments, max_segment=args.max_segment,
-                  granularity=args.granularity)
+    settings = flag_options(solver=args.solver, segments=not args.no_segments, max_segment=args.max_segment,
+                            granularity=args.granularity)
     if args.steps < 1:
         raise MemfitError("--steps must be at least 1")
     device_memory = parse_bytes(args.device_memory) if args.device_memory else None
@@ -43,8 +43,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if budgets is None and len(profs) > 1:  # one range for every shape: rows side by side, curves on one axis
         from memfit.planning.sweep import default_budgets
 
-        ends = [default_budgets(p, 2, segments=not args.no_segments, max_segment=args.max_segment,
-                                fine=args.granularity == "fine") for p in profs]
+        ends = [default_budgets(p, 2, settings) for p in profs]
         lo, hi, points = min(e[0] for e in ends), max(e[-1] for e in ends), args.points or 30
         budgets = sorted({lo + (hi - lo) * k // (points - 1) for k in range(points)})
     frames = {}
@@ -52,8 +51,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if args.measure and not prof.source:
             raise MemfitError("--measure needs the model: this profile does not say how it was built; profile it "
                               "with memfit profile (or give --scenario/--model instead of --profile)")
-        frame = sweep(prof, budgets, points=args.points or 30, strategies=strategies, solver=args.solver,
-                      segments=not args.no_segments, max_segment=args.max_segment, granularity=args.granularity)
+        frame = sweep(prof, budgets, settings, points=args.points or 30, strategies=strategies)
         check_interrupt()
         if args.measure:
             _measure_rows(args, prof, frame)

@@ -1,12 +1,14 @@
-"""How to plan, as one record: ``plan``, ``sweep`` and the command line build a ``PlanOptions``
-and it checks itself once, when it is made. A mistake names the setting as its maker spells it
-(``max_segment`` in Python, ``--max-segment`` on the command line)."""
+"""How to plan, as one record: ``plan``, ``sweep``, ``fit`` and the command line each make one
+``PlanOptions`` at their border (from ``options=``, keywords, or flags), it checks itself once, when
+it is made, and that record is what they carry inside. A mistake names the setting as its maker
+spells it (``max_segment`` in Python, ``--max-segment`` on the command line)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from memfit.errors import MemfitError, PlanOptionError
 from memfit.planning import SOLVERS, STRATEGY_NAMES
@@ -56,3 +58,20 @@ def check_strategies(strategies: Sequence[str], name: str = "strategies") -> lis
         raise MemfitError(f"{name}: unknown {', '.join(unknown) or '(none given)'}; use some of "
                           f"{', '.join(STRATEGY_NAMES)}")
     return list(dict.fromkeys(strategies))
+
+
+SETTINGS = tuple(f.name for f in fields(PlanOptions))
+
+
+def settle(options: PlanOptions | None = None, **given: Any) -> PlanOptions:
+    """The planning settings as one record: ``options`` (or the defaults) with the settings given as
+    keywords put in (``None``: not given). A name that is no setting is a MemfitError naming them."""
+    unknown = [k for k in given if k not in SETTINGS]
+    if unknown:
+        raise MemfitError(f"unknown planning setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                          f"the settings (memfit.PlanOptions) are {', '.join(SETTINGS)}")
+    if options is not None and not isinstance(options, PlanOptions):
+        raise MemfitError(f"options must be a memfit.PlanOptions, got {type(options).__name__}")
+    changed = {k: v for k, v in given.items() if v is not None}
+    base = options if options is not None else PlanOptions()
+    return replace(base, **changed) if changed else base

@@ -16,7 +16,7 @@ from memfit.planning.baselines import BASELINES, STRATEGIES, not_applicable, pic
 from memfit.planning.dp import dp_exact
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
-from memfit.planning.options import PlanOptions
+from memfit.planning.options import PlanOptions, settle
 from memfit.planning.peak import device_cap_bytes, predict
 from memfit.planning.roles import policies_of
 from memfit.policy import FULL, Policies
@@ -53,14 +53,15 @@ def min_budget_bytes(
 def plan(
     profile: Profile | Sequence[Profile],
     budget: str | int,
+    options: PlanOptions | None = None,
     *,
-    strategy: str = "ilp",
-    solver: str = "cpsat",
-    granularity: str = "module",
-    segments: bool = True,
-    max_segment: int = 8,
+    strategy: str | None = None,
+    solver: str | None = None,
+    granularity: str | None = None,
+    segments: bool | None = None,
+    max_segment: int | None = None,
     time_limit: float | None = None,
-    fallbacks: int = 0,
+    fallbacks: int | None = None,
     shares: Sequence[float] | None = None,
 ) -> Schedule:
     """The schedule with the least recompute time whose predicted peak fits ``budget``.
@@ -80,21 +81,29 @@ def plan(
     greedy. ``segments`` lets the ILP checkpoint runs of up to ``max_segment`` units as one
     region when the units form a chain. ``granularity="fine"`` also lets it choose the finer
     options a profile made with ``granularity="fine"`` measured (a child module, an op set,
-    derive). The settings are checked once, as a ``PlanOptions``. Raises
-    ``InfeasibleBudgetError`` with the smallest budget that works when nothing fits.
+    derive). The settings are one ``memfit.PlanOptions``: ``options``, with any given as keywords
+    put in (``None``: the record's, whose defaults are ilp, cpsat, module, segments of up to 8, no
+    time limit, no fallbacks); it checks them once. Raises ``InfeasibleBudgetError`` with the
+    smallest budget that works when nothing fits.
 
     On a GPU (the profile records its memory: a target's, or the measured card's) the budget is
     at most what the card leaves to a step, its usable memory less any FSDP headroom
     (``device_cap_bytes``): a larger budget is planned for that, and the schedule keeps the one
     asked for in ``asked_budget_bytes``.
     """
-    opts = PlanOptions(strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
-                       granularity=granularity, time_limit=time_limit, fallbacks=fallbacks)
+    opts = settle(options, strategy=strategy, solver=solver, segments=segments, max_segment=max_segment,
+                  granularity=granularity, time_limit=time_limit, fallbacks=fallbacks)
     if not isinstance(profile, Profile):
         return _plan_shapes(list(profile), budget, opts, shares)
     if shares is not None:
         raise MemfitError("shares weigh the input shapes of several profiles; one profile has one shape")
-    fine = check_granularity(profile, granularity)
+    return _plan_one(profile, budget, opts)
+
+
+def _plan_one(profile: Profile, budget: str | int, opts: PlanOptions) -> Schedule:
+    """``plan`` for one profile, with its settings made."""
+    strategy = opts.strategy
+    fine = check_granularity(profile, opts.granularity)
     budget_bytes = parse_bytes(budget)
     asked = None
     cap = device_cap_bytes(profile)
@@ -158,7 +167,7 @@ def _plan_shapes(profiles: list[Profile], budget: str | int, opts: PlanOptions,
     short: list[tuple[Profile, InfeasibleBudgetError]] = []
     for prof in profiles:
         try:
-            plans.append(plan(prof, budget, **dataclasses.asdict(opts)))
+            plans.append(_plan_one(prof, budget, opts))
         except InfeasibleBudgetError as exc:
             short.append((prof, exc))
     if short:

@@ -24,7 +24,7 @@ from memfit.planning.dp import dp_exact
 from memfit.planning.frontier import chain_frontier, read
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
-from memfit.planning.options import PlanOptions, check_strategies
+from memfit.planning.options import PlanOptions, check_strategies, settle
 from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import check_granularity, min_budget_bytes
 from memfit.planning.roles import policies_of
@@ -49,12 +49,14 @@ COLUMNS = {  # name -> pandas dtype
 }
 
 
-def default_budgets(profile: Profile, points: int = 30, *, segments: bool = True, max_segment: int = 8,
-                    fine: bool = False) -> list[int]:
-    """``points`` budgets, evenly spaced from the smallest feasible peak to the peak with
-    nothing checkpointed."""
+def default_budgets(profile: Profile, points: int = 30, options: PlanOptions | None = None) -> list[int]:
+    """``points`` budgets, evenly spaced from the smallest feasible peak (planned with ``options``'
+    segments and granularity) to the peak with nothing checkpointed."""
     if points < 2:
         raise MemfitError(f"a sweep needs at least 2 points, got {points}")
+    opts = options or PlanOptions()
+    fine = check_granularity(profile, opts.granularity)
+    segments, max_segment = opts.segments, opts.max_segment
     model = IntModel.of(profile, segments=segments, max_segment=max_segment, fine=fine)
     solver = "dp" if dp_exact(model) else "cpsat"  # the same minimum; the DP is quicker
     lo = min_budget_bytes(profile, solver=solver, segments=segments, max_segment=max_segment, fine=fine)
@@ -65,13 +67,14 @@ def default_budgets(profile: Profile, points: int = 30, *, segments: bool = True
 def sweep(
     profile: Profile,
     budgets: Sequence[int | str] | None = None,
+    options: PlanOptions | None = None,
     *,
     points: int = 30,
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
-    solver: str = "cpsat",
-    segments: bool = True,
-    max_segment: int = 8,
-    granularity: str = "module",
+    solver: str | None = None,
+    segments: bool | None = None,
+    max_segment: int | None = None,
+    granularity: str | None = None,
 ) -> pd.DataFrame:
     """One row per (budget, strategy): status, predicted peak and overhead, recompute time,
     units checkpointed, the policies as JSON and the solve time (columns: ``COLUMNS``).
@@ -80,14 +83,16 @@ def sweep(
     smallest feasible peak to the un-checkpointed peak. ``solver`` is used for units that are
     not a chain (on a chain the frontier DP gives the same optimum for every budget at once).
     ``granularity="fine"`` lets the ILP take the finer options of a fine profile (as ``plan``).
+    The settings are one ``memfit.PlanOptions`` as in ``plan`` (``options``, with keywords put in;
+    its strategy, time limit and fallbacks are not used here).
     """
     import pandas as pd
 
     strategies = check_strategies(strategies)
-    PlanOptions(solver=solver, segments=segments, max_segment=max_segment, granularity=granularity)
-    fine = check_granularity(profile, granularity)
+    opts = settle(options, solver=solver, segments=segments, max_segment=max_segment, granularity=granularity)
+    fine = check_granularity(profile, opts.granularity)
     if budgets is None:
-        sizes = default_budgets(profile, points, segments=segments, max_segment=max_segment, fine=fine)
+        sizes = default_budgets(profile, points, opts)
     else:
         sizes = sorted({parse_bytes(b) for b in budgets})
         if not sizes:
@@ -95,7 +100,7 @@ def sweep(
     rows: list[dict[str, Any]] = []
     for strategy in dict.fromkeys(strategies):
         if strategy == "ilp":
-            rows += _ilp_rows(profile, sizes, solver, segments, max_segment, fine)
+            rows += _ilp_rows(profile, sizes, opts, fine)
         else:
             rows += _baseline_rows(profile, sizes, strategy)
     frame = pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)  # rows: by strategy as given, budget
@@ -137,16 +142,15 @@ def _baseline_rows(profile: Profile, sizes: list[int], strategy: str) -> list[di
     return rows
 
 
-def _ilp_rows(profile: Profile, sizes: list[int], solver: str, segments: bool,
-              max_segment: int, fine: bool) -> list[dict[str, Any]]:
+def _ilp_rows(profile: Profile, sizes: list[int], opts: PlanOptions, fine: bool) -> list[dict[str, Any]]:
     start = time.perf_counter()
-    model = IntModel.of(profile, segments=segments, max_segment=max_segment, fine=fine)
+    model = IntModel.of(profile, segments=opts.segments, max_segment=opts.max_segment, fine=fine)
     # The DP gives each unit one net change whatever its role; where a profile's differ (a unit
     # whose output outlives it, see profiler._share_outputs) it would be cautious, so the ILP decides.
     points = chain_frontier(model, [b // model.quantum for b in sizes]) if dp_exact(model) else None
     found: dict[int, tuple[str, Policies | None, Prediction | None]] = {}
     if points is None:
-        found = _walk_down(profile, model, sizes, solver)
+        found = _walk_down(profile, model, sizes, opts.solver)
     else:
         plans: dict[int, tuple[str, Policies, Prediction]] = {}  # by frontier point: budgets share plans
         for b in sizes:
