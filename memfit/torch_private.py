@@ -72,7 +72,15 @@ checkpoint_generator = _private("torch.utils.checkpoint", "_checkpoint_without_r
 # a recompute (runtime/regions.py). Since torch 1.0.
 BatchNorm = _private("torch.nn.modules.batchnorm", "_BatchNorm", "1.0", kind="class")
 
-__all__ = ["BatchNorm", "FakeTensorMode", "ProfiledAllocation", "StorageWeakRef", "TorchDispatchMode",
+# nn.Module's global hooks, which its __call__ tests before taking its fast path: a recomputation
+# calls a unit's forward straight away when neither these nor the unit's own hooks are set
+# (runtime/regions.py). Since torch 1.13 (backward pre-hooks since 2.0). A stand-in is a function,
+# which counts as a hook: the recomputation then goes through __call__.
+MODULE_HOOKS = tuple(_private("torch.nn.modules.module", name, "2.0", kind="function")
+                     for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                                  "_global_backward_pre_hooks"))
+
+__all__ = ["MODULE_HOOKS", "BatchNorm", "FakeTensorMode", "ProfiledAllocation", "StorageWeakRef", "TorchDispatchMode",
            "allow_in_compiled_graph",
            "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "destroy_library", "fake_store",
            "grad_scaler_tensors",

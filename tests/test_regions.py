@@ -202,3 +202,28 @@ def test_a_segment_whose_member_output_is_changed_in_place_between_members_train
     for p, q in zip(plain.parameters(), seg.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
     region.remove()
+
+
+def test_a_recomputation_calls_the_unit_through_its_hooks_when_it_has_any():
+    """As ``torch.utils.checkpoint`` around the module would: the unit's own hooks and nn.Module's
+    global ones see the recomputation's call too; with none, the forward is called straight away
+    (nn.Module.__call__'s fast path) and still runs once more."""
+    model = _net()
+    region = Region([model[1]])
+    x = torch.randn(8, 16)
+    seen: list[tuple[str, bool]] = []
+    # pre-hooks: the recomputation stops once the last saved tensor is back, before a forward hook
+    own = model[1].register_forward_pre_hook(lambda m, a: seen.append(("own", recomputing())))
+    model(x).sum().backward()
+    assert seen == [("own", False), ("own", True)]
+    own.remove()
+    seen.clear()
+    every = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: seen.append(("global", recomputing())) if m is model[1] else None)
+    model(x).sum().backward()
+    every.remove()
+    assert seen == [("global", False), ("global", True)]
+    model[1].calls.clear()
+    model(x).sum().backward()
+    assert model[1].calls == [False, True]
+    region.remove()

@@ -69,7 +69,7 @@ from memfit.measure.host import UnderDispatchMode
 from memfit.measure.step import packed
 from memfit.runtime.op_sets import OP_SETS, keep
 from memfit.runtime.threads import PerThread, Recomputing, Weak, opened_regions, raising, recomputing
-from memfit.torch_private import BatchNorm, checkpoint_generator
+from memfit.torch_private import MODULE_HOOKS, BatchNorm, checkpoint_generator
 
 
 @dataclass(slots=True)
@@ -285,7 +285,8 @@ class Region(PerThread):
                         inputs, kw = (out[0] if call.takes_first else out, *call.rest), call.kwargs
                     module = self._modules[call.k]()
                     if call.tensors is None:
-                        out = module(*inputs, **kw)
+                        # with no hook to run, nn.Module.__call__ would call the forward straight away
+                        out = module(*inputs, **kw) if _hooked(module) else _own(module)(*inputs, **kw)
                     else:  # the fast weights the forward ran with
                         out = torch.func.functional_call(module, call.tensors, inputs, kw)
 
@@ -293,6 +294,17 @@ class Region(PerThread):
 
 
 _NOTHING = (contextlib.nullcontext(), contextlib.nullcontext())  # reusable: what noop_context_fn makes
+
+
+def _hooked(module: nn.Module) -> bool:
+    """``nn.Module.__call__`` would run hooks around this module's forward (its fast path's test)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or any(MODULE_HOOKS))
+
+
+def _own(module: nn.Module) -> Callable[..., Any]:
+    """The unit's own forward, under memfit's (an instance's own forward attribute, or its class's)."""
+    return module.__dict__["_memfit_forward"] or type(module).forward.__get__(module)
 
 
 def _finish(gen: Generator[None, None, None]) -> None:
@@ -431,7 +443,7 @@ class _UnitForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module()
         assert module is not None, "a unit's forward outlived its module"
-        own = module.__dict__["_memfit_forward"] or type(module).forward.__get__(module)
+        own = _own(module)
         if not torch.compiler.is_compiling():
             region = module.__dict__["_memfit_region"]
             return region.run(module, own, args, kwargs) if region.single else own(*args, **kwargs)
