@@ -137,10 +137,13 @@ def test_plan_compiled_fits_its_budget_and_validates(gpt_profile):
         plan_compiled(model, batch, gpt_profile, gpt_profile.baseline_bytes, "aot_eager")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
 def test_inductor_checkpoints_with_plain_gradients():
     """inductor fuses, so its results are compared with the plain compiled model's, to float
-    tolerance."""
+    tolerance. In the slow set: its C++ kernels take 40 s to build on 2 cores, and memfit's side
+    of a compiled step (the checkpoint HOP, the partitioner) is the same under aot_eager, which
+    the suite's other compile tests run."""
     model, batch = tiny_gpt()
     names = find_units(model, "auto")
     runs = {}

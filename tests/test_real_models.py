@@ -115,6 +115,35 @@ def test_a_resnet_stem_as_units_is_planned_and_trains_as_the_plain_model():
     train_and_compare(plain, scheduled, x)
 
 
+class _ScalesItsKeyword(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * scale.mul_(1.0)  # in place on a keyword tensor: a checkpoint would not see it
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ScalesItsKeyword() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(8)
+        for block in self.blocks:
+            x = block(x, scale=scale)
+        return x
+
+
+def test_a_unit_that_changes_a_keyword_tensor_in_place_is_refused():
+    """A keyword argument travels to the recomputation as the same tensor, not a saved copy: changed
+    in place by the unit, the recomputation would read the changed value. Refused, as a changed
+    positional input is."""
+    with pytest.raises(memfit.UnitSelectionError, match=r"'blocks.0' \(_ScalesItsKeyword\) changes its input"):
+        memfit.profile(_Twice(), torch.randn(4, 8), repeat=1)
+
+
 @pytest.mark.parametrize("image", [64, 96])
 def test_mobilenet_v3_small_plans_fit_and_train_as_the_plain_model(image):
     """torchvision's MobileNetV3-Small (in-place hardswish, squeeze-excitation, BatchNorm), its 13
