@@ -120,8 +120,9 @@ class _ScalesItsKeyword(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(8, 8)
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * scale.mul_(1.0)  # in place on a keyword tensor: a checkpoint would not see it
+    def forward(self, x: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        seen.add_(1)  # in place on a keyword tensor (a counter): a recomputation would count again
+        return self.lin(x)
 
 
 class _Twice(torch.nn.Module):
@@ -130,15 +131,15 @@ class _Twice(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(_ScalesItsKeyword() for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.ones(8)
+        seen = torch.zeros((), dtype=torch.long)
         for block in self.blocks:
-            x = block(x, scale=scale)
+            x = block(x, seen=seen)
         return x
 
 
 def test_a_unit_that_changes_a_keyword_tensor_in_place_is_refused():
     """A keyword argument travels to the recomputation as the same tensor, not a saved copy: changed
-    in place by the unit, the recomputation would read the changed value. Refused, as a changed
+    in place by the unit, the recomputation would read (and change) it again. Refused, as a changed
     positional input is."""
     with pytest.raises(memfit.UnitSelectionError, match=r"'blocks.0' \(_ScalesItsKeyword\) changes its input"):
         memfit.profile(_Twice(), torch.randn(4, 8), repeat=1)
