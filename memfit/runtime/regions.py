@@ -37,10 +37,12 @@ autograd's saved-tensor hooks are; the regions and hooks reach their modules thr
 references, which ``copy.deepcopy`` and pickling carry over to the copy's own modules.
 
 A unit whose parameters were substituted for the call (``torch.func.functional_call`` with fast
-weights) is recomputed with the same substituted tensors; BatchNorm's running statistics are put
-back after a recomputation, so they are updated once, whatever the mode was at ``apply``, and
-nothing of the unit is kept across the forward (a kept output could be changed in place later,
-as every ResNet does with ``out += identity``).
+weights) is recomputed with the same substituted tensors; BatchNorm's running statistics are
+left as they were by a recomputation (held still, or put back: ``_PutBack``), so they are updated
+once, whatever the mode was at ``apply``, and nothing of the unit is kept across the forward (a
+kept output could be changed in place later, as every ResNet does with ``out += identity``). A
+member whose input was changed in place since the previous member returned (``relu_`` between
+two units) opens a region of its own, since the replay feeds it the previous member's output.
 
 Private API: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, the generator
 form of non-reentrant checkpointing that ``torch.distributed._composable.checkpoint`` builds
