@@ -287,8 +287,10 @@ class Region(PerThread):
                         inputs, kw = (out[0] if call.takes_first else out, *call.rest), call.kwargs
                     module = self._modules[call.k]()
                     if call.tensors is None:
-                        # with no hook to run, nn.Module.__call__ would call the forward straight away
-                        out = module(*inputs, **kw) if _hooked(module) else _own(module)(*inputs, **kw)
+                        # with no hook to run, nn.Module.__call__ would call the forward straight away;
+                        # a unit whose region went since (another shape's plan) is called as it is now
+                        direct = module.__dict__.get("_memfit_region") is self and not _hooked(module)
+                        out = _own(module)(*inputs, **kw) if direct else module(*inputs, **kw)
                     else:  # the fast weights the forward ran with
                         out = torch.func.functional_call(module, call.tensors, inputs, kw)
 
