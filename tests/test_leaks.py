@@ -19,8 +19,8 @@ from memfit.policy import DERIVE, FULL, KEEP, Segment, Selective
 def _graph_tensors() -> dict[int, int]:
     """id -> storage bytes of every live real tensor that has a grad_fn (a graph's activations);
     compiled tests earlier in a session can leave symbolic ones, which are not memory. Objects from
-    before the test are frozen (``_start``), so ``gc.get_objects`` walks only the test's own: in a
-    whole suite's heap the walks took 25 of this file's 31 seconds."""
+    before the test are frozen (``_frozen_heap``), so ``gc.get_objects`` walks only the test's own: in
+    a whole suite's heap the walks took 25 of this file's 31 seconds."""
     gc.collect()
     out = {}
     for o in gc.get_objects():
@@ -31,12 +31,9 @@ def _graph_tensors() -> dict[int, int]:
     return out
 
 
-BEFORE: dict[int, int] = {}
-
-
 def _graph_bytes() -> int:
-    """Graph bytes alive now that were not before the test began (``_start``)."""
-    return sum(n for k, n in _graph_tensors().items() if k not in BEFORE)
+    """Graph bytes alive now that were not before the test began (the heap then is frozen)."""
+    return sum(_graph_tensors().values())
 
 
 @pytest.fixture(autouse=True)
@@ -49,17 +46,11 @@ def _frozen_heap():
     gc.unfreeze()
 
 
-def _start() -> None:
-    BEFORE.clear()
-    BEFORE.update(_graph_tensors())
-
-
 def _gpt():
     return zoo.nanogpt(batch=2, seq=32, vocab=128, d_model=32, n_head=4, n_layer=3, dropout=0.1)
 
 
 def test_profiling_leaves_no_graph_and_the_model_can_be_freed():
-    _start()
     model, batch = _gpt()
     ref = weakref.ref(model)
     prof = memfit.profile(model, batch, granularity="fine", repeat=1)
@@ -72,7 +63,6 @@ def test_profiling_leaves_no_graph_and_the_model_can_be_freed():
 
 
 def test_a_forward_without_backward_under_every_option_leaves_no_graph():
-    _start()
     model, batch = _gpt()
     prof = memfit.profile(model, batch, granularity="fine", repeat=1)
     options = sorted({o for u in prof.units for o in u.options} - {KEEP}, key=str)

@@ -108,26 +108,26 @@ def unit_facts(model: nn.Module, unit_names: list[str], inputs: Inputs, loss_fn:
         for i, u in enumerate(units)
     ]
     first: set[int] = set()
-    versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
-    out_version: list[int] = []
-
-    changed_between: list[bool] = []  # a unit's output changed in place before the next unit took it
+    versions: dict[int, list[tuple[torch.Tensor, int]]] = {}  # a unit's tensor inputs as it was called
+    returned: tuple[torch.Tensor, int] | None = None  # the last unit's output and its version as it returned
+    changed_between = False  # a unit's output changed in place before the next unit took it
 
     def before(i: int) -> Callable[..., None]:
         def hook(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
+            nonlocal changed_between
             if i not in first:
                 versions[i] = [(t, t._version) for t in iter_tensors((a, k))]
-                if calls and a and isinstance(a[0], torch.Tensor) and a[0] is calls[-1][2] and (
-                        a[0]._version != out_version[-1]):
-                    changed_between.append(True)
+                if returned is not None and a and a[0] is returned[0] and returned[0]._version != returned[1]:
+                    changed_between = True
         return hook
 
     def called(i: int) -> Callable[..., None]:
         def hook(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], out: Any) -> None:
+            nonlocal returned
             if i not in first:
                 first.add(i)
                 calls.append((a, k, out))
-                out_version.append(out._version if isinstance(out, torch.Tensor) else 0)
+                returned = (out, out._version) if isinstance(out, torch.Tensor) else None
                 if any(t._version != v for t, v in versions.pop(i, [])):
                     raise _changes_input(unit_names[i], m)
         return hook
