@@ -39,6 +39,10 @@ def _private(module: str, name: str, since: str, *, kind: str = "function") -> A
 # address, and the CPU allocator reports a free of a block made while no profiler ran with a stale
 # size from its table (an earlier block at that address). Since torch 1.13.
 ProfiledAllocation = _private("torch._C._profiler", "_ExtraFields_Allocation", "1.13", kind="class")
+# An op's event in the same tree; with ``record_shapes`` its ``inputs`` name each tensor input's
+# storage address (``_TensorMetadata.storage_data_ptr``): when a block a collective's worker thread
+# freed unheard was last used. Since torch 2.0.
+ProfiledOp = _private("torch._C._profiler", "_ExtraFields_TorchOp", "2.0", kind="class")
 
 # Fake tensors: estimate mode builds and runs the model without memory. Since torch 2.0.
 # ``unset_fake_temporarily``: a small computation run for real while a model is built (its values
@@ -80,8 +84,8 @@ MODULE_HOOKS = tuple(_private("torch.nn.modules.module", name, "2.0", kind="func
                      for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                                   "_global_backward_pre_hooks"))
 
-__all__ = ["MODULE_HOOKS", "BatchNorm", "FakeTensorMode", "ProfiledAllocation", "StorageWeakRef", "TorchDispatchMode",
-           "allow_in_compiled_graph",
+__all__ = ["MODULE_HOOKS", "BatchNorm", "FakeTensorMode", "ProfiledAllocation", "ProfiledOp", "StorageWeakRef",
+           "TorchDispatchMode", "allow_in_compiled_graph",
            "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "destroy_library", "fake_store",
            "grad_scaler_tensors",
            "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map",

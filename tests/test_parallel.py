@@ -56,8 +56,8 @@ def test_per_rank_plans_predict_the_per_rank_peak(tiny, parallel):
     got = {k: v[:len(plans)] for k, v in got.items()}
     headroom = fsdp_headroom(prof)
     assert (headroom > 0) == parallel.startswith("fsdp")
-    for s, measured in zip(scheds, got["peaks"][1:], strict=True):
-        assert abs(s.predicted_peak_bytes - measured) / measured <= 0.05, (s.policies, s.predicted_peak_bytes, measured)
+    for s, measured in zip(scheds, got["peaks"][1:], strict=True):  # every one to the byte in 3 runs
+        assert abs(s.predicted_peak_bytes - measured) / measured <= 0.02, (s.policies, s.predicted_peak_bytes, measured)
         # the same all-checkpointed fsdp-bf16 plan once measured 32 KiB (0.4%) past budget + headroom
         # in CI: frees on gloo's worker threads, which the CPU meter did not hear until it learned to
         # (tests/test_profiler.py); since, every plan here measured its prediction to the byte in 6

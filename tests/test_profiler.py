@@ -156,6 +156,69 @@ def test_cpu_meter_level_returns_after_every_gloo_reduce_scatter():
     assert spawn_ranks(_reduce_scatter_levels, 2, "cpu", 60) == [0] * 61
 
 
+def _functional_levels(device: str, rounds: int) -> list[int]:
+    """Rank code: the meter's level after each of ``rounds`` functional all-gathers and all-reduces
+    (DTensor's redistributions) of a fresh tensor, their outputs used and dropped at once."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from memfit.measure.memory import memory_recorder
+
+    recorder = memory_recorder(torch.device(device))
+    with recorder:
+        recorder.on_mark("start")
+        for i in range(rounds):
+            x = torch.randn((1 << 16) + 64 * i)
+            y = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
+            z = funcol.all_reduce(y * 2, "sum", dist.group.WORLD)
+            del x, y
+            float(z.sum())
+            del z
+            recorder.on_mark(f"round {i}")
+    return [m.level for m in recorder.marks()]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_cpu_meter_level_returns_after_every_functional_collective():
+    """A functional collective's work holds its input and output until gloo's worker thread lets
+    it go, which may be after the caller dropped them: the free then goes unheard. Before the
+    meter placed such frees after the block's last use, the level climbed by 0.25 to 1.8 MiB in
+    each of 3 runs of these 60 rounds (it counted each block until its address was taken again);
+    each round now ends where it started."""
+    from memfit.parallel import spawn_ranks
+
+    assert spawn_ranks(_functional_levels, 2, "cpu", 60) == [0] * 61
+
+
+def test_cpu_meter_places_an_unheard_free_after_the_blocks_last_use():
+    """Events written out: a block whose free went unheard went at the end of the last op that took
+    it as an input (before a new block took its address); one made inside a collective, or used,
+    and never heard to go went then too, unless a tensor alive at the recording's end is on it."""
+    from memfit.measure.memory import _ALLOC, _FREE, _MARK, _with_unseen_frees, marks_of
+
+    def mark(t: int, label: str) -> tuple[int, int, int, int, str, int]:
+        return (t, _MARK, 0, 0, label, 0)
+
+    events = [mark(0, "start"), (1, _ALLOC, 0xA0, 4000, "", 0), mark(3, "used"),  # last used 2..4
+              mark(5, "after its use"), (6, _ALLOC, 0xB0, 1000, "", 7),  # a collective's output
+              (8, _ALLOC, 0xC0, 500, "", 9), mark(11, "end"), (12, _FREE, 0xC0, -500, "", 0),
+              (13, _ALLOC, 0xA0, 2000, "", 0), (14, _FREE, 0xA0, -2000, "", 0), mark(15, "done")]
+    uses = {0xA0: [(2, 4)], 0xB0: [(9, 10)]}
+    got = marks_of(_with_unseen_frees(events, uses, live=set()), {})
+    assert [(m.label, m.level, m.peak) for m in got] == [
+        ("start", 0, 0), ("used", 4000, 4000), ("after its use", 0, 4000), ("end", 500, 1500),
+        ("done", 0, 2000)]
+    # the collective's output is still alive at the end (a gradient, say): it stays counted
+    got = marks_of(_with_unseen_frees(events, uses, live={0xB0}), {})
+    assert [(m.label, m.level) for m in got][-2:] == [("end", 1500), ("done", 1000)]
+    # a block made outside a collective, used, never heard to go and not alive: gone after its use
+    events = [mark(0, "start"), (1, _ALLOC, 0xD0, 3000, "", 0), mark(4, "used"), mark(6, "end")]
+    for live, level in ((set(), 0), ({0xD0}, 3000)):
+        got = marks_of(_with_unseen_frees(events, {0xD0: [(2, 5)]}, live), {})
+        assert [(m.label, m.level) for m in got] == [("start", 0), ("used", 3000), ("end", level)]
+
+
 def test_meters_hold_the_collector_off():
     """No collection inside a measured step frees an earlier step's cycles (CUDA's figures would see
     it, and the step would pay its time), however much the step allocates."""

@@ -22,7 +22,7 @@ import torch
 from memfit.devices import MemoryRecord
 from memfit.errors import MemfitError
 from memfit.measure.step import local, storage_bytes
-from memfit.torch_private import ProfiledAllocation, is_fake
+from memfit.torch_private import ProfiledAllocation, ProfiledOp, is_fake
 
 T = TypeVar("T")
 
@@ -69,11 +69,17 @@ class CpuMemoryRecorder:
     The profiler hears only the threads it runs in (``profile_all_threads`` drops memory events:
     pytorch#166121): a block freed on another thread has no free. Gloo's collectives copy their
     input on the calling thread and free the copy on a worker, now and then after the call has
-    returned; so a block made inside a ``c10d::`` op and never seen to go went when that op
-    returned, and any other unseen free happened before a new block took its address."""
+    returned; and a collective's work holds its input and output tensors until its worker thread
+    lets it go, which on a busy CPU may be well after the caller dropped them. A block whose free
+    went unheard so went at the end of the last op that used it (an op's inputs, recorded in a
+    process group: ``_last_uses``), and at the latest when a new block took its address; one made
+    inside a collective, or used, and never seen to go went then too, unless a tensor Python can
+    reach at the recording's end is on it (a functional collective's output may be a gradient)."""
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()) -> None:
         self._prof: Any = None
+        self._inputs = in_process_group()  # record each op's inputs: see _last_uses
+        self._live: set[int] = set()
         self._alive: dict[int, int] = {}  # address -> bytes (no reference: they must be free to go)
         self._watch: list[weakref.finalize] = []
         for t in map(local, alive):
@@ -91,7 +97,8 @@ class CpuMemoryRecorder:
         self._quiet = _filtered_stderr()
         self._quiet.__enter__()
         self._prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+            record_shapes=self._inputs,
         )
         self._prof.__enter__()
         return self
@@ -101,6 +108,8 @@ class CpuMemoryRecorder:
             for f in self._watch:
                 f.detach()
             self._prof.__exit__(*exc)
+            if self._inputs:
+                self._live = _live_blocks()
         finally:
             self._quiet.__exit__(*exc)
             self._gc.__exit__(*exc)
@@ -110,7 +119,15 @@ class CpuMemoryRecorder:
             pass
 
     def marks(self) -> list[Mark]:
-        return marks_of(_with_unseen_frees(_cpu_events(self._prof)), self._alive)
+        events = _cpu_events(self._prof)
+        uses = _last_uses(self._prof, _unheard(events)) if self._inputs else {}
+        return marks_of(_with_unseen_frees(events, uses, self._live), self._alive)
+
+
+def in_process_group() -> bool:
+    """Whether this process runs collectives, whose worker threads free blocks unheard."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
 
 
 def marks_of(events: list[Event], alive: dict[int, int]) -> list[Mark]:
@@ -171,13 +188,13 @@ Event = tuple[int, int, int, int, str, int]  # (time, kind, address, bytes, labe
 
 def _cpu_events(prof: Any) -> list[Event]:
     """Each mark, CPU allocation, free (as the allocator reported it) and static block's end, in
-    time order (at one time: as the events came); an allocation made inside a ``c10d::`` op
-    carries the op's end time."""
+    time order (at one time: as the events came); an allocation made inside a collective (a
+    ``c10d::`` or ``_c10d_functional::`` op) carries the op's end time."""
     out: list[Event] = []
     stack = [(e, 0) for e in reversed(prof.profiler.kineto_results.experimental_event_tree())]
     while stack:  # depth first, in the tree's order
         e, c10d_end = stack.pop()
-        if not c10d_end and e.name.startswith("c10d::"):
+        if not c10d_end and e.name.startswith(("c10d::", "_c10d_functional::")):
             c10d_end = e.end_time_ns
         stack.extend((c, c10d_end) for c in reversed(e.children))
         f = e.extra_fields
@@ -194,21 +211,96 @@ def _cpu_events(prof: Any) -> list[Event]:
     return out
 
 
-def _with_unseen_frees(events: list[Event]) -> list[Event]:
-    """``events`` with a free, at the op's end, of each block made inside a collective whose free
-    was not heard (it went on the collective's worker thread: see ``CpuMemoryRecorder``), unless a
-    new block took its address before that (then the recorder drops it there)."""
-    made: dict[int, tuple[int, int]] = {}  # address -> (bytes, end of the c10d op that made it)
+def _unheard(events: list[Event]) -> set[int]:
+    """The addresses of the blocks whose free went unheard (a new block took the address first)
+    or never came (they may still be alive)."""
+    made: set[int] = set()
+    out: set[int] = set()
+    for _, kind, ptr, _, _, _ in events:
+        if kind == _ALLOC:
+            if ptr in made:
+                out.add(ptr)
+            made.add(ptr)
+        elif kind == _FREE:
+            made.discard(ptr)
+    return out | made
+
+
+def _last_uses(prof: Any, ptrs: set[int]) -> dict[int, list[tuple[int, int]]]:
+    """For each of ``ptrs``, the (start, end) of every op that took a tensor on that block as an
+    input, in time order; none where the recording kept no inputs (no ``record_shapes``)."""
+    uses: dict[int, list[tuple[int, int]]] = {}
+    if not ptrs:
+        return uses
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        f = e.extra_fields
+        if isinstance(f, ProfiledOp):
+            for ptr in _input_blocks(f.inputs) & ptrs:
+                uses.setdefault(ptr, []).append((e.start_time_ns, e.end_time_ns))
+    for spans in uses.values():
+        spans.sort()
+    return uses
+
+
+def _live_blocks() -> set[int]:
+    """The storage addresses of the CPU tensors Python can reach now, and of their gradients (a
+    DTensor's: its shard's)."""
+    out: set[int] = set()
+    with torch.no_grad():
+        for o in gc.get_objects():
+            if not issubclass(type(o), torch.Tensor):  # isinstance asks some proxies, which warn
+                continue
+            for t in (o, o.grad if o.is_leaf else None):  # a non-leaf's .grad warns
+                t = None if t is None else local(t)
+                if t is not None and t.device.type == "cpu" and not is_fake(t):
+                    try:
+                        out.add(t.untyped_storage().data_ptr())
+                    except (RuntimeError, NotImplementedError):  # sparse, nested: no one storage
+                        pass
+    return out
+
+
+def _input_blocks(inputs: Iterable[Any]) -> set[int]:
+    """The storage addresses of the tensors among an op's recorded inputs (lists searched too)."""
+    out: set[int] = set()
+    for x in inputs:
+        if isinstance(x, list):
+            out |= _input_blocks(x)
+        elif getattr(x, "storage_data_ptr", None):
+            out.add(x.storage_data_ptr)
+    return out
+
+
+def _with_unseen_frees(events: list[Event], uses: dict[int, list[tuple[int, int]]],
+                       live: set[int]) -> list[Event]:
+    """``events`` with a free of each block whose free went unheard (see ``CpuMemoryRecorder``):
+    at the end of the last op that used it, or made it inside a collective, before a new block
+    took its address (``uses``: ``_last_uses``; with neither, the recorder drops it there); a block
+    never heard to go that was used, or made inside a collective, went then too unless ``live``
+    (``_live_blocks``: the tensors alive at the end) names it."""
+    made: dict[int, tuple[int, int, int]] = {}  # address -> (bytes, made at, end of its c10d op)
     unseen: list[Event] = []
+
+    def gone(ptr: int, block: tuple[int, int, int], until: int) -> None:
+        nbytes, start, op_end = block
+        last = max([op_end, *(end for s, end in uses.get(ptr, ()) if start <= s < until)])
+        if 0 < last <= until:
+            unseen.append((last, _FREE, ptr, -nbytes, "", 0))
+
     for time, kind, ptr, nbytes, _, op_end in events:
         if kind == _ALLOC:
             old = made.pop(ptr, None)
-            if old is not None and 0 < old[1] <= time:
-                unseen.append((old[1], _FREE, ptr, -old[0], "", 0))
-            made[ptr] = (nbytes, op_end)
+            if old is not None:
+                gone(ptr, old, time)
+            made[ptr] = (nbytes, time, op_end)
         elif kind == _FREE:
             made.pop(ptr, None)
-    unseen += [(end, _FREE, ptr, -nbytes, "", 0) for ptr, (nbytes, end) in made.items() if end]
+    for ptr, block in made.items():
+        if ptr not in live and (block[2] or ptr in uses):  # never seen to go, and not alive
+            gone(ptr, block, sys.maxsize)
     if not unseen:
         return events
     return sorted(events + unseen, key=lambda x: x[0])
