@@ -67,6 +67,23 @@ def llama(
     return tf.LlamaForCausalLM(config), _tokens(batch, seq, vocab)
 
 
+def gpt_neox(
+    batch: int = 4, seq: int = 128, n_layer: int = 4, hidden: int = 256, n_head: int = 4, vocab: int = 4096,
+    seed: int = 0,
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A GPT-NeoX (Pythia's architecture): rotary attention and a parallel residual; its config
+    declares a tensor-parallel plan, and its fused q/k/v projection is laid out head by head, so a
+    column-wise split hands each rank whole heads."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    config = tf.GPTNeoXConfig(
+        num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=n_head,
+        vocab_size=vocab, max_position_embeddings=max(seq, 128), use_cache=False, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=0,
+    )
+    return tf.GPTNeoXForCausalLM(config), _tokens(batch, seq, vocab)
+
+
 def bert(
     batch: int = 8, seq: int = 128, n_layer: int = 4, hidden: int = 256, n_head: int = 4, vocab: int = 30522,
     intermediate: int | None = None, seed: int = 0, task: str = "mlm", attention: str = "sdpa",

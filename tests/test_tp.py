@@ -1,6 +1,6 @@
 """Tensor parallelism, with and without sequence parallelism, on a model the user parallelized
-with ``parallelize_module`` before memfit sees it (issue 41): Hugging Face's Llama from a
-config on 2 gloo ranks. Each rank profiles its own step (its shards, the collectives' buffers,
+with ``parallelize_module`` before memfit sees it (issue 41): Hugging Face's Llama and GPT-NeoX
+from configs on 2 gloo ranks. Each rank profiles its own step (its shards, the collectives' buffers,
 what sequence parallelism shards), rank 0's plan is broadcast (a region's recomputation re-runs
 its collectives, so every rank must checkpoint the same units), and the user's loop then
 measures the predicted peak and trains as one process does. ``--parallel tp`` shards a Hugging
@@ -62,6 +62,41 @@ def _llama():
     return hf.llama(batch=2, seq=64, n_layer=4, hidden=128, n_head=4, vocab=512, intermediate=384)
 
 
+def _neox_plans() -> tuple[dict, dict]:
+    """GPT-NeoX (Pythia) under TP with sequence parallelism, as a user writes it from the config's
+    own plan (fused q/k/v column-wise: its layout is head by head) and Llama's norms and inputs."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    to_whole = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    model = {"gpt_neox.embed_in": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                  use_local_output=False),
+             "gpt_neox.final_layer_norm": SequenceParallel(),
+             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    layer = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+             "attention": to_whole, "attention.query_key_value": ColwiseParallel(),
+             "attention.dense": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+             "mlp": to_whole, "mlp.dense_h_to_4h": ColwiseParallel(),
+             "mlp.dense_4h_to_h": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    return model, layer
+
+
+def _neox():
+    from memfit import hf
+
+    return hf.gpt_neox(batch=2, seq=64, n_layer=4, hidden=128, n_head=4, vocab=512)
+
+
+# name -> (model and batch, its blocks, its (model-level, per-layer) plans with or without SP)
+MODELS = {"llama": (_llama, UNITS, _tp_plans),
+          "gpt-neox": (_neox, [f"gpt_neox.layers.{i}" for i in range(4)], lambda sp: _neox_plans())}
+
+
 def _step(model, opt, batch) -> float:
     """The user's step: zero_grad, forward with labels, backward, AdamW."""
     opt.zero_grad(set_to_none=True)
@@ -107,21 +142,22 @@ def _train_beside(model, plain, mine: dict, whole: dict):
     return losses, peak, error
 
 
-def _rank(device: str, sequence_parallel: bool) -> dict:
+def _rank(device: str, sequence_parallel: bool, model_name: str = "llama") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     import memfit
 
+    build, units, plans = MODELS[model_name]
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    plain, batch = _llama()
+    plain, batch = build()
     model = copy.deepcopy(plain)
-    top, layer = _tp_plans(sequence_parallel)
+    top, layer = plans(sequence_parallel)
     if top:
         parallelize_module(model, mesh, top)
-    for name in UNITS:
+    for name in units:
         parallelize_module(model.get_submodule(name), mesh, layer)
-    prof = memfit.profile(model, batch, units=UNITS, optimizer="adamw", repeat=1)
+    prof = memfit.profile(model, batch, units=units, optimizer="adamw", repeat=1)
     sched, lo, hi = _one_plan(prof)
     memfit.apply(model, sched)  # refuses a schedule for another model: the fingerprint is every rank's
     losses, peak, error = _train_beside(model, plain, batch, batch)
@@ -134,12 +170,14 @@ def _rank(device: str, sequence_parallel: bool) -> dict:
     return out
 
 
-# plain TP 2 is also what --parallel tp and the fit test below run: in the slow set, to keep the suite short
-@pytest.mark.parametrize("sequence_parallel", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["tp2", "tp2-sp"])
-def test_a_user_parallelized_llama_plans_per_rank_and_trains_as_one_process(sequence_parallel):
-    got = spawn_ranks(_rank, 2, "cpu", sequence_parallel)
-    assert got["floor"] < got["budget"] < got["plain"] and 0 < len(got["checkpointed"]) < len(UNITS)
+# plain TP 2 is also what --parallel tp and the fit test below run: in the slow set, to keep the suite short.
+# GPT-NeoX (Pythia) from its config: a GPT whose blocks add attention and MLP in parallel to the residual
+@pytest.mark.parametrize(("model_name", "sequence_parallel"),
+                         [pytest.param("llama", False, marks=pytest.mark.slow), ("llama", True), ("gpt-neox", True)],
+                         ids=["llama-tp2", "llama-tp2-sp", "gpt-neox-tp2-sp"])
+def test_a_user_parallelized_model_plans_per_rank_and_trains_as_one_process(model_name, sequence_parallel):
+    got = spawn_ranks(_rank, 2, "cpu", sequence_parallel, model_name)
+    assert got["floor"] < got["budget"] < got["plain"] and 0 < len(got["checkpointed"]) < len(MODELS[model_name][1])
     for predicted, measured in got["ranks"]:  # every rank's own peak, under the one plan
         assert abs(predicted - measured) <= TOLERANCE * predicted, got["ranks"]
     assert got["predicted"] <= got["budget"]
