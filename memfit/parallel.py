@@ -48,8 +48,9 @@ def profile_ranks(scenario: Any, *, parallel: str, world_size: int, repeat: int 
 
 def measure_ranks(scenario: Any, plans: list[Policies], *, parallel: str, world_size: int,
                   device: str = "cpu") -> dict[str, Any]:
-    """Rank 0's measured peak for each plan (policies applied after sharding, as profiled), and
-    its loss and gradients (full tensors) for each, to compare with one process."""
+    """Rank 0's measured peak for each plan (policies applied after sharding, as profiled), every
+    rank's (``rank_peaks``), and rank 0's losses, gradients and buffers (full tensors) for each, to
+    compare with one process."""
     return _spawn(_measure_rank, scenario, parallel, world_size, device, {"plans": plans})
 
 
@@ -168,12 +169,45 @@ def _profile_rank(device: str, scenario: Any, parallel: str, *, repeat: int, gra
     return prof.to_dict()
 
 
+def validate_ranks(scenario: Any, schedule: Any, *, device: str = "cpu") -> Any:
+    """``runtime.validate.validate`` for a per-rank schedule: the ranks it was planned for run the
+    plain and the scheduled step, each rank's peak is measured (the worst is the one judged), and
+    rank 0's losses, gradients (full tensors) and buffers are compared (on a GPU against the plain
+    step run twice, whose kernels need not repeat bit for bit). Not timed: ranks share this
+    machine's cores, and a step's time on them is no one process's."""
+    from memfit.runtime.validate import Validation, _close, _compare_grads, _differences, _same
+
+    layout = schedule.parallel
+    repeat = device.startswith("cuda")
+    plans = [{}, {}, schedule.policies] if repeat else [{}, schedule.policies]
+    got = measure_ranks(scenario, plans, parallel=layout["kind"], world_size=int(layout["world_size"]), device=device)
+
+    def tensors(found: dict[str, Any]) -> dict[str, torch.Tensor | None]:
+        return {n: None if a is None else torch.from_numpy(a) for n, a in found.items()}
+
+    plain, sched = tensors(got["grads"][0]), tensors(got["grads"][-1])
+    noise = _differences(plain, tensors(got["grads"][1])) if repeat else None
+    same = _close if repeat else _same
+    diff, grads_equal = _compare_grads(plain, sched, noise)
+    buffers = [tensors(b) for b in got["buffers"]]
+    nan = float("nan")
+    return Validation(
+        budget_bytes=schedule.budget_bytes, predicted_peak_bytes=schedule.predicted_peak_bytes,
+        measured_peak_bytes=max(got["rank_peaks"][-1]), plain_peak_bytes=max(got["rank_peaks"][0]),
+        predicted_overhead=schedule.predicted_overhead, measured_overhead=nan, plain_step_s=nan, step_s=nan,
+        max_grad_diff=diff, losses_equal=same(torch.tensor(got["losses"][0]), torch.tensor(got["losses"][-1])),
+        grads_equal=grads_equal,
+        buffers_equal=all(same(b, buffers[-1][n]) for n, b in buffers[0].items() if b is not None),
+        edited=schedule.edited, plain_grad_diff=max((noise or {}).values(), default=0.0),
+        rank_peaks=got["rank_peaks"][-1])
+
+
 def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[Policies]) -> dict[str, Any]:
     from memfit.runtime.apply import set_policies
     from memfit.runtime.harness import measure_steps
     from memfit.units import find_units
 
-    out: dict[str, Any] = {"peaks": [], "losses": [], "grads": []}
+    out: dict[str, Any] = {"peaks": [], "rank_peaks": [], "losses": [], "grads": [], "buffers": []}
     step = scenario.train_step
     for policies in plans:
         model, inputs = scenario.build(device)
@@ -182,9 +216,14 @@ def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[Poli
         set_policies(model, {n: policies.get(n, KEEP) for n in names})  # after sharding, as profiled
         # three steps: DDP rebuilds its buckets and FSDP2 initialises lazily in the first ones
         run = measure_steps(wrapped, inputs, step=step, steps=3)
-        out["peaks"].append(run.peak_bytes + held_by_wrapper(model, parallel))
+        peak = run.peak_bytes + held_by_wrapper(model, parallel)
+        every = [0] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, peak)
+        out["peaks"].append(peak)
+        out["rank_peaks"].append(every)
         out["losses"].append(run.losses)
         out["grads"].append({n.removeprefix("module."): _full(g) for n, g in run.grads.items()})
+        out["buffers"].append({n: _full(b) for n, b in model.named_buffers()})
     return out
 
 

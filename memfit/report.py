@@ -232,8 +232,9 @@ def validation_report(v: Validation) -> str:
     rows = [
         ["peak memory", format_bytes(v.predicted_peak_bytes), format_bytes(v.measured_peak_bytes),
          f"{v.error * 100:+.2f}%"],
-        ["slowdown", _pct(v.predicted_overhead), _pct(v.measured_overhead),
-         f"{(v.predicted_overhead - v.measured_overhead) * 100:+.1f} pp"],
+        ["slowdown", _pct(v.predicted_overhead), *([_pct(v.measured_overhead),
+         f"{(v.predicted_overhead - v.measured_overhead) * 100:+.1f} pp"] if math.isfinite(v.measured_overhead)
+                                                  else ["-", "-"])],
     ]
     verdict = "OK" if v.ok else "FAILED"
     checks = [
@@ -243,10 +244,13 @@ def validation_report(v: Validation) -> str:
         f"(max difference {v.max_grad_diff:.3g}"
         + (f"; the plain step against itself: {v.plain_grad_diff:.3g}" if v.plain_grad_diff else "")
         + f"); buffers {'equal' if v.buffers_equal else 'DIFFER'}",
-        f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
-        + (f", both compiled ({v.compile})" if v.compile else ""),
+        *([] if v.rank_peaks else [f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
+                                   + (f", both compiled ({v.compile})" if v.compile else "")]),
         _time_check(v),
     ]
+    if v.rank_peaks:
+        checks.insert(0, f"per rank (the worst is judged): {', '.join(format_bytes(p) for p in v.rank_peaks)}, "
+                         "each against this rank's prediction")
     if v.cuda is not None:
         c, context, margin = v.cuda, v.context_bytes or 0, v.margin or 0.0
         checks.append(f"on the card: reserved peak {format_bytes(c['reserved_peak_bytes'])} ({margin:+.1%} over the "
@@ -282,6 +286,8 @@ def _time_check(v: Validation) -> str:
     """The slowdown's verdict: measured against predicted, within the tolerance and its uncertainty."""
     from memfit.measure.timing import MIN_TIMED_ROUNDS  # here: timing imports torch, which a table needs not
 
+    if v.rank_peaks:
+        return "slowdown not measured on ranks (they share this machine's cores): time your own run's steps"
     if not math.isfinite(v.measured_overhead):
         return "slowdown not measured (no timed rounds)"
     if not v.time_judged:

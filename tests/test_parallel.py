@@ -102,22 +102,37 @@ def test_bad_parallel_settings(tiny):
         profile_ranks(tiny, parallel="ddp", world_size=1)
 
 
-def test_cli_plans_per_rank_and_refuses_what_it_cannot_check(tiny, tmp_path, capsys):
+def test_cli_plans_and_validates_per_rank_and_refuses_what_it_cannot_check(tiny, tmp_path, capsys):
+    import json
+
     from memfit.cli import main
 
     out = tmp_path / "ranks.json"
-    assert main(["plan", "--scenario", tiny.origin, "--budget", "1GB", "--parallel", "ddp", "--repeat", "1",
-                 "-o", str(out)]) == 0
-    assert "on each of 2 ddp ranks" in capsys.readouterr().out
-    assert memfit.load_schedule(out).parallel == {"kind": "ddp", "world_size": 2}
-    assert main(["validate", "--schedule", str(out)]) == 2
-    assert "this schedule is per rank, for ddp on 2 ranks" in capsys.readouterr().err
+    prof = _ranks(tiny, "ddp")
+    lo, hi = memfit.min_budget_bytes(prof), memfit.predict(prof, {}).peak_bytes
+    assert main(["plan", "--scenario", tiny.origin, "--budget", str((lo + hi) // 2), "--parallel", "ddp",
+                 "--repeat", "1", "-o", str(out)]) == 0
+    assert "per rank, for ddp on 2 ranks" in capsys.readouterr().out
+    sched = memfit.load_schedule(out)
+    assert sched.parallel == {"kind": "ddp", "world_size": 2} and sched.checkpointed
+    # validate runs the ranks the schedule is for: plain and scheduled, every rank's peak measured
+    assert main(["validate", "--schedule", str(out), "--scenario", tiny.origin, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["rank_peaks"]) == 2 and got["measured_peak_bytes"] == max(got["rank_peaks"])
+    for peak in got["rank_peaks"]:
+        assert abs(peak - sched.predicted_peak_bytes) <= 0.02 * sched.predicted_peak_bytes, got
+    assert got["ok"] and got["losses_equal"] and got["grads_equal"] and got["buffers_equal"]
+    assert got["plain_peak_bytes"] > got["measured_peak_bytes"]
+    assert main(["validate", "--schedule", str(out), "--timeline", str(tmp_path / "t.png")]) == 2
+    assert "--timeline is for one process; this schedule is per rank (ddp on 2 ranks)" in capsys.readouterr().err
     assert main(["plan", "--budget", "1GB", "--world-size", "4"]) == 2
     assert "give --parallel too" in capsys.readouterr().err
     assert main(["plan", "--scenario", "gpt-small", "--target", "rtx4090", "--budget", "1GB", "--parallel", "fsdp",
                  "--world-size", "8", "-o", str(out)]) == 0
     assert "on each of 8 fsdp ranks" in capsys.readouterr().out  # estimated for 8 RTX 4090s
     assert memfit.load_schedule(out).parallel == {"kind": "fsdp", "world_size": 8}
+    assert main(["validate", "--schedule", str(out)]) == 2  # for 8 GPUs this machine does not have
+    assert "estimated for rtx4090" in capsys.readouterr().err
 
 
 def _estimated_plans(tiny, parallel: str) -> list[memfit.Schedule]:

@@ -315,10 +315,10 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
         raise MemfitError(f"the schedule was profiled on {schedule.device}, not {args.device}: memory differs "
                           f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
     model_flags = ("scenario", "model", "input_shape", "units")
-    if schedule.parallel:
+    if schedule.parallel and not source:
         raise MemfitError(f"this schedule is per rank, for {schedule.parallel['kind']} on "
-                          f"{schedule.parallel['world_size']} ranks: check it in a distributed run "
-                          "(examples/train_fsdp.py prints each rank's measured peak)")
+                          f"{schedule.parallel['world_size']} ranks, and does not record which model it was made for: "
+                          "check it in your distributed run (examples/train_fsdp.py prints each rank's measured peak)")
     if schedule.target and not args.device:
         import torch
 

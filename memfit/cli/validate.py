@@ -35,6 +35,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         flag = "--timeline" if args.timeline else "--save-device-spec" if args.save_device_spec else "--input-shape"
         raise MemfitError(f"{flag} is for a schedule of one input shape; this one plans {len(schedule.shapes)} and is "
                           "validated at each of them")
+    if schedule.parallel and (args.timeline or args.save_device_spec or args.compile):
+        flag = "--timeline" if args.timeline else "--save-device-spec" if args.save_device_spec else "--compile"
+        raise MemfitError(f"{flag} is for one process; this schedule is per rank "
+                          f"({schedule.parallel['kind']} on {schedule.parallel['world_size']} ranks)")
     if args.timeline:
         if args.compile or schedule.compile:
             raise MemfitError("--timeline draws the eager step's marks, which a compiled step does not have")
@@ -76,6 +80,13 @@ def _validate(args: argparse.Namespace, schedule: Any, sc: Any, device: str) -> 
     from memfit.plots import timeline
     from memfit.runtime.validate import measure_levels, validate
 
+    if schedule.parallel:
+        from memfit.parallel import validate_ranks
+
+        layout = schedule.parallel
+        print(f"measuring the plain and the scheduled step on {layout['world_size']} {layout['kind']} ranks",
+              file=sys.stderr)
+        return validate_ranks(sc, schedule, device=device)
     model, inputs = modelflags.build_model(sc, device)
     check_interrupt()
     step = sc.train_step

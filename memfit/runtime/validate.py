@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ class Validation:
     # twice; the scheduled step's gradients may differ from the plain ones by about as much
     plain_grad_diff: float = 0.0
     time_tolerance: float = TIME_TOLERANCE  # slowdown points the measurement may differ from the plan by
+    rank_peaks: list[int] = field(default_factory=list)  # a per-rank schedule: each rank's measured peak
 
     @property
     def time_judged(self) -> bool:
