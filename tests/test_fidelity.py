@@ -161,3 +161,32 @@ def test_a_diffusion_unet_with_skip_concatenations_is_predicted_to_the_byte():
         memfit.runtime.apply.set_policies(twin, policies)
         measured = measure_steps(twin, inputs, loss_fn=loss).peak_bytes
         assert memfit.predict(prof, policies).peak_bytes == measured, policies
+
+
+def hf_gpt_neo():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.GPTNeoConfig(vocab_size=512, max_position_embeddings=64, hidden_size=128, num_layers=4, num_heads=4,
+                             attention_types=[[["global", "local"], 2]], window_size=16, embed_dropout=0.0,
+                             attention_dropout=0.0, resid_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 512, (2, 64))
+    return tf.GPTNeoForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.xfail(strict=True, reason="a known gap (issue 38): GPT-Neo's blocks (and BLOOM's) return their attention "
+                   "probabilities, which the model's loop drops only when the next block returns; a checkpointed "
+                   "block's are counted until its backward, and the memory model has no free one unit later: all "
+                   "four blocks checkpointed is predicted 480 KiB (3%) high")
+def test_blocks_returning_what_the_loop_drops_a_block_later_are_predicted_exactly():
+    model, inputs = hf_gpt_neo()
+    prof = memfit.profile(model, inputs, optimizer="adamw", repeat=1)
+    plan = {u.name: FULL for u in prof.units}
+    measured = measure_steps(memfit.apply(copy.deepcopy(model), _fixed(prof, plan)), inputs, optimizer="adamw")
+    assert memfit.predict(prof, plan).peak_bytes == measured.peak_bytes
+
+
+def _fixed(prof, policies) -> memfit.Schedule:
+    """A schedule of exactly ``policies``: the plan at the budget they predict, checked to be them."""
+    sched = memfit.plan(prof, memfit.predict(prof, policies).peak_bytes, strategy="full")
+    assert sched.policies == policies
+    return sched
