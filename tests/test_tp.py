@@ -330,3 +330,28 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused_with_what_to_do():
     model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
     with pytest.raises(memfit.MemfitError, match="uses local_rowwise, which memfit does not apply"):
         tp_plan(model, 2)
+
+
+def test_a_vocabulary_parallel_embedding_in_a_config_plan_reads_the_token_ids_whole():
+    """GPT-NeoX's plan shards its input embedding by vocabulary ("embedding_rowwise"): PyTorch's
+    RowwiseParallel on an nn.Embedding, told its input is replicated (by default it reads an input
+    sharded on its last dimension, as a Linear's, and all-gathers the token ids: the sequence came
+    out twice as long). ``memfit plan --parallel tp`` then plans and validates GPT-NeoX on 2 gloo
+    ranks, every rank's peak to the byte (by hand, scenario memfit.hf:gpt_neox)."""
+    import memfit
+    from memfit.measure.ranks import tp_plan
+
+    model, _ = _neox()
+    plan = tp_plan(model, 2)
+    embed = plan["gpt_neox.embed_in"]
+    assert type(embed).__name__ == "RowwiseParallel" and [type(p).__name__ for p in embed.input_layouts] == [
+        "Replicate"]
+    assert [type(p).__name__ for p in plan["gpt_neox.layers.*.attention.dense"].input_layouts] == ["Shard"]
+    with pytest.raises(memfit.MemfitError, match=r"gpt_neox\.embed_in's 510 vocabulary rows do not divide among 4"):
+        tp_plan(_neox_of_vocab(510), 4)
+
+
+def _neox_of_vocab(vocab: int):
+    from memfit import hf
+
+    return hf.gpt_neox(batch=1, seq=8, n_layer=1, hidden=16, n_head=2, vocab=vocab)[0]

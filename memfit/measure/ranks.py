@@ -56,9 +56,13 @@ def shard(model: nn.Module, units: list[str], parallel: str, mesh: Any = None) -
     raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
 
 
-# Hugging Face's names for the styles of a config's ``base_model_tp_plan``: the two that PyTorch's
-# parallel styles say exactly (its others, such as "colwise_rep" or "local_rowwise", are refused)
-_HF_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+# Hugging Face's names for the styles of a config's ``base_model_tp_plan``, those PyTorch's parallel
+# styles say exactly (its others, such as "colwise_rep" or "local_rowwise", are refused), and the
+# weight dimension each shards: "embedding_rowwise" is vocabulary-parallel (each rank looks up its
+# rows, the partial lookups summed), which is what RowwiseParallel does to an nn.Embedding given
+# the token ids whole (its default reads an input sharded on the last dimension, as a Linear's)
+_HF_STYLES = {"colwise": ("ColwiseParallel", 0), "rowwise": ("RowwiseParallel", 1),
+              "embedding_rowwise": ("RowwiseParallel", 0)}
 
 
 def tp_plan(model: nn.Module, degree: int) -> dict[str, Any]:
@@ -85,11 +89,15 @@ def tp_plan(model: nn.Module, degree: int) -> dict[str, Any]:
         style = next((s for key, s in plan.items() if matches(name, key)), None)
         weight = getattr(module, "weight", None)
         if style is not None and weight is not None:
-            dim = 0 if style == "colwise" else 1  # a Linear's weight is (outputs, inputs)
+            dim = _HF_STYLES[style][1]  # a Linear's weight is (outputs, inputs), an Embedding's (vocabulary, width)
             if weight.shape[dim] % degree:
-                raise MemfitError(f"{name}'s {weight.shape[dim]} {'outputs' if dim == 0 else 'inputs'} do not "
-                                  f"divide among {degree} tensor-parallel ranks")
-    return {key: getattr(styles, _HF_STYLES[style])() for key, style in plan.items()}
+                what = "vocabulary rows" if style == "embedding_rowwise" else "outputs" if dim == 0 else "inputs"
+                raise MemfitError(f"{name}'s {weight.shape[dim]} {what} do not divide among {degree} tensor-parallel "
+                                  "ranks")
+    from torch.distributed.tensor import Replicate
+
+    return {key: getattr(styles, _HF_STYLES[style][0])(
+        **({"input_layouts": Replicate()} if style == "embedding_rowwise" else {})) for key, style in plan.items()}
 
 
 def check_parallel(parallel: str, world_size: int) -> None:
