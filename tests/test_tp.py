@@ -223,7 +223,7 @@ def test_fit_on_every_rank_applies_rank_0s_plan_everywhere(tmp_path):
     assert got["refused"] == ["InfeasibleBudgetError", "MemfitError"]
 
 
-def _fsdp_tp_rank(device: str) -> dict:
+def _fsdp_tp_rank(device: str, model_name: str = "llama", sequence_parallel: bool = False) -> dict:
     """FSDP2 over the data-parallel dimension of a 2 x 2 mesh, TP over the other, as torchtitan
     composes them: each data-parallel group trains on its own half of the batch."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -232,16 +232,20 @@ def _fsdp_tp_rank(device: str) -> dict:
 
     import memfit
 
+    build, units, plans = MODELS[model_name]
     mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
-    plain, batch = _llama()
+    plain, batch = build()
     dp = mesh["dp"].get_local_rank()
     mine = {k: v[dp:dp + 1] if torch.is_tensor(v) else v for k, v in batch.items()}
     model = copy.deepcopy(plain)
-    for name in UNITS:
-        parallelize_module(model.get_submodule(name), mesh["tp"], _tp_plans(False)[1])
+    top, layer = plans(sequence_parallel)
+    if top:
+        parallelize_module(model, mesh["tp"], top)
+    for name in units:
+        parallelize_module(model.get_submodule(name), mesh["tp"], layer)
         fully_shard(model.get_submodule(name), mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    prof = memfit.profile(model, mine, units=UNITS, optimizer="adamw", repeat=1)
+    prof = memfit.profile(model, mine, units=units, optimizer="adamw", repeat=1)
     sched, _, _ = _one_plan(prof)
     memfit.apply(model, sched)
     _, peak, error = _train_beside(model, plain, mine, batch)  # one process: the whole batch, the halves' mean
@@ -251,9 +255,11 @@ def _fsdp_tp_rank(device: str) -> dict:
 
 
 @pytest.mark.slow  # four ranks: some 20 s on 2 cores
-def test_fsdp2_times_tp_on_four_ranks_plans_per_rank_and_trains_as_one_process():
-    got = spawn_ranks(_fsdp_tp_rank, 4, "cpu")
-    assert 0 < len(got["checkpointed"]) < len(UNITS)
+@pytest.mark.parametrize(("model_name", "sequence_parallel"), [("llama", False), ("gpt-neox", True)],
+                         ids=["llama-tp", "gpt-neox-tp-sp"])
+def test_fsdp2_times_tp_on_four_ranks_plans_per_rank_and_trains_as_one_process(model_name, sequence_parallel):
+    got = spawn_ranks(_fsdp_tp_rank, 4, "cpu", model_name, sequence_parallel)
+    assert 0 < len(got["checkpointed"]) < len(MODELS[model_name][1])
     for predicted, measured in got["ranks"]:
         assert abs(predicted - measured) <= TOLERANCE * predicted, got["ranks"]
     assert got["grad_error"] < 1e-4
