@@ -22,7 +22,7 @@ import torch
 from memfit.devices import MemoryRecord
 from memfit.errors import MemfitError
 from memfit.measure.step import local, storage_bytes
-from memfit.torch_private import ProfiledAllocation, ProfiledOp, is_fake
+from memfit.torch_private import ProfiledAllocation, ProfiledOp, inner_tensors, is_fake
 
 T = TypeVar("T")
 
@@ -247,19 +247,15 @@ def _last_uses(prof: Any, ptrs: set[int]) -> dict[int, list[tuple[int, int]]]:
 
 def _live_blocks() -> set[int]:
     """The storage addresses of the CPU tensors Python can reach now, and of their gradients (a
-    DTensor's: its shard's)."""
+    wrapper subclass's, such as a DTensor's: its inner tensors')."""
     out: set[int] = set()
-    with torch.no_grad():
-        for o in gc.get_objects():
-            if not issubclass(type(o), torch.Tensor):  # isinstance asks some proxies, which warn
-                continue
-            for t in (o, o.grad if o.is_leaf else None):  # a non-leaf's .grad warns
-                t = None if t is None else local(t)
-                if t is not None and t.device.type == "cpu" and not is_fake(t):
-                    try:
-                        out.add(t.untyped_storage().data_ptr())
-                    except (RuntimeError, NotImplementedError):  # sparse, nested: no one storage
-                        pass
+    for o in gc.get_objects():
+        if not issubclass(type(o), torch.Tensor):  # isinstance asks some proxies, which warn
+            continue
+        for t in (o, o.grad if o.is_leaf else None):  # a non-leaf's .grad warns
+            for inner in () if t is None else inner_tensors(t):
+                if inner.device.type == "cpu" and not is_fake(inner) and inner.layout == torch.strided:
+                    out.add(inner.untyped_storage().data_ptr())
     return out
 
 
