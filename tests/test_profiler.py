@@ -128,6 +128,10 @@ def test_cpu_meter_drops_a_block_freed_unheard_when_its_address_is_taken_again()
         ("start", 0, 0), ("freed elsewhere", 4000, 4000), ("end", 3000, 5000), ("done", 0, 3000)]
 
 
+NEEDS_GLOO = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
 def _reduce_scatter_levels(device: str, rounds: int) -> list[int]:
     """Rank code: the meter's level after each of ``rounds`` reduce-scatters of a fresh tensor."""
     import torch.distributed as dist
@@ -146,8 +150,7 @@ def _reduce_scatter_levels(device: str, rounds: int) -> list[int]:
     return [m.level for m in recorder.marks()]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="needs torch.distributed with gloo")
+@NEEDS_GLOO
 def test_cpu_meter_level_returns_after_every_gloo_reduce_scatter():
     """On 2 real gloo ranks, a tenth of the copies went unheard before (the level climbed 2 MiB
     at each); every round now ends where it started."""
@@ -178,8 +181,7 @@ def _functional_levels(device: str, rounds: int) -> list[int]:
     return [m.level for m in recorder.marks()]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-                    reason="needs torch.distributed with gloo")
+@NEEDS_GLOO
 def test_cpu_meter_level_returns_after_every_functional_collective():
     """A functional collective's work holds its input and output until gloo's worker thread lets
     it go, which may be after the caller dropped them: the free then goes unheard. Before the
