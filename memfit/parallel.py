@@ -227,8 +227,10 @@ def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[Poli
     return out
 
 
-def _full(grad: torch.Tensor | None) -> Any:
-    if grad is None:
+def _full(t: torch.Tensor | None) -> Any:
+    """A gradient or buffer, whole (a DTensor's every shard), as numpy for the queue (bfloat16,
+    which numpy lacks, widened to float32: exact)."""
+    if t is None:
         return None
-    full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-    return full.detach().cpu().numpy().copy()
+    full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+    return (full.float() if full.dtype == torch.bfloat16 else full).numpy().copy()
