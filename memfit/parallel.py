@@ -175,31 +175,24 @@ def validate_ranks(scenario: Any, schedule: Any, *, device: str = "cpu") -> Any:
     rank 0's losses, gradients (full tensors) and buffers are compared (on a GPU against the plain
     step run twice, whose kernels need not repeat bit for bit). Not timed: ranks share this
     machine's cores, and a step's time on them is no one process's."""
-    from memfit.runtime.validate import Validation, _close, _compare_grads, _differences, _same
+    from memfit.runtime.harness import StepRun
+    from memfit.runtime.validate import Validation, agreement
 
     layout = schedule.parallel
     repeat = device.startswith("cuda")
     plans = [{}, {}, schedule.policies] if repeat else [{}, schedule.policies]
     got = measure_ranks(scenario, plans, parallel=layout["kind"], world_size=int(layout["world_size"]), device=device)
-
-    def tensors(found: dict[str, Any]) -> dict[str, torch.Tensor | None]:
-        return {n: None if a is None else torch.from_numpy(a) for n, a in found.items()}
-
-    plain, sched = tensors(got["grads"][0]), tensors(got["grads"][-1])
-    noise = _differences(plain, tensors(got["grads"][1])) if repeat else None
-    same = _close if repeat else _same
-    diff, grads_equal = _compare_grads(plain, sched, noise)
-    buffers = [tensors(b) for b in got["buffers"]]
+    runs = [StepRun(losses, {n: None if a is None else torch.from_numpy(a) for n, a in grads.items()},
+                    {n: torch.from_numpy(a) for n, a in buffers.items()}, max(peaks))
+            for losses, grads, buffers, peaks in zip(got["losses"], got["grads"], got["buffers"], got["rank_peaks"],
+                                                     strict=True)]
     nan = float("nan")
     return Validation(
         budget_bytes=schedule.budget_bytes, predicted_peak_bytes=schedule.predicted_peak_bytes,
-        measured_peak_bytes=max(got["rank_peaks"][-1]), plain_peak_bytes=max(got["rank_peaks"][0]),
+        measured_peak_bytes=runs[-1].peak_bytes, plain_peak_bytes=runs[0].peak_bytes,
         predicted_overhead=schedule.predicted_overhead, measured_overhead=nan, plain_step_s=nan, step_s=nan,
-        max_grad_diff=diff, losses_equal=same(torch.tensor(got["losses"][0]), torch.tensor(got["losses"][-1])),
-        grads_equal=grads_equal,
-        buffers_equal=all(same(b, buffers[-1][n]) for n, b in buffers[0].items() if b is not None),
-        edited=schedule.edited, plain_grad_diff=max((noise or {}).values(), default=0.0),
-        rank_peaks=got["rank_peaks"][-1])
+        edited=schedule.edited, rank_peaks=got["rank_peaks"][-1],
+        **agreement(runs[0], runs[-1], runs[1] if repeat else None))
 
 
 def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[Policies]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from memfit.measure.step import (
 )
 from memfit.measure.userstep import StepFn
 from memfit.policy import Policies
-from memfit.runtime.harness import StepHarness
+from memfit.runtime.harness import StepHarness, StepRun
 from memfit.trainstep import OptimizerFactory, TrainStep, step_difference, step_of
 
 TIME_TOLERANCE = 0.05  # of the plain step: 5 slowdown points
@@ -158,9 +158,6 @@ def validate(
                                                  step=train_step, steps=steps)
         elif steps > 0:
             plain_s, (ratio,), (sure,) = harness.step_times([schedule.policies], steps)
-    noise = None if again is None else _differences(plain.grads, again.grads)
-    same = _same if exact else _close
-    diff, grads_equal = _compare_grads(plain.grads, sched.grads, noise)
     return Validation(
         budget_bytes=schedule.budget_bytes,
         predicted_peak_bytes=predicted_peak,
@@ -170,17 +167,26 @@ def validate(
         measured_overhead=ratio - 1.0,
         plain_step_s=plain_s,
         step_s=plain_s * ratio,
-        max_grad_diff=diff,
-        losses_equal=same(torch.tensor(plain.losses), torch.tensor(sched.losses)),
-        grads_equal=grads_equal,
-        buffers_equal=all(_same(b, sched.buffers[n]) for n, b in plain.buffers.items()),
         compile=backend,
         edited=schedule.edited,
         cuda=sched.cuda,
         overhead_uncertainty=sure,
         time_tolerance=time_tolerance,
-        plain_grad_diff=max((noise or {}).values(), default=0.0),
+        **agreement(plain, sched, again),
     )
+
+
+def agreement(plain: StepRun, sched: StepRun, again: StepRun | None) -> dict[str, Any]:
+    """``Validation``'s fields for whether ``sched`` gave ``plain``'s results: losses and
+    gradients bit for bit, or, where ``again`` (the plain step run once more) shows the kernels do
+    not repeat exactly, within that scatter; buffers bit for bit."""
+    noise = None if again is None else _differences(plain.grads, again.grads)
+    same = _same if again is None else _close
+    diff, grads_equal = _compare_grads(plain.grads, sched.grads, noise)
+    return {"max_grad_diff": diff, "losses_equal": same(torch.tensor(plain.losses), torch.tensor(sched.losses)),
+            "grads_equal": grads_equal,
+            "buffers_equal": all(_same(b, sched.buffers[n]) for n, b in plain.buffers.items()),
+            "plain_grad_diff": max((noise or {}).values(), default=0.0)}
 
 
 def repeats_exactly(model: nn.Module, backend: str | None) -> bool:
