@@ -72,13 +72,13 @@ class CpuMemoryRecorder:
     returned; and a collective's work holds its input and output tensors until its worker thread
     lets it go, which on a busy CPU may be well after the caller dropped them. A block whose free
     went unheard so went at the end of the last op that used it (an op's inputs, recorded in a
-    process group: ``_last_uses``), and at the latest when a new block took its address; one made
+    process group: ``_cpu_events``), and at the latest when a new block took its address; one made
     inside a collective, or used, and never seen to go went then too, unless a tensor Python can
     reach at the recording's end is on it (a functional collective's output may be a gradient)."""
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()) -> None:
         self._prof: Any = None
-        self._inputs = in_process_group()  # record each op's inputs: see _last_uses
+        self._inputs = in_process_group()  # record each op's inputs: see _cpu_events
         self._live: set[int] = set()
         self._alive: dict[int, int] = {}  # address -> bytes (no reference: they must be free to go)
         self._watch: list[weakref.finalize] = []
@@ -119,8 +119,7 @@ class CpuMemoryRecorder:
             pass
 
     def marks(self) -> list[Mark]:
-        events = _cpu_events(self._prof)
-        uses = _last_uses(self._prof, _unheard(events)) if self._inputs else {}
+        events, uses = _cpu_events(self._prof, inputs=self._inputs)
         return marks_of(_with_unseen_frees(events, uses, self._live), self._alive)
 
 
@@ -186,11 +185,14 @@ _MARK, _ALLOC, _FREE, _GONE = range(4)
 Event = tuple[int, int, int, int, str, int]  # (time, kind, address, bytes, label, end of its c10d op)
 
 
-def _cpu_events(prof: Any) -> list[Event]:
+def _cpu_events(prof: Any, *, inputs: bool) -> tuple[list[Event], dict[int, list[tuple[int, int]]]]:
     """Each mark, CPU allocation, free (as the allocator reported it) and static block's end, in
     time order (at one time: as the events came); an allocation made inside a collective (a
-    ``c10d::`` or ``_c10d_functional::`` op) carries the op's end time."""
+    ``c10d::`` or ``_c10d_functional::`` op) carries the op's end time. With ``inputs`` (the
+    recording kept them: ``record_shapes``, in a process group), each block's uses too: the
+    (start, end) of every op that took a tensor on it as an input."""
     out: list[Event] = []
+    uses: dict[int, list[tuple[int, int]]] = {}
     stack = [(e, 0) for e in reversed(prof.profiler.kineto_results.experimental_event_tree())]
     while stack:  # depth first, in the tree's order
         e, c10d_end = stack.pop()
@@ -207,42 +209,11 @@ def _cpu_events(prof: Any) -> list[Event]:
             out.append((e.start_time_ns, _MARK, 0, 0, e.name[7:], 0))
         elif e.name.startswith("memfit-gone:"):
             out.append((e.start_time_ns, _GONE, int(e.name[12:]), 0, "", 0))
-    out.sort(key=lambda x: x[0])
-    return out
-
-
-def _unheard(events: list[Event]) -> set[int]:
-    """The addresses of the blocks whose free went unheard (a new block took the address first)
-    or never came (they may still be alive)."""
-    made: set[int] = set()
-    out: set[int] = set()
-    for _, kind, ptr, _, _, _ in events:
-        if kind == _ALLOC:
-            if ptr in made:
-                out.add(ptr)
-            made.add(ptr)
-        elif kind == _FREE:
-            made.discard(ptr)
-    return out | made
-
-
-def _last_uses(prof: Any, ptrs: set[int]) -> dict[int, list[tuple[int, int]]]:
-    """For each of ``ptrs``, the (start, end) of every op that took a tensor on that block as an
-    input, in time order; none where the recording kept no inputs (no ``record_shapes``)."""
-    uses: dict[int, list[tuple[int, int]]] = {}
-    if not ptrs:
-        return uses
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        f = e.extra_fields
-        if isinstance(f, ProfiledOp):
-            for ptr in _input_blocks(f.inputs) & ptrs:
+        elif inputs and isinstance(f, ProfiledOp):
+            for ptr in _input_blocks(f.inputs):
                 uses.setdefault(ptr, []).append((e.start_time_ns, e.end_time_ns))
-    for spans in uses.values():
-        spans.sort()
-    return uses
+    out.sort(key=lambda x: x[0])
+    return out, uses
 
 
 def _live_blocks() -> set[int]:
@@ -274,7 +245,7 @@ def _with_unseen_frees(events: list[Event], uses: dict[int, list[tuple[int, int]
                        live: set[int]) -> list[Event]:
     """``events`` with a free of each block whose free went unheard (see ``CpuMemoryRecorder``):
     at the end of the last op that used it, or made it inside a collective, before a new block
-    took its address (``uses``: ``_last_uses``; with neither, the recorder drops it there); a block
+    took its address (``uses``: ``_cpu_events``; with neither, the recorder drops it there); a block
     never heard to go that was used, or made inside a collective, went then too unless ``live``
     (``_live_blocks``: the tensors alive at the end) names it."""
     made: dict[int, tuple[int, int, int]] = {}  # address -> (bytes, made at, end of its c10d op)
