@@ -30,33 +30,36 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import ParallelLayout, Profile, profile_from_dict
-from memfit.measure.ranks import check_parallel, held_by_wrapper, shard
+from memfit.formats.profile import ParallelLayout, Profile, describe_layout, layout_of, profile_from_dict
+from memfit.measure.ranks import check_clipping, held_by_wrapper, shard
 from memfit.policy import KEEP, Policies
 
 TIMEOUT_S = 600
 
 
-def profile_ranks(scenario: Any, *, parallel: str, world_size: int, repeat: int = 5,
-                  granularity: str = "module", device: str = "cpu") -> Profile:
+def profile_ranks(scenario: Any, *, parallel: str, world_size: int, tp: int = 1, sequence_parallel: bool = False,
+                  repeat: int = 5, granularity: str = "module", device: str = "cpu") -> Profile:
     """The profile of one rank of ``world_size`` running ``scenario`` (a ``memfit.scenarios.Scenario``)
-    under ``parallel``; unit names are the plain model's. Spawns the ranks (gloo on the CPU,
-    NCCL on GPUs) and waits at most ``TIMEOUT_S``."""
-    return profile_from_dict(_spawn(_profile_rank, scenario, parallel, world_size, device,
+    under ``parallel`` (``tp``: a 2-D mesh with FSDP2, measure/ranks.make_mesh); unit names are the
+    plain model's. Spawns the ranks (gloo on the CPU, NCCL on GPUs) and waits at most ``TIMEOUT_S``."""
+    layout = layout_of(parallel, world_size, tp, sequence_parallel)
+    return profile_from_dict(_spawn(_profile_rank, scenario, layout, device,
                                     {"repeat": repeat, "granularity": granularity}), "rank 0's profile")
 
 
-def measure_ranks(scenario: Any, plans: list[Policies], *, parallel: str, world_size: int,
-                  device: str = "cpu") -> dict[str, Any]:
+def measure_ranks(scenario: Any, plans: list[Policies], *, parallel: str, world_size: int, tp: int = 1,
+                  sequence_parallel: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Rank 0's measured peak for each plan (policies applied after sharding, as profiled), every
     rank's (``rank_peaks``), and rank 0's losses, gradients and buffers (full tensors) for each, to
     compare with one process."""
-    return _spawn(_measure_rank, scenario, parallel, world_size, device, {"plans": plans})
+    layout = layout_of(parallel, world_size, tp, sequence_parallel)
+    return _spawn(_measure_rank, scenario, layout, device, {"plans": plans})
 
 
-def _spawn(target: Any, scenario: Any, parallel: str, world_size: int, device: str, extra: dict[str, Any]) -> Any:
-    check_parallel(parallel, world_size)
-    return spawn_ranks(target, world_size, device, scenario, parallel, who=f"{parallel} ranks", **extra)
+def _spawn(target: Any, scenario: Any, layout: ParallelLayout, device: str, extra: dict[str, Any]) -> Any:
+    check_clipping(layout, scenario.train_step.clip_grad_norm)
+    return spawn_ranks(target, int(layout["world_size"]), device, scenario, layout, who=describe_layout(layout),
+                       **extra)
 
 
 def spawn_ranks(target: Any, world_size: int, device: str, *args: Any, who: str = "ranks", **kwargs: Any) -> Any:
@@ -139,23 +142,24 @@ def _rank(target: Any, rank: int, world_size: int, port: int, device: str, args:
         dist.destroy_process_group()
 
 
-def _built(scenario: Any, parallel: str, device: str) -> tuple[nn.Module, nn.Module, Any, list[str]]:
+def _built(scenario: Any, layout: ParallelLayout, device: str) -> tuple[nn.Module, nn.Module, Any, list[str]]:
     from memfit.units import find_units
 
     model, inputs = scenario.build(device)
     names = find_units(model, scenario.units)
-    return model, shard(model, names, parallel), inputs, names
+    return model, shard(model, names, layout), inputs, names
 
 
 def _wrapped_names(wrapped: nn.Module, model: nn.Module, names: list[str]) -> list[str]:
     return [f"module.{n}" for n in names] if wrapped is not model else names
 
 
-def _profile_rank(device: str, scenario: Any, parallel: str, *, repeat: int, granularity: str) -> dict[str, Any]:
+def _profile_rank(device: str, scenario: Any, layout: ParallelLayout, *, repeat: int,
+                  granularity: str) -> dict[str, Any]:
     from memfit.formats.schedule import model_fingerprint
     from memfit.profiler import profile
 
-    model, wrapped, inputs, names = _built(scenario, parallel, device)
+    model, wrapped, inputs, names = _built(scenario, layout, device)
     prof = profile(wrapped, inputs, units=_wrapped_names(wrapped, model, names), step=scenario.train_step,
                    repeat=repeat, granularity=granularity)
     for unit, name in zip(prof.units, names, strict=True):
@@ -163,8 +167,8 @@ def _profile_rank(device: str, scenario: Any, parallel: str, *, repeat: int, gra
     prof.phases = [dataclasses.replace(p, label=p.label.replace("module.", "")) for p in prof.phases]
     prof.fingerprint = model_fingerprint(model, names)
     prof.model_class = prof.fingerprint["model_class"]
-    prof.parallel = ParallelLayout(kind=parallel, world_size=torch.distributed.get_world_size())
-    prof.baseline_bytes += held_by_wrapper(model, parallel)
+    prof.parallel = layout
+    prof.baseline_bytes += held_by_wrapper(model, layout["kind"])
     prof.source = scenario.source()
     return prof.to_dict()
 
@@ -181,7 +185,9 @@ def validate_ranks(scenario: Any, schedule: Any, *, device: str = "cpu") -> Any:
     layout = schedule.parallel
     repeat = device.startswith("cuda")
     plans = [{}, {}, schedule.policies] if repeat else [{}, schedule.policies]
-    got = measure_ranks(scenario, plans, parallel=layout["kind"], world_size=int(layout["world_size"]), device=device)
+    got = measure_ranks(scenario, plans, parallel=layout["kind"], world_size=int(layout["world_size"]),
+                        tp=int(layout.get("tp", 1)), sequence_parallel=bool(layout.get("sequence_parallel")),
+                        device=device)
     runs = [StepRun(losses, {n: None if a is None else torch.from_numpy(a) for n, a in grads.items()},
                     {n: torch.from_numpy(a) for n, a in buffers.items()}, max(peaks))
             for losses, grads, buffers, peaks in zip(got["losses"], got["grads"], got["buffers"], got["rank_peaks"],
@@ -195,7 +201,7 @@ def validate_ranks(scenario: Any, schedule: Any, *, device: str = "cpu") -> Any:
         **agreement(runs[0], runs[-1], runs[1] if repeat else None))
 
 
-def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[Policies]) -> dict[str, Any]:
+def _measure_rank(device: str, scenario: Any, layout: ParallelLayout, *, plans: list[Policies]) -> dict[str, Any]:
     from memfit.runtime.apply import set_policies
     from memfit.runtime.harness import measure_steps
     from memfit.units import find_units
@@ -205,11 +211,11 @@ def _measure_rank(device: str, scenario: Any, parallel: str, *, plans: list[Poli
     for policies in plans:
         model, inputs = scenario.build(device)
         names = find_units(model, scenario.units)
-        wrapped = shard(model, names, parallel)
+        wrapped = shard(model, names, layout)
         set_policies(model, {n: policies.get(n, KEEP) for n in names})  # after sharding, as profiled
         # three steps: DDP rebuilds its buckets and FSDP2 initialises lazily in the first ones
         run = measure_steps(wrapped, inputs, step=step, steps=3)
-        peak = run.peak_bytes + held_by_wrapper(model, parallel)
+        peak = run.peak_bytes + held_by_wrapper(model, layout["kind"])
         every = [0] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, peak)
         out["peaks"].append(peak)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from memfit.budget import format_bytes
-from memfit.formats.profile import Profile
+from memfit.formats.profile import Profile, describe_layout
 from memfit.formats.schedule import Schedule
 from memfit.planning.peak import predict
 from memfit.planning.planner import best_baseline
@@ -366,7 +366,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     if schedule.parallel:
         p = schedule.parallel
         how = "estimated for" if schedule.target else "measured on"
-        out.append(f"per rank, for {p['kind']} on {p['world_size']} ranks ({how} one of them)")
+        out.append(f"per rank, for {describe_layout(p)} ({how} one of them)")
         if headroom:
             short = " (more than this budget leaves)" if peak + headroom > schedule.budget_bytes else ""
             out.append(f"leave {format_bytes(headroom)} of headroom{short}: a rank's peak moves by up to one "

@@ -58,6 +58,11 @@ class Scenario:
     autocast_cache: bool = True  # amp's autocast keeps its weight casts (False: Lightning's cache_enabled=False)
     parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16, ddp or tp (formats.profile.PARALLEL)
     world_size: int | None = None  # ranks for parallel (default 2)
+    # ranks per tensor-parallel group of a 2-D mesh beside FSDP2 (torchtitan's tensor_parallel_degree;
+    # its data_parallel_shard_degree is world_size / tp), and whether the residual stream between
+    # the products is sharded along the sequence between them
+    tp: int | None = None
+    sequence_parallel: bool = False
     # sequence lengths to plan for (one schedule, a plan each): the factory is called with its
     # ``seq`` argument at the longest, and each length's inputs are its inputs cut to that length
     seq_lens: list[int] | None = None
@@ -311,7 +316,7 @@ def load_scenario(name_or_path: str) -> Scenario:
     data = _read_toml(path)
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target",
              "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output", "parallel", "world_size",
-             "seq_lens", "autocast_cache"}
+             "tp", "sequence_parallel", "seq_lens", "autocast_cache"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -365,6 +370,20 @@ def load_scenario(name_or_path: str) -> Scenario:
             raise bad("seq_lens", "a list of distinct positive integers, e.g. [512, 1024, 2048]") from None
     if world_size is not None and "parallel" not in data:
         raise MemfitError(f"{path}: world_size is the number of ranks for parallel: give parallel too")
+    tp = data.get("tp")
+    if tp is not None and not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 2):
+        raise bad("tp", "an integer of at least 2 (ranks per tensor-parallel group)")
+    if not isinstance(data.get("sequence_parallel", False), bool):
+        raise bad("sequence_parallel", "true or false")
+    if (tp is not None or data.get("sequence_parallel")) and "parallel" not in data:
+        raise MemfitError(f"{path}: tp and sequence_parallel shape the ranks of parallel: give parallel too")
+    if "parallel" in data:
+        from memfit.formats.profile import layout_of
+
+        try:
+            layout_of(data["parallel"], world_size or 2, tp or 1, bool(data.get("sequence_parallel")))
+        except MemfitError as exc:
+            raise MemfitError(f"{path}: parallel, world_size, tp and sequence_parallel (as flags): {exc}") from None
     try:
         step = TrainStep.from_fields(data)
     except MemfitError as exc:
@@ -389,6 +408,8 @@ def load_scenario(name_or_path: str) -> Scenario:
         autocast_cache=step.autocast_cache,
         parallel=data.get("parallel"),
         world_size=world_size,
+        tp=tp,
+        sequence_parallel=bool(data.get("sequence_parallel", False)),
         seq_lens=seq_lens,
     )
 

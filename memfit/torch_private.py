@@ -46,7 +46,8 @@ ProfiledOp = _private("torch._C._profiler", "_ExtraFields_TorchOp", "2.0", kind=
 
 # Fake tensors: estimate mode builds and runs the model without memory. Since torch 2.0.
 # ``unset_fake_temporarily``: a small computation run for real while a model is built (its values
-# read in Python: drop-path rates, relative position tables). Since torch 2.1.
+# read in Python: drop-path rates, relative position tables; FSDP2's mesh of both dimensions over
+# tensor-parallel parameters, made from a tensor of rank numbers). Since torch 2.1.
 FakeTensorMode = _private("torch._subclasses.fake_tensor", "FakeTensorMode", "2.0", kind="class")
 is_fake = _private("torch._subclasses.fake_tensor", "is_fake", "2.0")
 unset_fake_temporarily = _private("torch._subclasses.fake_tensor", "unset_fake_temporarily", "2.1")

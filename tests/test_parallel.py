@@ -129,7 +129,7 @@ def test_cli_plans_and_validates_per_rank_and_refuses_what_it_cannot_check(tiny,
     assert "give --parallel too" in capsys.readouterr().err
     assert main(["plan", "--scenario", "gpt-small", "--target", "rtx4090", "--budget", "1GB", "--parallel", "fsdp",
                  "--world-size", "8", "-o", str(out)]) == 0
-    assert "on each of 8 fsdp ranks" in capsys.readouterr().out  # estimated for 8 RTX 4090s
+    assert "on each rank (fsdp on 8 ranks)" in capsys.readouterr().out  # estimated for 8 RTX 4090s
     assert memfit.load_schedule(out).parallel == {"kind": "fsdp", "world_size": 8}
     assert main(["validate", "--schedule", str(out)]) == 2  # for 8 GPUs this machine does not have
     assert "estimated for rtx4090" in capsys.readouterr().err

@@ -99,6 +99,14 @@ def source_flags(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
                        "parallelism by a Hugging Face model's own plan (tp: its config's base_model_tp_plan) (gloo "
                        "on the CPU, one GPU each with NCCL)")
         g.add_argument("--world-size", type=int, help="ranks for --parallel (default: 2)")
+        g.add_argument("--tp", type=int, metavar="N",
+                       help="with --parallel fsdp or fsdp-bf16: a 2-D mesh of --world-size/N FSDP2 shards by N "
+                       "tensor-parallel ranks (torchtitan's data_parallel_shard_degree and tensor_parallel_degree), "
+                       "tensor parallelism by the model's own Hugging Face plan")
+        g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                       help="with --tp or --parallel tp: shard the norms and residuals between the products along "
+                       "the sequence, as torchtitan and Megatron-LM do (Korthikanti et al.); --no-sequence-parallel "
+                       "turns off a scenario's")
         g.add_argument("--repeat", type=int,
                        help="timed rounds of plain and all-checkpointed steps when profiling (default: 5)")
 

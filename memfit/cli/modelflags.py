@@ -14,7 +14,8 @@ from memfit.errors import MemfitError
 STEP_FLAGS = ("optimizer", "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output",
               "autocast_cache")
 MODEL_FLAGS = ("scenario", "model", "args", "input_shape", "seq_lens", "units", *STEP_FLAGS, "device", "repeat",
-               "children", "target", "parallel", "world_size")
+               "children", "target", "parallel", "world_size", "tp",
+               "sequence_parallel")
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...] = MODEL_FLAGS) -> list[str]:
@@ -209,6 +210,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
     import torch
 
     from memfit.devices import DEVICES
+    from memfit.formats.profile import describe_layout, layout_of
 
     repeat = 5 if args.repeat is None else args.repeat
     if repeat < 1:
@@ -226,13 +228,17 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
     parallel = args.parallel or sc.parallel
     ranks = args.world_size if args.world_size is not None else (
         sc.world_size if parallel == sc.parallel and sc.world_size else 2)
-    if parallel is not None and target is None:
-        from memfit.measure.ranks import check_parallel
+    same = parallel == sc.parallel and args.world_size in (None, sc.world_size)
+    tp = args.tp if args.tp is not None else (sc.tp or 1) if same else 1
+    sp = args.sequence_parallel if args.sequence_parallel is not None else (sc.sequence_parallel and same)
+    if (args.tp is not None or args.sequence_parallel) and parallel is None:
+        raise MemfitError("--tp and --sequence-parallel shape the ranks of --parallel; give --parallel too")
+    layout = layout_of(parallel, ranks, tp, sp) if parallel is not None else None  # checked before it says what it does
+    if layout is not None and target is None:
         from memfit.parallel import profile_ranks
 
-        check_parallel(parallel, ranks)  # before saying what it will do
-        print(f"measuring {sc.name} on one of {ranks} {parallel} ranks", file=sys.stderr)
-        return profile_ranks(sc, parallel=parallel, world_size=ranks, repeat=repeat,
+        print(f"measuring {sc.name} on one rank of {describe_layout(layout)}", file=sys.stderr)
+        return profile_ranks(sc, parallel=parallel, world_size=ranks, tp=tp, sequence_parallel=sp, repeat=repeat,
                              granularity=args.granularity, device=parse_device(args.device))
     if target is not None:
         from memfit.profiler.estimate import estimate
@@ -241,7 +247,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
               file=sys.stderr)
         result = estimate(lambda: sc.build("cpu"), target=target, units=sc.units, step=step,
                           granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt(),
-                          parallel=parallel, world_size=ranks if parallel else 1)
+                          parallel=parallel, world_size=ranks if parallel else 1, tp=tp, sequence_parallel=sp)
         result.source = sc.source()
         _say_units(sc, result)
         return result
@@ -316,8 +322,10 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
                           f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
     model_flags = ("scenario", "model", "input_shape", "units")
     if schedule.parallel and not source:
-        raise MemfitError(f"this schedule is per rank, for {schedule.parallel['kind']} on "
-                          f"{schedule.parallel['world_size']} ranks, and does not record which model it was made for: "
+        from memfit.formats.profile import describe_layout
+
+        raise MemfitError(f"this schedule is per rank, for {describe_layout(schedule.parallel)}, and does not record "
+                          "which model it was made for: "
                           "check it in your distributed run (examples/train_fsdp.py prints each rank's measured peak)")
     if schedule.target and not args.device:
         import torch

@@ -106,13 +106,13 @@ def _say_nothing_to_do(args: argparse.Namespace, profs: list[Any], schedule: Any
     """The budget fits the plain step (of every shape planned): say so, where checkpointing would
     matter."""
     from memfit.budget import format_bytes
+    from memfit.formats.profile import describe_layout
     from memfit.planning.planner import min_budget_bytes
     from memfit.report import device_notes
 
     prof = next(p for p in profs if p.input_shapes == schedule.input_shapes)  # the largest shape's
 
-    per_rank = (f" on each of {schedule.parallel['world_size']} {schedule.parallel['kind']} ranks"
-                if schedule.parallel else "")
+    per_rank = f" on each rank ({describe_layout(schedule.parallel)})" if schedule.parallel else ""
     print(f"fits without checkpointing: the step peaks at {format_bytes(schedule.predicted_peak_bytes)}{per_rank} "
           f"of the {format_bytes(budget)} budget ({format_bytes(budget - schedule.predicted_peak_bytes)} "
           "to spare), so memfit has nothing to recompute.")

@@ -15,6 +15,7 @@ from memfit.cli import modelflags
 from memfit.cli.flags import Command, source_flags, title, trust_source_flag
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
+from memfit.formats.profile import describe_layout
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -38,7 +39,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if schedule.parallel and (args.timeline or args.save_device_spec or args.compile):
         flag = "--timeline" if args.timeline else "--save-device-spec" if args.save_device_spec else "--compile"
         raise MemfitError(f"{flag} is for one process; this schedule is per rank "
-                          f"({schedule.parallel['kind']} on {schedule.parallel['world_size']} ranks)")
+                          f"({describe_layout(schedule.parallel)})")
     if args.timeline:
         if args.compile or schedule.compile:
             raise MemfitError("--timeline draws the eager step's marks, which a compiled step does not have")
@@ -84,8 +85,7 @@ def _validate(args: argparse.Namespace, schedule: Any, sc: Any, device: str) -> 
         from memfit.parallel import validate_ranks
 
         layout = schedule.parallel
-        print(f"measuring the plain and the scheduled step on {layout['world_size']} {layout['kind']} ranks",
-              file=sys.stderr)
+        print(f"measuring the plain and the scheduled step on {describe_layout(layout)}", file=sys.stderr)
         return validate_ranks(sc, schedule, device=device)
     model, inputs = modelflags.build_model(sc, device)
     check_interrupt()

@@ -26,6 +26,9 @@ from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema, sa
 # measured backward holds about two (tests/test_estimate.py); cuDNN's depend on the algorithm.
 _WORKSPACE = {"convolution": 1, "convolution_backward": 2}
 _WORKSPACE_KEY = object()  # the allocator model's name for a kernel's workspace, freed as soon as made
+# what DTensor's collectives (functional collectives) wait on their results with
+_WAIT = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+_WAIT = getattr(_WAIT, "default", None)
 
 
 def fake_meters(target: Device, reserved: list[tuple[int, int]] | None = None) -> Meters:
@@ -66,6 +69,8 @@ class FakeMemoryRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is _WAIT:
+            self._same_block(args[0], out)
         inputs = {storage_key(i.untyped_storage()) for t in iter_tensors((args, kwargs)) for i in inner_tensors(t)}
         for st in (i.untyped_storage() for t in iter_tensors(out) for i in inner_tensors(t)):  # a DTensor: its shard
             if storage_key(st) not in inputs and st not in self._seen:  # new storage: not a view, not in place
@@ -105,6 +110,22 @@ class FakeMemoryRecorder(TorchDispatchMode):
             if self._allocator is not None and self._reserved_log is not None:
                 self._reserved_log.append((self._allocator.peak_allocated, self._allocator.peak_reserved))
                 self._allocator = None  # the storages that outlive the step free nothing here any more
+
+    def _same_block(self, waited: torch.Tensor, out: torch.Tensor) -> None:
+        """A collective's wait returns the very tensor it waited for on every backend, where fake
+        tensors make a new storage: the count moves to the new one (which outlives the other, an
+        ``AsyncCollectiveTensor``'s), instead of a second block the size of a collective's output."""
+        old, new = waited.untyped_storage(), out.untyped_storage()
+        counted = self._seen.get(old)
+        if new is old or counted is None or new in self._seen:
+            return
+        moved = [counted[0]]
+        counted[0] = 0
+        self._seen[new] = moved
+        weakref.finalize(new, self._free, moved)
+        if self._allocator is not None:
+            self._allocator.free(id(counted))
+            self._allocator.malloc(id(moved), new.nbytes())
 
     def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
         """A storage resized in place: FSDP2 frees each gathered unit's buffer with ``resize_(0)``

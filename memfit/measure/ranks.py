@@ -4,13 +4,15 @@ ranks that parallel.py spawns and by estimate mode's fake ranks alike."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import PARALLEL
+from memfit.formats.profile import ParallelLayout, check_layout, dp_degree, tp_degree
+from memfit.torch_private import unset_fake_temporarily
 from memfit.units import matches
 
 
@@ -19,41 +21,50 @@ def is_fsdp(kind: str) -> bool:
     return kind.startswith("fsdp")
 
 
-def shard(model: nn.Module, units: list[str], parallel: str, mesh: Any = None) -> nn.Module:
-    """FSDP2 on each unit then the root (in place), DDP around the model (a new wrapper), or
-    tensor parallelism by the model's own plan (``tp_plan``, in place). ``mesh``: the device
-    mesh, made here over every rank when not given."""
-    import torch.distributed as dist
+def make_mesh(layout: ParallelLayout, device: str) -> Any:
+    """The ranks' device mesh: one dimension over every rank, or FSDP2's shards by tensor-parallel
+    groups (``("dp_shard", "tp")``, torchtitan's names); None for DDP."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    if is_fsdp(parallel):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if layout["kind"] == "ddp":
+        return None
+    if layout["kind"] != "tp" and tp_degree(layout) > 1:
+        return init_device_mesh(device, (dp_degree(layout), tp_degree(layout)), mesh_dim_names=("dp_shard", "tp"))
+    return init_device_mesh(device, (int(layout["world_size"]),))
 
-        if mesh is None:
-            device = "cuda" if next(model.parameters()).is_cuda else "cpu"
-            mesh = init_device_mesh(device, (dist.get_world_size(),))
-        # bf16: units gather and compute in bf16 and reduce gradients in fp32 (the sharded
-        # parameters, gradients and optimizer state stay fp32), as mixed-precision FSDP2 runs
-        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if parallel == "fsdp-bf16" else None
-        extra = {"mp_policy": policy} if policy is not None else {}
-        for name in units:
-            fully_shard(model.get_submodule(name), mesh=mesh, **extra)
-        fully_shard(model, mesh=mesh, **extra)
-        return model
-    if parallel == "ddp":
+
+def shard(model: nn.Module, units: list[str], layout: ParallelLayout, mesh: Any = None) -> nn.Module:
+    """Tensor parallelism by the model's own plan (``tp_plan``, in place), then FSDP2 on each unit
+    and the root over the data-parallel shards (in place); or DDP around the model (a new wrapper).
+    ``mesh``: the device mesh (``make_mesh``), made here over every rank when not given."""
+    check_layout(layout)
+    kind = layout["kind"]
+    if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
-    if parallel == "tp":
-        from torch.distributed.device_mesh import init_device_mesh
+    if mesh is None:
+        mesh = make_mesh(layout, "cuda" if next(model.parameters()).is_cuda else "cpu")
+    if tp_degree(layout) > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        if mesh is None:
-            device = "cuda" if next(model.parameters()).is_cuda else "cpu"
-            mesh = init_device_mesh(device, (dist.get_world_size(),))
-        parallelize_module(model, mesh, tp_plan(model, mesh.size()))
-        return model
-    raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
+        tp_mesh = mesh["tp"] if mesh.ndim == 2 else mesh
+        parallelize_module(model, tp_mesh, tp_plan(model, tp_mesh.size(), bool(layout.get("sequence_parallel"))))
+    if is_fsdp(kind):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dp_mesh = mesh["dp_shard"] if mesh.ndim == 2 else mesh
+        # bf16: units gather and compute in bf16 and reduce gradients in fp32 (the sharded
+        # parameters, gradients and optimizer state stay fp32), as mixed-precision FSDP2 runs
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if kind == "fsdp-bf16" else None
+        extra = {"mp_policy": policy} if policy is not None else {}
+        # over tensor-parallel parameters FSDP2 makes a mesh of both dimensions from a tensor of
+        # rank numbers, which must be a real one under estimate mode's fake tensors
+        with unset_fake_temporarily():
+            for name in units:
+                fully_shard(model.get_submodule(name), mesh=dp_mesh, **extra)
+            fully_shard(model, mesh=dp_mesh, **extra)
+    return model
 
 
 # Hugging Face's names for the styles of a config's ``base_model_tp_plan``, those PyTorch's parallel
@@ -65,11 +76,13 @@ _HF_STYLES = {"colwise": ("ColwiseParallel", 0), "rowwise": ("RowwiseParallel", 
               "embedding_rowwise": ("RowwiseParallel", 0)}
 
 
-def tp_plan(model: nn.Module, degree: int) -> dict[str, Any]:
+def tp_plan(model: nn.Module, degree: int, sequence_parallel: bool = False) -> dict[str, Any]:
     """Tensor parallelism as the model's own Hugging Face config declares it (``base_model_tp_plan``:
     column-wise q, k, v and MLP input products, row-wise output products), in PyTorch's parallel
     styles; a MemfitError for a model without one, a style memfit does not know, or a sharded
-    dimension ``degree`` does not divide."""
+    dimension ``degree`` does not divide. ``sequence_parallel``: as torchtitan runs Llama (Korthikanti
+    et al.'s sequence parallelism), the residual stream between the products sharded along the
+    sequence (``sequence_plan``)."""
     import torch.distributed.tensor.parallel as styles
 
     config = getattr(model, "config", None)
@@ -94,18 +107,92 @@ def tp_plan(model: nn.Module, degree: int) -> dict[str, Any]:
                 what = "vocabulary rows" if style == "embedding_rowwise" else "outputs" if dim == 0 else "inputs"
                 raise MemfitError(f"{name}'s {weight.shape[dim]} {what} do not divide among {degree} tensor-parallel "
                                   "ranks")
+    if sequence_parallel:
+        return sequence_plan(model, plan, base, degree)
     from torch.distributed.tensor import Replicate
 
     return {key: getattr(styles, _HF_STYLES[style][0])(
         **({"input_layouts": Replicate()} if style == "embedding_rowwise" else {})) for key, style in plan.items()}
 
 
-def check_parallel(parallel: str, world_size: int) -> None:
-    """Refuse a parallelism memfit cannot plan, or fewer than two ranks."""
-    if parallel not in PARALLEL:
-        raise MemfitError(f"unknown parallelism {parallel!r}; use one of {', '.join(PARALLEL)}")
-    if world_size < 2:
-        raise MemfitError(f"--world-size must be at least 2 for {parallel}, got {world_size}")
+def sequence_plan(model: nn.Module, plan: dict[str, str], base: str, degree: int) -> dict[str, Any]:
+    """The config's plan with sequence parallelism, as torchtitan writes it for Llama: the
+    embedding's output (the embedding split by vocabulary rows, where the config leaves it whole),
+    the norms on the residual stream (children of a layer or of the base model) and the row-wise
+    products' outputs sharded along the sequence (``Shard(1)``); the modules that hold column-wise
+    products (attention, MLP) gather their input whole first; the output embedding column-wise,
+    from the sequence shards to whole logits (the loss is the model's own)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    out: dict[str, Any] = {}
+    for key, style in plan.items():
+        if style == "colwise":
+            out[key] = ColwiseParallel()
+            out.setdefault(key.rsplit(".", 1)[0], _whole_sequence()())
+        elif style == "rowwise":
+            out[key] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        else:  # embedding_rowwise
+            out[key] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    names = {id(m): n for n, m in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    for module in (embedding, head):
+        if module is not None and module.weight.shape[0] % degree:
+            raise MemfitError(f"{names[id(module)]}'s {module.weight.shape[0]} vocabulary rows do not divide among "
+                              f"{degree} tensor-parallel ranks")
+    if not any(matches(names[id(embedding)], key) for key in out):  # vocabulary-parallel, as torchtitan's Llama
+        out[names[id(embedding)]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                    use_local_output=False)
+    if head is not None:
+        if head.weight is embedding.weight:
+            raise MemfitError(f"{type(model).__name__} ties its output embedding to its input embedding; memfit's "
+                              "sequence-parallel plan shards them apart (plan tensor parallelism without it)")
+        out[names[id(head)]] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    layers = {key.split(".*.")[0] + ".*" for key in plan if ".*." in key}
+    for name, module in model.named_modules():
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        on_stream = parent == base.rstrip(".") or any(matches(parent, layer) for layer in layers)
+        if on_stream and "norm" in type(module).__name__.lower():
+            out[name] = SequenceParallel()
+    return out
+
+
+@functools.cache
+def _whole_sequence() -> type:
+    """A parallel style: a module's inputs sharded along the sequence gathered whole (local
+    tensors) before it runs, whether the model passes them by position or by name (Hugging Face's
+    attention takes ``hidden_states=``), which ``PrepareModuleInput`` needs to be told in advance.
+    Made on first use, so that importing memfit does not import torch.distributed's styles."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class WholeSequence(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def whole(t: Any) -> Any:
+                return t.redistribute(device_mesh, [Replicate()]).to_local() if isinstance(t, DTensor) else t
+
+            def gather(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+
+            module.register_forward_pre_hook(gather, with_kwargs=True)
+            return module
+
+    return WholeSequence
+
+
+def check_clipping(layout: ParallelLayout, clip_grad_norm: float | None) -> None:
+    """Refuse a step that clips gradients under tensor parallelism without sequence parallelism:
+    the config's plan leaves the norms and embeddings plain tensors (beside FSDP2, on its mesh
+    dimension alone) while the products are DTensors of the tensor-parallel one, and
+    ``clip_grad_norm_`` cannot mix them (PyTorch's error, on every rank)."""
+    if clip_grad_norm is not None and tp_degree(layout) > 1 and not layout.get("sequence_parallel"):
+        raise MemfitError("clipping gradients (clip_grad_norm_) under tensor parallelism needs --sequence-parallel, "
+                          "as torchtitan runs it: every parameter then lives on the tensor-parallel mesh; without it "
+                          "PyTorch's clip_grad_norm_ refuses the mix of sharded products and whole norms")
 
 
 def held_by_wrapper(model: nn.Module, parallel: str) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.devices import usable_bytes
-from memfit.formats.profile import Profile, after_forwards
+from memfit.formats.profile import Profile, after_forwards, dp_degree
 from memfit.planning.roles import NONE, member_input, roles_of, unit_costs
 from memfit.policy import Policy, as_policies
 
@@ -68,7 +68,7 @@ def fsdp_headroom(profile: Profile) -> int:
     8 MiB between runs, more than the bf16 gather alone."""
     if not profile.parallel or not profile.parallel["kind"].startswith("fsdp"):  # fsdp, fsdp-bf16
         return 0
-    return max(u.param_bytes for u in profile.units) * int(profile.parallel["world_size"])
+    return max(u.param_bytes for u in profile.units) * dp_degree(profile.parallel)
 
 
 def device_cap_bytes(profile: Profile) -> int | None:

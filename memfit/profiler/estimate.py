@@ -19,9 +19,9 @@ import torch
 
 from memfit.devices import Device, device_spec
 from memfit.errors import MemfitError
-from memfit.formats.profile import ParallelLayout, Profile
+from memfit.formats.profile import ParallelLayout, Profile, layout_of
 from memfit.measure.fake import fake_meters
-from memfit.measure.ranks import check_parallel, held_by_wrapper, shard
+from memfit.measure.ranks import check_clipping, held_by_wrapper, make_mesh, shard
 from memfit.profiler.autocast_lists import cuda_lists
 from memfit.profiler.fake_build import fake_build, real_to_fake
 from memfit.profiler.phases import ALTERNATE
@@ -31,21 +31,19 @@ from memfit.units import find_units
 
 
 @contextmanager
-def _fake_ranks(parallel: str | None, world_size: int) -> Iterator[Any]:
-    """Rank 0 of ``world_size`` over the fake process group (its collectives move nothing), and
-    the FSDP2 or tensor-parallel mesh, made before fake tensors are on (a mesh holds a real rank table)."""
-    if parallel is None:
+def _fake_ranks(layout: ParallelLayout | None) -> Iterator[Any]:
+    """Rank 0 of the layout's ranks over the fake process group (its collectives move nothing), and
+    their mesh, made before fake tensors are on (a mesh holds a real rank table)."""
+    if layout is None:
         yield None
         return
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    check_parallel(parallel, world_size)
     if dist.is_initialized():
         raise MemfitError("estimate(parallel=...) runs its own fake ranks; call it outside a distributed run")
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=int(layout["world_size"]))
     try:
-        yield init_device_mesh("cpu", (world_size,)) if parallel != "ddp" else None
+        yield make_mesh(layout, "cpu")
     finally:
         dist.destroy_process_group()
 
@@ -88,6 +86,8 @@ def estimate(
     progress: Callable[[str], None] | None = None,
     parallel: str | None = None,
     world_size: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> Profile:
     """A Profile for ``target`` (a name in devices.py: h100, a100-80gb, l4, …, or cpu) without
     the device and without allocating the model: ``build()`` returns ``(model, inputs)`` and is
@@ -112,7 +112,10 @@ def estimate(
     lists = cuda_lists() if spec.cuda else nullcontext()
     reserved: list[tuple[int, int]] = []  # each memory step's (allocated, reserved) peaks, in the profile's order
     fake = FakeTensorMode()
-    with _fake_ranks(parallel, world_size) as mesh, fake, _fused_attention(spec.cuda), lists:
+    layout = layout_of(parallel, world_size, tp, sequence_parallel) if parallel is not None else None
+    if layout is not None:
+        check_clipping(layout, step_of(step, optimizer).clip_grad_norm)
+    with _fake_ranks(layout) as mesh, fake, _fused_attention(spec.cuda), lists:
         with fake_build(fake):
             built = build()
         built = real_to_fake(fake, built)
@@ -120,14 +123,14 @@ def estimate(
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built
         names = find_units(model, units)
-        if parallel and mesh is not None:  # FSDP2 or TP: its fake ranks' mesh
-            shard(model, names, parallel, mesh)
+        if layout is not None and mesh is not None:  # FSDP2 or TP: its fake ranks' mesh
+            shard(model, names, layout, mesh)
         with measuring_with(fake_meters(spec, reserved), foreach_default=True if spec.cuda else None):
             prof = profile(model, inputs, loss_fn=loss_fn, units=names, step=step_of(step, optimizer), repeat=1,
                            progress=progress, granularity=granularity, children=children)
-        if parallel is not None:
-            prof.parallel = ParallelLayout(kind=parallel, world_size=world_size)
-            prof.baseline_bytes += held_by_wrapper(model, parallel)
+        if layout is not None:
+            prof.parallel = layout
+            prof.baseline_bytes += held_by_wrapper(model, layout["kind"])
     prof.mode, prof.target, prof.memory = "estimated", spec.name, spec.memory
     # the profiler's memory steps: one per all-units option, in the order of measured_peak_bytes,
     # then, where it needs them, the two alternating ones (profiler/phases.ALTERNATE), not kept here
