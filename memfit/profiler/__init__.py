@@ -176,8 +176,20 @@ def _check_arguments(model: nn.Module, repeat: int, granularity: str, children: 
 def _times(harness: StepHarness, state: StepState | UserStepState, names: list[str],
            configs: dict[Option, dict[str, Policy]], repeat: int, meters: Meters | None,
            say: Progress) -> list[list[list[Stretch]]]:
-    """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``)."""
+    """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``);
+    under estimate mode's fake meters, whose clock is a roofline that no earlier step moves, one
+    step each, after an untimed one only where the option learns in its first step (``derive``)."""
     options, policies = list(configs), list(configs.values())
+    if meters is not None:
+        say(f"timing ({', '.join(map(str, options))})")
+        out = []
+        with harness.switching() as use:
+            for option, chosen in zip(options, policies, strict=True):
+                use(chosen)
+                if option not in COARSE:
+                    harness.marked_step(state, names, "time", meters)
+                out.append([stretches(harness.marked_step(state, names, "time", meters))])
+        return out
     per_round = 2 * len(options)  # each configuration: an untimed step, then a timed one
     calls = iter(range(per_round * repeat))
 
@@ -206,14 +218,21 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
             facts: UnitFacts) -> timeline.Memory:
     """The memory stretches of a steady-state step with every unit running each option, and where
     a unit's checkpoint may free what the model's own code drops after it, with alternate units
-    checkpointed (``timeline.separate``)."""
+    checkpointed (``timeline.separate``). Each configuration's step follows a warm-up step in it,
+    except under estimate mode's fake meters (no allocator, no caches) after the first, where a
+    configuration of whole units learns nothing in a step (finer options may: ``derive``)."""
     model, inp, loss = harness.model, harness.inputs, harness.loss_fn
     memory: timeline.Memory = {}
+
+    def warm_up(option: Option | None) -> None:
+        if meters is None or not memory or (option is not None and option not in COARSE):
+            state.zero_grad()
+            training_step(model, inp, loss, state)
+
     for option, policies in configs.items():
         say(f"memory with every unit {option}")
         with harness.options(policies):
-            state.zero_grad()
-            training_step(model, inp, loss, state)  # warm-up in this configuration
+            warm_up(option)
             memory[option] = stretches(harness.marked_step(state, names, "memory", meters))
         check_same_shape(memory[KEEP], memory[option], f"every unit was {option}")
     timeline.check_order(memory[KEEP], names)
@@ -221,8 +240,7 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
         for key, policies in timeline.alternating(names).items():
             say(f"memory with {key.replace(':', ' ')} units checkpointed")
             with harness.options(policies):
-                state.zero_grad()
-                training_step(model, inp, loss, state)
+                warm_up(None)
                 memory[key] = stretches(harness.marked_step(state, names, "memory", meters))
             check_same_shape(memory[KEEP], memory[key], key)
     return memory
