@@ -111,7 +111,10 @@ def _check(got: dict, model_name: str, world: int, tp: int) -> None:
         assert abs(estimated - measured) <= tolerance * measured, (policies, estimated, measured)
 
 
-@pytest.mark.parametrize("model_name", ["llama", "qwen2", pytest.param("gpt-neox", marks=pytest.mark.slow)])
+# Qwen2, the model memfit was not shaped around, in every run; Llama and GPT-NeoX (also under the
+# user's own plans in tests/test_tp.py) in the slow set, to keep the suite short
+@pytest.mark.parametrize("model_name", [pytest.param("llama", marks=pytest.mark.slow), "qwen2",
+                                        pytest.param("gpt-neox", marks=pytest.mark.slow)])
 def test_sequence_parallel_from_the_config_plan_trains_as_one_process(model_name):
     got = spawn_ranks(_derived_rank, 2, "cpu", model_name, 2)
     _check(got, model_name, 2, 2)
