@@ -46,11 +46,14 @@ def test_cpu_meter_counts_no_free_of_a_block_made_before_it():
     stale = None
     for _ in range(20):  # find a block at the address of one made while a profiler ran
         with memory_recorder(cpu):
-            first = torch.empty(1000)
-        address = first.data_ptr()
-        del first
-        held = [torch.empty(n) for n in range(100, 1000, 7)]
-        stale = next((t for t in held if t.data_ptr() == address), None)
+            # each freed block sits above a guard still held, so it cannot merge with a free
+            # block below it (the profiler frees its own buffers on stopping) and start lower
+            pairs = [(torch.empty(1000), torch.empty(1000)) for _ in range(8)]
+        guards = [guard for guard, _ in pairs]
+        addresses = {first.data_ptr() for _, first in pairs}
+        del pairs
+        held = [torch.empty(n) for n in range(999, 99, -7)]
+        stale = next((t for t in held if t.data_ptr() in addresses), None)
         del held
         if stale is not None:
             break
@@ -62,7 +65,7 @@ def test_cpu_meter_counts_no_free_of_a_block_made_before_it():
         kept = torch.empty(10)
         recorder.on_mark("end")
     assert [(m.level, m.peak) for m in recorder.marks()] == [(0, 0), (40, 40)]
-    assert kept.numel() == 10
+    assert kept.numel() == 10 and len(guards) == 8
 
 
 def test_cpu_meter_counts_the_frees_of_the_tensors_it_is_told_are_alive():
