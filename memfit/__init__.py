@@ -62,6 +62,9 @@ _LAZY = {
     "sweep": "memfit.planning.sweep",
     "Schedule": "memfit.formats.schedule",
     "load_schedule": "memfit.formats.schedule",
+    "profile_stages": "memfit.stages",
+    "plan_stages": "memfit.stages",
+    "StagePlans": "memfit.stages",
 }
 
 if TYPE_CHECKING:
@@ -79,6 +82,7 @@ if TYPE_CHECKING:
     from memfit.profiler.estimate import estimate
     from memfit.runtime.apply import apply, remove, tighten
     from memfit.runtime.validate import Validation, validate
+    from memfit.stages import StagePlans, plan_stages, profile_stages
 
 
 def __getattr__(name: str) -> Any:
@@ -114,6 +118,7 @@ __all__ = [
     "Schedule",
     "ScheduleMismatchError",
     "SolverTimeout",
+    "StagePlans",
     "TrainStep",
     "UnitSelectionError",
     "Validation",
@@ -129,8 +134,10 @@ __all__ = [
     "parse_policy",
     "plan",
     "plan_compiled",
+    "plan_stages",
     "predict",
     "profile",
+    "profile_stages",
     "remove",
     "sweep",
     "tighten",

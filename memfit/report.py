@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from memfit.runtime.validate import Validation
+    from memfit.stages import StagePlans
 
 BASELINE_NAMES = {
     "none": "checkpoint nothing",
@@ -372,3 +373,22 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
             out.append(f"leave {format_bytes(headroom)} of headroom{short}: a rank's peak moves by up to one "
                        "unit's gathered parameters from step to step, as collectives finish")
     return out
+
+
+def stages_report(plans: StagePlans) -> str:
+    """A pipeline's per-stage plan beside the uniform one: each rank's micro-batches in flight,
+    units checkpointed, predicted peak and recompute, and the pipeline's step under each."""
+    rows = []
+    for r, (mine, same) in enumerate(zip(plans.per_stage, plans.uniform, strict=True)):
+        ckpt = sum(p != KEEP for p in mine.policies.values())
+        rows.append([str(r), str(mine.in_flight), f"{ckpt} of {len(mine.policies)}",
+                     format_bytes(mine.prediction.peak_bytes), _ms(mine.prediction.recompute_s),
+                     format_bytes(same.prediction.peak_bytes), _ms(same.prediction.recompute_s)])
+    head = ["rank", "in flight", "per-stage: checkpointed", "peak", "recompute", "uniform: peak", "recompute"]
+    step = plans.plain_s
+    return "\n".join([
+        f"{plans.schedule}, {plans.microbatches} micro-batches, {format_bytes(plans.budget_bytes)} per GPU",
+        table(head, rows),
+        f"pipeline step: {_ms(step)} with nothing checkpointed; per-stage plan {_pct(plans.per_stage_s / step - 1)}, "
+        f"uniform plan (the first {plans.uniform_k} units of every stage) {_pct(plans.uniform_s / step - 1)}",
+    ])

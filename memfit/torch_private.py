@@ -89,8 +89,8 @@ __all__ = ["MODULE_HOOKS", "BatchNorm", "FakeTensorMode", "ProfiledAllocation", 
            "TorchDispatchMode", "allow_in_compiled_graph",
            "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "destroy_library", "fake_store",
            "grad_scaler_tensors",
-           "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "tree_flatten", "tree_map",
-           "tree_unflatten", "unset_fake_temporarily", "without_autocast_cpu"]
+           "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "schedule_ops", "tree_flatten",
+           "tree_map", "tree_unflatten", "unset_fake_temporarily", "without_autocast_cpu"]
 
 
 def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -161,3 +161,21 @@ def grad_scaler_tensors(scaler: Any) -> list[torch.Tensor]:
     made on the first ``scale()``): ``_scale`` and ``_growth_tracker``. Since torch 1.6."""
     return [t for t in (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
             if isinstance(t, torch.Tensor)]
+
+
+def schedule_ops(schedule: Any, stages: int, microbatches: int) -> tuple[list[list[Any]], bool]:
+    """Each rank's actions (``_Action``: stage_index, computation_type, microbatch_index; None for
+    an idle step) in a ``torch.distributed.pipelining`` schedule named as torchtitan names it
+    ("1F1B", "GPipe", "Interleaved1F1B", ...) or given as its class, for ``stages`` stages: the
+    schedule's own ``pipeline_order``, made on stand-in stages by the pipelining package's
+    visualizer, so that memfit reads the order without a process group; and whether the schedule
+    runs one stage a rank (``PipelineScheduleSingle``, whose runtime is its own loop, not this
+    order). Imported here, not with memfit (it loads the pipelining package). Since torch 2.6."""
+    ops = _private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops", "2.6")
+    single = _private("torch.distributed.pipelining.schedules", "PipelineScheduleSingle", "2.6", kind="class")
+    cls = _private("torch.distributed.pipelining.schedules", "get_schedule_class", "2.6")(schedule) \
+        if isinstance(schedule, str) else schedule
+    per_rank = 1 if issubclass(cls, single) else 2
+    if stages % per_rank:
+        raise MemfitError(f"{cls.__name__} runs {per_rank} stages on each rank: give a number of stages it divides")
+    return ops(cls, stages // per_rank, microbatches, per_rank), per_rank == 1

@@ -21,8 +21,8 @@ LAYERS = [
     ["memfit.runtime"],
     # measuring a model's options
     ["memfit.profiler"],
-    # what runs whole steps of a scheduled model: validate, compiled planning, ranks
-    ["memfit.runtime.validate", "memfit.compiled", "memfit.parallel"],
+    # what runs whole steps of a scheduled model: validate, compiled planning, ranks, pipeline stages
+    ["memfit.runtime.validate", "memfit.compiled", "memfit.parallel", "memfit.pipeline", "memfit.stages"],
     # scenarios, tables and pictures
     ["memfit.scenarios", "memfit.zoo", "memfit.report", "memfit.plots", "memfit.lengths"],
     # the command line (the package memfit.cli: parser, commands, model flags) and the package's

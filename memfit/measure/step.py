@@ -103,7 +103,8 @@ def _describe(value: Any, path: str) -> list[str]:
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested tuples, lists, dicts and Hugging Face ModelOutputs, in order."""
+    """Every tensor in nested tuples, lists, dicts, dataclasses and Hugging Face ModelOutputs, in
+    order (the paths ``Inputs.describe`` names)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):  # ModelOutput is an OrderedDict
@@ -112,6 +113,9 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (tuple, list)):
         for v in obj:
             yield from iter_tensors(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
 
 
 def packed(t: torch.Tensor) -> torch.Tensor:

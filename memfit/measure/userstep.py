@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import types
@@ -125,6 +126,9 @@ def held_state(fn: Any) -> list[Any]:
         elif isinstance(obj, dict):
             for v in obj.values():
                 visit(v, depth + 1)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # slots: no __dict__
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name), depth + 1)
         elif hasattr(obj, "__dict__"):
             for v in vars(obj).values():
                 visit(v, depth + 1)

@@ -203,6 +203,9 @@ class Watch:
         covering = next((k for k, planned in enumerate(self.shapes) if planned and not larger(sig, planned)), None)
         if covering is not None:
             return covering
+        if self.planned and not set(sig) & set(self.planned):
+            return len(self.shapes) - 1  # planned for a step function's data, which no forward sees (a pipeline
+            # stage's buffers): nothing of this forward's to compare
         grown = larger(sig, self.planned)
         if grown and self.planned and larger(sig, self.warned):
             self.warned = ceiling(self.warned, sig)

@@ -1,0 +1,178 @@
+"""Plans for the ranks of a pipeline, each for its own micro-batches in flight, beside the uniform
+plan that gives every stage the same recompute (memfit/pipeline.py has the schedule's order and
+the rank's step that the profiles measure).
+
+``profile_stages`` measures every rank's step in this one process, stage after stage, as
+``torch.distributed.pipelining`` runs it (its peak equals the real rank's to the byte on gloo:
+tests/test_pipeline.py). ``plan_stages`` plans each rank alone at one per-GPU budget and, for
+comparison, the uniform plan: Megatron's ``--recompute-method block``, the first k units of every
+stage checkpointed, k the least with which every rank fits. The pipeline's step time is
+``pipeline.makespan`` over each rank's forward and backward times, the recompute going to the
+backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.budget import parse_bytes
+from memfit.errors import InfeasibleBudgetError, MemfitError
+from memfit.formats.profile import Profile
+from memfit.formats.schedule import Schedule
+from memfit.measure.step import make_optimizer
+from memfit.pipeline import Action, RankStep, in_flight, makespan, rank_orders, stage_data, stage_ranks
+from memfit.planning.peak import Prediction, predict
+from memfit.planning.planner import plan
+from memfit.policy import FULL, KEEP, Policies
+from memfit.trainstep import OptimizerFactory
+
+
+def _split(batch: Any, n: int) -> list[Any]:
+    """The batch's ``n`` micro-batches along the first dimension, as the schedule's default
+    chunking cuts them (``torch.tensor_split``: views, no copies)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.tensor_split(n))
+    if isinstance(batch, tuple):
+        return [tuple(parts) for parts in zip(*(_split(b, n) for b in batch), strict=True)]
+    raise MemfitError(f"a pipeline's inputs and targets are a tensor or a tuple of tensors, got {type(batch).__name__}")
+
+
+def profile_stages(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_fn: Any, *,
+                   schedule: Any = "1F1B", microbatches: int, optimizer: str | OptimizerFactory = "adamw",
+                   units: str | list[str] = "auto", repeat: int = 5) -> list[Profile]:
+    """Each rank's profile of a pipeline of ``stages`` (the modules in order; a rank of an
+    interleaved schedule holds several) under ``schedule`` with ``microbatches`` micro-batches of
+    the batch ``inputs`` (the first stage's) and ``targets`` (``loss_fn(output, target)`` on the
+    last stage), each stage with its own ``optimizer``. Measured here in one process; the later
+    stages' inputs are the earlier stages' outputs for the same micro-batches."""
+    from memfit.profiler import profile
+
+    orders = rank_orders(schedule, len(stages), microbatches)
+    ranks = stage_ranks(orders)
+    acts = [_split(inputs, microbatches)]
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            acts.append([stage(x) for x in acts[-1]])
+    last = len(stages) - 1
+    out = []
+    for r, order in enumerate(orders):
+        here = sorted(s for s, rank in ranks.items() if rank == r)
+        model = stages[here[0]] if len(here) == 1 else nn.ModuleDict({str(s): stages[s] for s in here})
+        data = {s: stage_data(acts[s], None if s == last else acts[s + 1][0],
+                              _split(targets, microbatches) if s == last else [], first=s == 0) for s in here}
+        opt = make_optimizer(optimizer, model.parameters())
+        if opt is None:
+            raise MemfitError("a pipeline stage needs an optimizer: name one or pass a factory")
+        step = RankStep(order, last, microbatches, opt, loss_fn)
+        out.append(profile(model, data, step_fn=step, units=units, repeat=repeat))
+    return out
+
+
+@dataclass(slots=True)
+class RankPlan:
+    """One rank's plan: its policies, what they predict, the most micro-batches any of its stages
+    holds, and its forward and backward seconds per micro-batch (recompute in the backward)."""
+
+    policies: Policies
+    prediction: Prediction
+    in_flight: int
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(slots=True)
+class StagePlans:
+    """Per-stage and uniform plans of a pipeline at one per-GPU budget, and its step time under
+    each (``makespan``; ``plain_s``: nothing checkpointed)."""
+
+    schedule: str
+    microbatches: int
+    budget_bytes: int
+    orders: list[list[Action]]
+    per_stage: list[RankPlan]
+    uniform: list[RankPlan]
+    uniform_k: int  # the units checkpointed at the head of every stage
+    schedules: list[Schedule]  # the per-stage plans, one a rank, to save and apply
+    uniform_schedules: list[Schedule]  # the uniform plan's, to compare with them
+    plain_s: float
+    per_stage_s: float
+    uniform_s: float
+
+
+def _rank_plan(profile: Profile, policies: Policies, order: list[Action], microbatches: int) -> RankPlan:
+    """A rank's figures under ``policies``: its step less the optimizer's share (a unit-less
+    stretch) spread over its micro-batches, split between forward and backward as its units'
+    times are, and the recompute added to the backward."""
+    pred = predict(profile, policies)
+    fwd = sum(u.fwd_s for u in profile.units)
+    bwd = sum(u.bwd_s for u in profile.units)
+    per_mb = profile.step_s / microbatches
+    share = fwd / (fwd + bwd) if fwd + bwd > 0 else 1 / 3
+    stages = sorted({s for _, s, _ in order})
+    return RankPlan(policies, pred, max(in_flight(order, s) for s in stages), per_mb * share,
+                    per_mb * (1 - share) + pred.recompute_s / microbatches)
+
+
+def _time(plans: list[RankPlan], orders: list[list[Action]]) -> float:
+    ranks = stage_ranks(orders)
+    return makespan(orders, {s: plans[r].fwd_s for s, r in ranks.items()},
+                    {s: plans[r].bwd_s for s, r in ranks.items()})
+
+
+def plan_stages(profiles: Sequence[Profile], budget: str | int, *, schedule: Any = "1F1B",
+                microbatches: int) -> StagePlans:
+    """Each rank of ``profiles`` (``profile_stages``'s, in rank order) planned alone at ``budget``
+    (the per-GPU memory), beside the uniform plan at the same budget."""
+    budget_bytes = parse_bytes(budget)
+    orders = rank_orders(schedule, _stage_count(profiles, schedule, microbatches), microbatches)
+    schedules = [plan(p, budget_bytes) for p in profiles]
+    per_stage = [_rank_plan(p, s.policies, o, microbatches) for p, s, o in zip(profiles, schedules, orders,
+                                                                               strict=True)]
+    plain = [_rank_plan(p, {}, o, microbatches) for p, o in zip(profiles, orders, strict=True)]
+    k, uniform = _uniform(profiles, orders, budget_bytes, microbatches)
+    name = schedule if isinstance(schedule, str) else schedule.__name__
+    return StagePlans(name, microbatches, budget_bytes, orders, per_stage, uniform, k, schedules,
+                      [_as_schedule(s, u) for s, u in zip(schedules, uniform, strict=True)],
+                      _time(plain, orders), _time(per_stage, orders), _time(uniform, orders))
+
+
+def _as_schedule(planned: Schedule, rank: RankPlan) -> Schedule:
+    """A rank's schedule for the uniform plan's policies, with their predictions (memfit's own
+    plan for the same rank gives the rest: fingerprint, budget, step, baselines)."""
+    pred = rank.prediction
+    return dataclasses.replace(planned, policies=dict(rank.policies), predicted_peak_bytes=pred.peak_bytes,
+                               predicted_recompute_s=pred.recompute_s, predicted_overhead=pred.overhead,
+                               predicted_uncertainty_s=pred.uncertainty_s, strategy="uniform", fallbacks=[],
+                               levels={})
+
+
+def _stage_count(profiles: Sequence[Profile], schedule: Any, microbatches: int) -> int:
+    """Stages of a pipeline of ``len(profiles)`` ranks: one a rank, or two for a schedule that
+    interleaves (read from the schedule itself)."""
+    for per_rank in (1, 2):
+        try:
+            if len(rank_orders(schedule, len(profiles) * per_rank, microbatches)) == len(profiles):
+                return len(profiles) * per_rank
+        except MemfitError:
+            continue
+    raise MemfitError(f"{len(profiles)} profiles are not the ranks of a {schedule} pipeline")
+
+
+def _uniform(profiles: Sequence[Profile], orders: list[list[Action]], budget: int,
+             microbatches: int) -> tuple[int, list[RankPlan]]:
+    """The least k with which checkpointing the first k units of every rank fits every rank."""
+    most = max(len(p.units) for p in profiles)
+    for k in range(most + 1):
+        plans = [_rank_plan(p, {u.name: FULL if j < k else KEEP for j, u in enumerate(p.units)}, o, microbatches)
+                 for p, o in zip(profiles, orders, strict=True)]
+        if all(r.prediction.peak_bytes <= budget for r in plans):
+            return k, plans
+    worst = max(predict(p, {u.name: FULL for u in p.units}).peak_bytes for p in profiles)
+    raise InfeasibleBudgetError(f"no uniform plan fits every stage in {budget:,} bytes: with every unit "
+                                f"checkpointed the fullest rank needs {worst:,}", worst)

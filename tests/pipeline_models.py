@@ -1,0 +1,140 @@
+"""A GPT cut into pipeline stages as torchtitan cuts its models: each stage a copy of the model
+with the layers of other stages removed, the embeddings on the first stage, the final norm and
+an untied head on the last (tied weights cannot span two ranks). Blocks are memfit.zoo's."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.zoo import GPTBlock
+
+
+class PipelinedGPT(nn.Module):
+    def __init__(self, vocab: int = 512, seq: int = 64, d_model: int = 64, n_head: int = 4, n_layer: int = 4) -> None:
+        super().__init__()
+        self.wte: nn.Module | None = nn.Embedding(vocab, d_model)
+        self.wpe: nn.Module | None = nn.Embedding(seq, d_model)
+        self.layers = nn.ModuleDict({str(i): GPTBlock(d_model, n_head, 0.0) for i in range(n_layer)})
+        self.norm: nn.Module | None = nn.LayerNorm(d_model)
+        self.output: nn.Module | None = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None and self.wpe is not None:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.norm is not None and self.output is not None:
+            x = self.output(self.norm(x))
+        return x
+
+
+def stages_of(model: PipelinedGPT, n: int) -> list[PipelinedGPT]:
+    """``n`` stages of ``model``'s layers, split evenly, each a deep copy holding its share."""
+    names = list(model.layers)
+    per = len(names) // n
+    out = []
+    for s in range(n):
+        stage = copy.deepcopy(model)
+        keep = set(names[s * per:(s + 1) * per])
+        for name in names:
+            if name not in keep:
+                del stage.layers[name]
+        if s > 0:
+            stage.wte = stage.wpe = None
+        if s < n - 1:
+            stage.norm = stage.output = None
+        out.append(stage)
+    return out
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans: list, batch: int = 8,
+             seq: int = 64, n_layer: int = 4) -> dict:
+    """On each of ``n_stages`` gloo ranks, one stage of a PipelinedGPT under
+    ``torch.distributed.pipelining``'s ``schedule``, with ``plans[rank]`` (a memfit Schedule, or
+    None) applied to the stage: its gradients and loss after one step without the optimizer, then
+    its measured peak (memfit's CPU meter, over the tensors alive at the step's start) in its
+    third step, an optimizer's included. Every rank's answer, gathered on rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    import memfit
+    from memfit.measure.memory import measured
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = PipelinedGPT(seq=seq, n_layer=n_layer)
+    idx = torch.randint(0, 512, (batch, seq))
+    tgt = torch.randint(0, 512, (batch, seq))
+    stage_mod = stages_of(model, n_stages)[rank]
+    if plans[rank] is not None:
+        memfit.apply(stage_mod, plans[rank])
+    stage = PipelineStage(stage_mod, rank, n_stages, torch.device(device))
+    sched = get_schedule_class(schedule)(stage, microbatches, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3)
+    first, last = rank == 0, rank == n_stages - 1
+    losses: list[torch.Tensor] = []
+
+    def pipeline_step() -> None:
+        losses.clear()
+        if first:
+            sched.step(idx, return_outputs=False)
+        elif last:
+            sched.step(target=tgt, losses=losses, return_outputs=False)
+        else:
+            sched.step(return_outputs=False)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        pipeline_step()
+        opt.step()
+
+    def static() -> list[torch.Tensor]:
+        held = [*stage_mod.parameters(), *[v for s in opt.state.values() for v in s.values()
+                                         if isinstance(v, torch.Tensor)]]
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            held += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+        return held + ([idx] if first else []) + ([tgt] if last else [])
+
+    pipeline_step()
+    grads = {n: p.grad.detach().clone() for n, p in stage_mod.named_parameters() if p.grad is not None}
+    loss = float(torch.stack(losses).detach().mean()) if losses else None
+    step()
+    _, peak, _ = measured(step, static)
+    out = {"rank": rank, "peak": peak, "loss": loss, "grads": {n: g.numpy() for n, g in grads.items()}}
+    gathered: list = [None] * n_stages
+    dist.all_gather_object(gathered, out)
+    return {"ranks": gathered}
+
+
+def plain_grads(batch: int = 8, seq: int = 64, n_layer: int = 4) -> tuple[float, dict[str, torch.Tensor]]:
+    """The unparallelized model's loss and gradients on the whole batch of ``run_rank``."""
+    torch.manual_seed(0)
+    model = PipelinedGPT(seq=seq, n_layer=n_layer)
+    idx = torch.randint(0, 512, (batch, seq))
+    tgt = torch.randint(0, 512, (batch, seq))
+    loss = loss_fn(model(idx), tgt)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def stage_profiles(schedule: str, n_stages: int, microbatches: int, batch: int = 8, seq: int = 64,
+                   n_layer: int = 4, repeat: int = 3) -> list:
+    """Each rank's profile of the same run as ``run_rank``'s, measured in this one process."""
+    from memfit.stages import profile_stages
+
+    torch.manual_seed(0)
+    model = PipelinedGPT(seq=seq, n_layer=n_layer)
+    idx = torch.randint(0, 512, (batch, seq))
+    tgt = torch.randint(0, 512, (batch, seq))
+    return profile_stages(stages_of(model, n_stages), idx, tgt, loss_fn, schedule=schedule,
+                          microbatches=microbatches, units="layers.*", repeat=repeat,
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
