@@ -1,6 +1,8 @@
-"""A GPT cut into pipeline stages as torchtitan cuts its models: each stage a copy of the model
-with the layers of other stages removed, the embeddings on the first stage, the final norm and
-an untied head on the last (tied weights cannot span two ranks). Blocks are memfit.zoo's."""
+"""Models cut into pipeline stages as torchtitan cuts its own: each stage a copy of the model with
+the layers of other stages removed, the embeddings on the first stage, the final norm and an untied
+head on the last (tied weights cannot span two ranks). A GPT of memfit.zoo's blocks, and Hugging
+Face's Llama from a config, whose stages run its decoder layers as LlamaModel.forward does (rotary
+embeddings and the causal mask made on every stage)."""
 
 from __future__ import annotations
 
@@ -55,9 +57,70 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class LlamaStage(nn.Module):
+    """Stage ``layers`` of a LlamaForCausalLM (a deep copy's modules): embeddings on the first,
+    the final norm and the head on the last."""
+
+    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        model = copy.deepcopy(model)
+        self.config = model.config
+        self.embed_tokens = model.model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+        self.rotary_emb = model.model.rotary_emb
+        self.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        rope = self.rotary_emb(h, position_ids=pos)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        if self.norm is not None and self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def built(kind: str, n_layer: int, seq: int) -> tuple[nn.Module, int]:
+    """The whole model of ``kind`` ("gpt" or "llama") and its vocabulary, seeded."""
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return PipelinedGPT(seq=seq, n_layer=n_layer), 512
+    from memfit.hf import llama
+
+    model, _ = llama(n_layer=n_layer, hidden=64, n_head=4, vocab=512, seq=seq)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return model, 512
+
+
+def cut(kind: str, model: nn.Module, n: int) -> list[nn.Module]:
+    if kind == "gpt":
+        return stages_of(model, n)
+    per = model.config.num_hidden_layers // n
+    return [LlamaStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n - 1) for s in range(n)]
+
+
+def whole_logits(kind: str, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    return model(idx) if kind == "gpt" else model(input_ids=idx).logits
+
+
+def plain_name(kind: str, stage_name: str) -> str:
+    """A stage parameter's name in the whole model."""
+    if kind == "gpt":
+        return stage_name
+    head, _, rest = stage_name.partition(".")
+    return stage_name if head == "lm_head" else f"model.{stage_name}"
+
+
 def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans: list, batch: int = 8,
-             seq: int = 64, n_layer: int = 4) -> dict:
-    """On each of ``n_stages`` gloo ranks, one stage of a PipelinedGPT under
+             seq: int = 64, n_layer: int = 4, kind: str = "gpt") -> dict:
+    """On each of ``n_stages`` gloo ranks, one stage of a model of ``kind`` under
     ``torch.distributed.pipelining``'s ``schedule``, with ``plans[rank]`` (a memfit Schedule, or
     None) applied to the stage: its gradients and loss after one step without the optimizer, then
     its measured peak (memfit's CPU meter, over the tensors alive at the step's start) in its
@@ -70,11 +133,10 @@ def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans
     from memfit.measure.memory import measured
 
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = PipelinedGPT(seq=seq, n_layer=n_layer)
-    idx = torch.randint(0, 512, (batch, seq))
-    tgt = torch.randint(0, 512, (batch, seq))
-    stage_mod = stages_of(model, n_stages)[rank]
+    model, vocab = built(kind, n_layer, seq)
+    idx = torch.randint(0, vocab, (batch, seq))
+    tgt = torch.randint(0, vocab, (batch, seq))
+    stage_mod = cut(kind, model, n_stages)[rank]
     if plans[rank] is not None:
         memfit.apply(stage_mod, plans[rank])
     stage = PipelineStage(stage_mod, rank, n_stages, torch.device(device))
@@ -115,26 +177,25 @@ def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans
     return {"ranks": gathered}
 
 
-def plain_grads(batch: int = 8, seq: int = 64, n_layer: int = 4) -> tuple[float, dict[str, torch.Tensor]]:
+def plain_grads(batch: int = 8, seq: int = 64, n_layer: int = 4,
+                kind: str = "gpt") -> tuple[float, dict[str, torch.Tensor]]:
     """The unparallelized model's loss and gradients on the whole batch of ``run_rank``."""
-    torch.manual_seed(0)
-    model = PipelinedGPT(seq=seq, n_layer=n_layer)
-    idx = torch.randint(0, 512, (batch, seq))
-    tgt = torch.randint(0, 512, (batch, seq))
-    loss = loss_fn(model(idx), tgt)
+    model, vocab = built(kind, n_layer, seq)
+    idx = torch.randint(0, vocab, (batch, seq))
+    tgt = torch.randint(0, vocab, (batch, seq))
+    loss = loss_fn(whole_logits(kind, model, idx), tgt)
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
 
 
 def stage_profiles(schedule: str, n_stages: int, microbatches: int, batch: int = 8, seq: int = 64,
-                   n_layer: int = 4, repeat: int = 3) -> list:
+                   n_layer: int = 4, repeat: int = 3, kind: str = "gpt") -> list:
     """Each rank's profile of the same run as ``run_rank``'s, measured in this one process."""
     from memfit.stages import profile_stages
 
-    torch.manual_seed(0)
-    model = PipelinedGPT(seq=seq, n_layer=n_layer)
-    idx = torch.randint(0, 512, (batch, seq))
-    tgt = torch.randint(0, 512, (batch, seq))
-    return profile_stages(stages_of(model, n_stages), idx, tgt, loss_fn, schedule=schedule,
+    model, vocab = built(kind, n_layer, seq)
+    idx = torch.randint(0, vocab, (batch, seq))
+    tgt = torch.randint(0, vocab, (batch, seq))
+    return profile_stages(cut(kind, model, n_stages), idx, tgt, loss_fn, schedule=schedule,
                           microbatches=microbatches, units="layers.*", repeat=repeat,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))

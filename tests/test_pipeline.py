@@ -13,7 +13,7 @@ from memfit.planning.peak import predict
 from memfit.policy import FULL, KEEP
 from memfit.report import stages_report
 from memfit.stages import plan_stages
-from tests.pipeline_models import plain_grads, run_rank, stage_profiles
+from tests.pipeline_models import plain_grads, plain_name, run_rank, stage_profiles
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 8), (8, 8), (4, 4)])
@@ -51,8 +51,8 @@ def test_makespan_is_the_textbook_bubble_for_equal_stages_and_waits_on_the_slowe
     assert slow_first > 33.0 and slow_first >= 8 * 4.0  # the slow rank's own work bounds the step
 
 
-def _check_ranks(schedule: str, stages: int, microbatches: int, n_layer: int) -> None:
-    profiles = stage_profiles(schedule, stages, microbatches, n_layer=n_layer)
+def _check_ranks(schedule: str, stages: int, microbatches: int, n_layer: int, kind: str = "gpt") -> None:
+    profiles = stage_profiles(schedule, stages, microbatches, n_layer=n_layer, kind=kind)
     peaks = [p.measured_peak_bytes[KEEP] for p in profiles]
     budget = int(0.85 * max(peaks))
     plans = plan_stages(profiles, budget, schedule=schedule, microbatches=microbatches)
@@ -60,12 +60,14 @@ def _check_ranks(schedule: str, stages: int, microbatches: int, n_layer: int) ->
     for label, applied, predicted in (
             ("plain", [None] * stages, peaks),
             ("per-stage", plans.schedules, [s.predicted_peak_bytes for s in plans.schedules])):
-        got = spawn_ranks(run_rank, stages, "cpu", schedule, stages, microbatches, applied, n_layer=n_layer)["ranks"]
-        loss, grads = plain_grads(n_layer=n_layer)
+        got = spawn_ranks(run_rank, stages, "cpu", schedule, stages, microbatches, applied, n_layer=n_layer,
+                          kind=kind)["ranks"]
+        loss, grads = plain_grads(n_layer=n_layer, kind=kind)
         for r, rank in enumerate(got):
             assert abs(rank["peak"] - predicted[r]) <= 0.02 * predicted[r], (label, r, rank["peak"], predicted[r])
             for name, g in rank["grads"].items():
-                assert torch.allclose(torch.from_numpy(g), grads[name], rtol=1e-4, atol=1e-6), (label, r, name)
+                want = grads[plain_name(kind, name)]
+                assert torch.allclose(torch.from_numpy(g), want, rtol=1e-4, atol=1e-6), (label, r, name)
             assert rank["grads"]
         assert got[-1]["loss"] == pytest.approx(loss, rel=1e-5)
 
@@ -81,6 +83,17 @@ def test_two_stages_on_gloo_measure_what_their_profiles_predict(schedule: str) -
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 def test_four_stages_on_gloo_measure_what_their_profiles_predict(schedule: str) -> None:
     _check_ranks(schedule, 4, 8, 8)
+
+
+def test_hugging_face_llama_in_two_stages_on_gloo_measures_what_its_profiles_predict() -> None:
+    """Llama from a config (rotary embeddings, GQA, SwiGLU, RMSNorm), its decoder layers run by
+    stage modules as LlamaModel.forward runs them, under 1F1B."""
+    _check_ranks("1F1B", 2, 4, 4, kind="llama")
+
+
+@pytest.mark.slow
+def test_hugging_face_llama_in_four_stages_under_gpipe() -> None:
+    _check_ranks("GPipe", 4, 4, 4, kind="llama")
 
 
 def test_per_stage_plans_recompute_most_where_most_is_in_flight_and_beat_the_uniform_plan() -> None:
