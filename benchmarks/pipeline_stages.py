@@ -4,6 +4,7 @@
     python benchmarks/pipeline_stages.py              # both parts (~2 min on 2 cores)
     python benchmarks/pipeline_stages.py --measure    # gloo ranks only: predicted vs measured peaks
     python benchmarks/pipeline_stages.py --compare    # 4 and 8 stages: per-stage vs uniform slowdown
+    python benchmarks/pipeline_stages.py --time       # 2 gloo ranks, a core each: measured slowdowns
 
 ``--measure`` profiles each rank of tests/pipeline_models.py's GPT (4 or 8 blocks) in one process,
 plans it at 85% of the fullest rank's unplanned peak, and runs torch.distributed.pipelining's own
@@ -12,7 +13,12 @@ each rank's measured peak beside its prediction. ``--compare`` plans a 16-block 
 tokens, 2 sequences a micro-batch, 1F1B with 2 micro-batches per stage) for 4 and 8 stages at
 budgets between the plans' reach and the unplanned peak; the slowdowns are the pipeline's
 (``memfit.pipeline.makespan`` over each rank's forward and backward times, measured here).
-Times of ranks that share two cores cannot be measured here, so only the peaks are.
+``--time`` runs 2 stages (one thread and one core a rank) of a 8-block GPT under 1F1B with nothing,
+the per-stage and the uniform plan and nothing again (an A/A control), interleaved: each timed
+step after an untimed one of its own configuration, the order rotated every round, GC held off,
+medians over 41 rounds of the pipeline's wall time between two barriers; beside the slowdowns
+``makespan`` predicts from the profiles (measured in one process, one thread). More ranks than
+cores cannot be timed here.
 """
 
 from __future__ import annotations
@@ -77,16 +83,90 @@ def compare() -> None:
                   f"{plans.uniform_s / plans.plain_s - 1:+.1%} |")
 
 
+def _time_rank(device: str, plans: list, rounds: int) -> dict:
+    """On each rank: its stage under each configuration of ``plans`` (per configuration, one
+    schedule a rank, or None), timed in interleaved rounds; rank 0's medians."""
+    import gc
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    import memfit
+    from tests.pipeline_models import built, cut, loss_fn
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model, vocab = built("gpt", 8, 128)
+    idx = torch.randint(0, vocab, (8, 128))
+    tgt = torch.randint(0, vocab, (8, 128))
+    stage_mod = cut("gpt", model, 2)[rank]
+    stage = PipelineStage(stage_mod, rank, 2, torch.device(device))
+    sched = Schedule1F1B(stage, 4, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=0.0)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        sched.step(idx, return_outputs=False) if rank == 0 else sched.step(target=tgt, return_outputs=False)
+        opt.step()
+
+    times: list[list[float]] = [[] for _ in plans]
+    gc.disable()
+    for r in range(rounds):
+        order = list(range(len(plans)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for c in order:
+            if "_memfit_applied" in stage_mod.__dict__:
+                memfit.remove(stage_mod)
+            if plans[c][rank] is not None:
+                memfit.apply(stage_mod, plans[c][rank])
+            step()
+            dist.barrier()
+            t = time.perf_counter()
+            step()
+            dist.barrier()
+            times[c].append(time.perf_counter() - t)
+        gc.collect()
+    gc.enable()
+    return {"medians": [statistics.median(ts) for ts in times]}
+
+
+def time_two_stages(rounds: int = 41) -> None:
+    import torch
+
+    from memfit.parallel import spawn_ranks
+    from memfit.policy import KEEP
+    from memfit.stages import plan_stages
+    from tests.pipeline_models import stage_profiles
+
+    torch.set_num_threads(1)
+    profiles = stage_profiles("1F1B", 2, 4, n_layer=8, seq=128, repeat=7)
+    top = max(p.measured_peak_bytes[KEEP] for p in profiles)
+    print("| budget | per-stage: predicted / measured | uniform: predicted / measured | A/A (nothing twice) |")
+    print("|---:|---:|---:|---:|")
+    for share in (0.9, 0.8):
+        plans = plan_stages(profiles, int(share * top), schedule="1F1B", microbatches=4)
+        configs = [[None, None], plans.schedules, plans.uniform_schedules, [None, None]]
+        m = spawn_ranks(_time_rank, 2, "cpu", configs, rounds)["medians"]
+        print(f"| {share:.0%} | {plans.per_stage_s / plans.plain_s - 1:+.1%} / {m[1] / m[0] - 1:+.1%} | "
+              f"{plans.uniform_s / plans.plain_s - 1:+.1%} / {m[2] / m[0] - 1:+.1%} | {m[3] / m[0] - 1:+.1%} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", action="store_true", help="only the gloo ranks' peaks")
     ap.add_argument("--compare", action="store_true", help="only the per-stage vs uniform table")
+    ap.add_argument("--time", action="store_true", help="only the timed 2-rank runs")
     args = ap.parse_args()
-    both = not (args.measure or args.compare)
+    both = not (args.measure or args.compare or args.time)
     if args.measure or both:
         measure()
     if args.compare or both:
         compare()
+    if args.time or both:
+        time_two_stages()
 
 
 if __name__ == "__main__":
