@@ -8,8 +8,9 @@
 
 ``--measure`` profiles each rank of tests/pipeline_models.py's GPT (4 or 8 blocks) in one process,
 plans it at 85% of the fullest rank's unplanned peak, and runs torch.distributed.pipelining's own
-schedule on 2 and 4 gloo ranks with nothing, the per-stage plans and the uniform plan applied:
-each rank's measured peak beside its prediction. ``--compare`` plans a 16-block GPT (d 128, 128
+schedule (1F1B and GPipe on 2 and 4 ranks; Interleaved1F1B and LoopedBFS, 4 stages on 2 ranks)
+on gloo with nothing, the per-stage plans and the uniform plan applied: each rank's measured peak
+beside its prediction. ``--compare`` plans a 16-block GPT (d 128, 128
 tokens, 2 sequences a micro-batch, 1F1B with 2 micro-batches per stage) for 4 and 8 stages at
 budgets between the plans' reach and the unplanned peak; the slowdowns are the pipeline's
 (``memfit.pipeline.makespan`` over each rank's forward and backward times, measured here).
@@ -36,17 +37,19 @@ def measure() -> None:
     from memfit.stages import plan_stages
     from tests.pipeline_models import run_rank, stage_profiles
 
-    print("| schedule | stages | rank | in flight | nothing: predicted / measured | per-stage plan | uniform plan |")
+    print("| schedule | stages | rank | in flight (most of its stages) | nothing: predicted / measured "
+          "| per-stage plan | uniform plan |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for schedule, stages, mbs, layers in (("1F1B", 2, 4, 4), ("GPipe", 2, 4, 4), ("1F1B", 4, 8, 8),
-                                          ("GPipe", 4, 8, 8)):
+                                          ("GPipe", 4, 8, 8), ("Interleaved1F1B", 4, 4, 8), ("LoopedBFS", 4, 4, 8)):
         profiles = stage_profiles(schedule, stages, mbs, n_layer=layers)
+        ranks = len(profiles)  # two stages a rank when interleaved
         plain = [p.measured_peak_bytes[KEEP] for p in profiles]
         plans = plan_stages(profiles, int(0.85 * max(plain)), schedule=schedule, microbatches=mbs)
         runs = []
         for applied in ([None] * stages, plans.schedules, plans.uniform_schedules):
-            runs.append(spawn_ranks(run_rank, stages, "cpu", schedule, stages, mbs, applied, n_layer=layers)["ranks"])
-        for r in range(stages):
+            runs.append(spawn_ranks(run_rank, ranks, "cpu", schedule, stages, mbs, applied, n_layer=layers)["ranks"])
+        for r in range(ranks):
             cells = [f"{plain[r]:,} / {runs[0][r]['peak']:,}",
                      f"{plans.per_stage[r].prediction.peak_bytes:,} / {runs[1][r]['peak']:,}",
                      f"{plans.uniform[r].prediction.peak_bytes:,} / {runs[2][r]['peak']:,}"]

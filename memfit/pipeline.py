@@ -80,13 +80,13 @@ def _sends(order: list[Action], schedule: str, stages: int, microbatches: int) -
     loop drops it; read from torch 2.13's loops and measured on gloo, to the byte:
 
     - GPipe waits on every send at the end of its forwards and of its backwards but keeps the
-      lists of works until it returns: every output and every input gradient lives to the end.
+      lists of works until it returns: every output and every input gradient lives to the end. So
+      does the runtime of the schedules run from their order of actions (Interleaved1F1B,
+      LoopedBFS: its ``send_ops``, waited on before ``step`` returns).
     - 1F1B drops each input gradient's send when it sends the next one (after the next backward)
       and keeps the send of its last warmup forward but one until its steady state ends (after the
       backward of micro-batch M - warmup).
-    - Both keep the last forward's output (their ``output`` variable) to the end.
-    - Other schedules (run from their order of actions): each input gradient goes when the next is
-      made, no output outlives its backward; not measured yet.
+    - GPipe and 1F1B keep the last forward's output (their ``output`` variable) to the end.
     """
     if not order:
         return
@@ -95,15 +95,15 @@ def _sends(order: list[Action], schedule: str, stages: int, microbatches: int) -
     for stage in stage_list:
         mbs = [mb for kind, s, mb in order if s == stage and kind == "B"]
         first, last = stage == 0, stage == stages - 1
-        if schedule == "gpipe":
-            end += [("R", stage, mb) for mb in range(microbatches) if not last or mb == microbatches - 1]
+        if schedule != "1f1b":
+            held = range(microbatches) if not last else [microbatches - 1] if schedule == "gpipe" else []
+            end += [("R", stage, mb) for mb in held]
             end += [] if first else [("G", stage, mb) for mb in range(microbatches)]
             continue
-        if schedule == "1f1b":
-            warmup = min(microbatches, stages - stage)
-            if warmup >= 2 and not last:
-                order.insert(order.index(("B", stage, microbatches - warmup)) + 1, ("R", stage, warmup - 2))
-            end.append(("R", stage, microbatches - 1))
+        warmup = min(microbatches, stages - stage)
+        if warmup >= 2 and not last:
+            order.insert(order.index(("B", stage, microbatches - warmup)) + 1, ("R", stage, warmup - 2))
+        end.append(("R", stage, microbatches - 1))
         if not first:  # each input gradient goes once the next backward has made its own
             for prev, nxt in itertools.pairwise(mbs):
                 order.insert(order.index(("B", stage, nxt)) + 1, ("G", stage, prev))

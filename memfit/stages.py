@@ -70,8 +70,17 @@ def profile_stages(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_
         if opt is None:
             raise MemfitError("a pipeline stage needs an optimizer: name one or pass a factory")
         step = RankStep(order, last, microbatches, opt, loss_fn)
-        out.append(profile(model, data, step_fn=step, units=units, repeat=repeat))
+        out.append(profile(model, data, step_fn=step, units=_units_of(units, here), repeat=repeat))
     return out
+
+
+def _units_of(units: str | list[str], here: list[int]) -> str | list[str]:
+    """The unit patterns for a rank's model: a stage's own, or each under its stage's index in the
+    ModuleDict of a rank that runs several (in stage order, the order their first forwards run)."""
+    if len(here) == 1 or units == "auto":
+        return units
+    patterns = [units] if isinstance(units, str) else units
+    return [f"{s}.{p}" for s in here for p in patterns]
 
 
 @dataclass(slots=True)

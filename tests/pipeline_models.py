@@ -111,7 +111,11 @@ def whole_logits(kind: str, model: nn.Module, idx: torch.Tensor) -> torch.Tensor
 
 
 def plain_name(kind: str, stage_name: str) -> str:
-    """A stage parameter's name in the whole model."""
+    """A stage parameter's name in the whole model (under a rank's ModuleDict of stages, less
+    the stage's index)."""
+    head, _, rest = stage_name.partition(".")
+    if head.isdigit() and rest.startswith(("layers.", "wte.", "wpe.", "norm.", "output.", "embed_tokens.", "lm_head.")):
+        stage_name = rest
     if kind == "gpt":
         return stage_name
     head, _, rest = stage_name.partition(".")
@@ -136,23 +140,21 @@ def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans
     model, vocab = built(kind, n_layer, seq)
     idx = torch.randint(0, vocab, (batch, seq))
     tgt = torch.randint(0, vocab, (batch, seq))
-    stage_mod = cut(kind, model, n_stages)[rank]
+    mods = cut(kind, model, n_stages)
+    mine = [s for s in range(n_stages) if s % dist.get_world_size() == rank]  # two a rank when interleaved
+    stage_mod = mods[rank] if len(mine) == 1 else nn.ModuleDict({str(s): mods[s] for s in mine})
     if plans[rank] is not None:
         memfit.apply(stage_mod, plans[rank])
-    stage = PipelineStage(stage_mod, rank, n_stages, torch.device(device))
-    sched = get_schedule_class(schedule)(stage, microbatches, loss_fn=loss_fn)
+    stages = [PipelineStage(mods[s], s, n_stages, torch.device(device)) for s in mine]
+    sched = get_schedule_class(schedule)(stages[0] if len(mine) == 1 else stages, microbatches, loss_fn=loss_fn)
     opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3)
-    first, last = rank == 0, rank == n_stages - 1
+    first, last = 0 in mine, n_stages - 1 in mine
     losses: list[torch.Tensor] = []
 
     def pipeline_step() -> None:
         losses.clear()
-        if first:
-            sched.step(idx, return_outputs=False)
-        elif last:
-            sched.step(target=tgt, losses=losses, return_outputs=False)
-        else:
-            sched.step(return_outputs=False)
+        kwargs = {"target": tgt, "losses": losses} if last else {}
+        sched.step(*([idx] if first else []), return_outputs=False, **kwargs)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -162,8 +164,9 @@ def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans
     def static() -> list[torch.Tensor]:
         held = [*stage_mod.parameters(), *[v for s in opt.state.values() for v in s.values()
                                          if isinstance(v, torch.Tensor)]]
-        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
-            held += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+        for stage in stages:
+            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+                held += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
         return held + ([idx] if first else []) + ([tgt] if last else [])
 
     pipeline_step()
@@ -172,7 +175,7 @@ def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans
     step()
     _, peak, _ = measured(step, static)
     out = {"rank": rank, "peak": peak, "loss": loss, "grads": {n: g.numpy() for n, g in grads.items()}}
-    gathered: list = [None] * n_stages
+    gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
     return {"ranks": gathered}
 

@@ -53,14 +53,15 @@ def test_makespan_is_the_textbook_bubble_for_equal_stages_and_waits_on_the_slowe
 
 def _check_ranks(schedule: str, stages: int, microbatches: int, n_layer: int, kind: str = "gpt") -> None:
     profiles = stage_profiles(schedule, stages, microbatches, n_layer=n_layer, kind=kind)
+    ranks = len(profiles)
     peaks = [p.measured_peak_bytes[KEEP] for p in profiles]
     budget = int(0.85 * max(peaks))
     plans = plan_stages(profiles, budget, schedule=schedule, microbatches=microbatches)
     assert any(any(p != KEEP for p in s.policies.values()) for s in plans.schedules)  # something to recompute
     for label, applied, predicted in (
-            ("plain", [None] * stages, peaks),
+            ("plain", [None] * ranks, peaks),
             ("per-stage", plans.schedules, [s.predicted_peak_bytes for s in plans.schedules])):
-        got = spawn_ranks(run_rank, stages, "cpu", schedule, stages, microbatches, applied, n_layer=n_layer,
+        got = spawn_ranks(run_rank, ranks, "cpu", schedule, stages, microbatches, applied, n_layer=n_layer,
                           kind=kind)["ranks"]
         loss, grads = plain_grads(n_layer=n_layer, kind=kind)
         for r, rank in enumerate(got):
@@ -83,6 +84,12 @@ def test_two_stages_on_gloo_measure_what_their_profiles_predict(schedule: str) -
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 def test_four_stages_on_gloo_measure_what_their_profiles_predict(schedule: str) -> None:
     _check_ranks(schedule, 4, 8, 8)
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", pytest.param("LoopedBFS", marks=pytest.mark.slow)])
+def test_two_stages_a_rank_run_from_the_schedules_order_of_actions(schedule: str) -> None:
+    """4 stages on 2 ranks, each rank a ModuleDict of its two stages, planned as one."""
+    _check_ranks(schedule, 4, 4, 8)
 
 
 def test_hugging_face_llama_in_two_stages_on_gloo_measures_what_its_profiles_predict() -> None:
