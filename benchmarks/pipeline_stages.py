@@ -5,6 +5,7 @@
     python benchmarks/pipeline_stages.py --measure    # gloo ranks only: predicted vs measured peaks
     python benchmarks/pipeline_stages.py --compare    # 4 and 8 stages: per-stage vs uniform slowdown
     python benchmarks/pipeline_stages.py --time       # 2 gloo ranks, a core each: measured slowdowns
+    python benchmarks/pipeline_stages.py --estimate   # Llama 3 8B on 4 and 8 H100s, estimated
 
 ``--measure`` profiles each rank of tests/pipeline_models.py's GPT (4 or 8 blocks) in one process,
 plans it at 85% of the fullest rank's unplanned peak, and runs torch.distributed.pipelining's own
@@ -157,19 +158,55 @@ def time_two_stages(rounds: int = 41) -> None:
               f"{plans.uniform_s / plans.plain_s - 1:+.1%} / {m[2] / m[0] - 1:+.1%} | {m[3] / m[0] - 1:+.1%} |")
 
 
+def estimate_llama(stages_list: tuple[int, ...] = (4, 8), budget: str = "40GB") -> None:
+    """Llama 3 8B (config only, pure bf16 with AdamW, 8192 tokens a micro-batch, 2 micro-batches a
+    stage under 1F1B) estimated for H100s: each rank's plan at one per-GPU budget beside the
+    uniform plan."""
+    import time
+
+    import torch
+
+    from memfit.hf import decoder_stages, llama
+    from memfit.report import stages_report
+    from memfit.stages import estimate_stages, plan_stages
+    from tests.pipeline_models import loss_fn
+
+    for n in stages_list:
+        mbs = 2 * n
+
+        def build(n: int = n, mbs: int = mbs) -> tuple:
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model, _ = llama(batch=1, seq=8192, n_layer=32, hidden=4096, intermediate=14336, n_head=32,
+                                 kv_heads=8, vocab=128256, tied=False)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            ids = torch.randint(0, 128256, (mbs, 8192))
+            return decoder_stages(model, n), ids, ids.clone()
+
+        t = time.time()
+        profiles = estimate_stages(build, loss_fn, target="h100", schedule="1F1B", microbatches=mbs,
+                                   units="layers.*")
+        print(f"Llama 3 8B, {n} stages: estimated in {time.time() - t:.0f} s")
+        print(stages_report(plan_stages(profiles, budget, schedule="1F1B", microbatches=mbs)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", action="store_true", help="only the gloo ranks' peaks")
     ap.add_argument("--compare", action="store_true", help="only the per-stage vs uniform table")
     ap.add_argument("--time", action="store_true", help="only the timed 2-rank runs")
+    ap.add_argument("--estimate", action="store_true", help="only Llama 3 8B on 4 and 8 H100s, estimated")
     args = ap.parse_args()
-    both = not (args.measure or args.compare or args.time)
+    both = not (args.measure or args.compare or args.time or args.estimate)
     if args.measure or both:
         measure()
     if args.compare or both:
         compare()
     if args.time or both:
         time_two_stages()
+    if args.estimate or both:
+        estimate_llama()
 
 
 if __name__ == "__main__":

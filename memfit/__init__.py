@@ -63,6 +63,7 @@ _LAZY = {
     "Schedule": "memfit.formats.schedule",
     "load_schedule": "memfit.formats.schedule",
     "profile_stages": "memfit.stages",
+    "estimate_stages": "memfit.stages",
     "plan_stages": "memfit.stages",
     "StagePlans": "memfit.stages",
 }
@@ -82,7 +83,7 @@ if TYPE_CHECKING:
     from memfit.profiler.estimate import estimate
     from memfit.runtime.apply import apply, remove, tighten
     from memfit.runtime.validate import Validation, validate
-    from memfit.stages import StagePlans, plan_stages, profile_stages
+    from memfit.stages import StagePlans, estimate_stages, plan_stages, profile_stages
 
 
 def __getattr__(name: str) -> Any:
@@ -125,6 +126,7 @@ __all__ = [
     "apply",
     "default_loss",
     "estimate",
+    "estimate_stages",
     "fit",
     "format_bytes",
     "keep_freed_cpu_memory",

@@ -52,17 +52,18 @@ def gpt2(
 
 def llama(
     batch: int = 4, seq: int = 128, n_layer: int = 4, hidden: int = 256, n_head: int = 4, vocab: int = 4096,
-    seed: int = 0, intermediate: int | None = None, kv_heads: int | None = None,
+    seed: int = 0, intermediate: int | None = None, kv_heads: int | None = None, tied: bool | None = None,
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """A Llama; ``intermediate`` (default 8/3 of ``hidden``) and ``kv_heads`` (default half the
-    heads) as in the published configs, e.g. Llama-2-7B: 32 layers, 4096, 11008, 32 heads, 32 KV heads."""
+    heads) as in the published configs, e.g. Llama-2-7B: 32 layers, 4096, 11008, 32 heads, 32 KV heads;
+    ``tied``: the head tied to the input embedding (None: the config's default)."""
     tf = _transformers()
     torch.manual_seed(seed)
     config = tf.LlamaConfig(
         num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=intermediate or hidden * 8 // 3,
         num_attention_heads=n_head, num_key_value_heads=kv_heads or max(1, n_head // 2), vocab_size=vocab,
         max_position_embeddings=max(seq, 128), use_cache=False, attn_implementation="sdpa",
-        bos_token_id=0, eos_token_id=0,
+        bos_token_id=0, eos_token_id=0, **({} if tied is None else {"tie_word_embeddings": tied}),
     )
     return tf.LlamaForCausalLM(config), _tokens(batch, seq, vocab)
 
@@ -122,3 +123,57 @@ def vit(
     model = tf.ViTForImageClassification(config)  # on fake tensors: profiler/fake_build.py skips the init
     pixels = torch.randn(batch, 3, image, image)
     return model, {"pixel_values": pixels, "labels": torch.randint(0, classes, (batch,))}
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a Hugging Face decoder LM laid out as Llama is (``model.embed_tokens``,
+    ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``: Llama, Qwen2, Mistral):
+    its share of the decoder layers (keyed by their index, so that unit and parameter names are
+    the model's less its ``model.`` prefix), the embeddings on the first stage and the final norm
+    and head on the last, run as the model's own forward runs them: rotary embeddings and the
+    causal mask made on every stage. Input: token ids on the first stage, hidden states after;
+    output: hidden states, or logits on the last."""
+
+    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        base = model.model
+        self.config = model.config
+        self.embed_tokens = base.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): base.layers[i] for i in layers})
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        # SDPA without padding runs causal by itself, which create_causal_mask says with None; it
+        # cannot tell on fake tensors (estimate mode) and makes a (b, 1, s, s) mask instead
+        mask = None if self.config._attn_implementation == "sdpa" else create_causal_mask(
+            config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        rope = self.rotary_emb(h, position_ids=pos)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        if self.norm is not None and self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def decoder_stages(model: nn.Module, n: int) -> list[DecoderStage]:
+    """``model``'s decoder layers in ``n`` stages of equal counts, as torchtitan splits Llama (the
+    modules themselves, not copies: on a rank, build the model and keep its own stage)."""
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not hasattr(model, "lm_head"):
+        raise MemfitError(f"{type(model).__name__} is not laid out as Llama is (model.embed_tokens, model.layers, "
+                          "model.norm, model.rotary_emb, lm_head): cut it into stage modules yourself")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise MemfitError("the input embedding is tied to the head, and the first and last stages would share it: "
+                          "build the model with tie_word_embeddings=False, as torchtitan does for pipelines")
+    count = len(base.layers)
+    if n < 2 or count % n:
+        raise MemfitError(f"{count} decoder layers do not split evenly into {n} stages")
+    per = count // n
+    return [DecoderStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n - 1) for s in range(n)]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.torch_private import schedule_ops
+from memfit.torch_private import is_fake, schedule_ops
 
 Action = tuple[str, int, int]  # ("F" or "B", stage, micro-batch); "R", "G": a send lets go (_sends)
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B"}
@@ -215,7 +215,7 @@ class RankStep:
                 p.grad.div_(self.microbatches)
         self.optimizer.step()
         total = torch.stack(losses).mean() if losses else torch.zeros(())
-        self.losses.append(float(total))
+        self.losses.append(float("nan") if is_fake(total) else float(total))
         return total
 
 

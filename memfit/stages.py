@@ -14,7 +14,7 @@ backward.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from memfit.errors import InfeasibleBudgetError, MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
 from memfit.measure.step import make_optimizer
-from memfit.pipeline import Action, RankStep, in_flight, makespan, rank_orders, stage_data, stage_ranks
+from memfit.pipeline import Action, RankStep, StageData, in_flight, makespan, rank_orders, stage_data, stage_ranks
 from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import plan
 from memfit.policy import FULL, KEEP, Policies
@@ -53,6 +53,37 @@ def profile_stages(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_
     stages' inputs are the earlier stages' outputs for the same micro-batches."""
     from memfit.profiler import profile
 
+    return [profile(model, data, step_fn=step, units=names, repeat=repeat)
+            for model, data, step, names in _ranks(stages, inputs, targets, loss_fn, schedule, microbatches,
+                                                   optimizer, units)]
+
+
+def estimate_stages(build: Callable[[], tuple[Sequence[nn.Module], Any, Any]], loss_fn: Any, *, target: str,
+                    schedule: Any = "1F1B", microbatches: int, optimizer: str | OptimizerFactory = "adamw",
+                    units: str | list[str] = "auto") -> list[Profile]:
+    """``profile_stages`` for ``target`` (a device in devices.py) without it: ``build()`` returns
+    ``(stages, inputs, targets)`` and runs under ``FakeTensorMode``, as ``memfit.estimate``'s does;
+    memory from shapes, times a roofline (profiler/estimate.py)."""
+    from memfit.devices import device_spec
+    from memfit.profiler import profile
+    from memfit.profiler.estimate import estimated, fake_measuring, faked
+
+    spec = device_spec(target)
+    out = []
+    with faked(spec, build) as built:
+        stages, inputs, targets = built
+        for model, data, step, names in _ranks(stages, inputs, targets, loss_fn, schedule, microbatches, optimizer,
+                                               units, foreach=True if spec.cuda else None):
+            with fake_measuring(spec) as reserved:
+                prof = profile(model, data, step_fn=step, units=names, repeat=1)
+            out.append((prof, reserved))
+    return [estimated(prof, spec, reserved) for prof, reserved in out]
+
+
+def _ranks(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_fn: Any, schedule: Any, microbatches: int,
+           optimizer: str | OptimizerFactory, units: str | list[str],
+           foreach: bool | None = None) -> Iterator[tuple[nn.Module, dict[int, StageData], RankStep, Any]]:
+    """Each rank's model (its stage, or a ModuleDict of its stages), data, step and unit names."""
     orders = rank_orders(schedule, len(stages), microbatches)
     ranks = stage_ranks(orders)
     acts = [_split(inputs, microbatches)]
@@ -60,18 +91,15 @@ def profile_stages(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_
         for stage in stages[:-1]:
             acts.append([stage(x) for x in acts[-1]])
     last = len(stages) - 1
-    out = []
     for r, order in enumerate(orders):
         here = sorted(s for s, rank in ranks.items() if rank == r)
         model = stages[here[0]] if len(here) == 1 else nn.ModuleDict({str(s): stages[s] for s in here})
         data = {s: stage_data(acts[s], None if s == last else acts[s + 1][0],
                               _split(targets, microbatches) if s == last else [], first=s == 0) for s in here}
-        opt = make_optimizer(optimizer, model.parameters())
+        opt = make_optimizer(optimizer, model.parameters(), foreach_default=foreach)
         if opt is None:
             raise MemfitError("a pipeline stage needs an optimizer: name one or pass a factory")
-        step = RankStep(order, last, microbatches, opt, loss_fn)
-        out.append(profile(model, data, step_fn=step, units=_units_of(units, here), repeat=repeat))
-    return out
+        yield model, data, RankStep(order, last, microbatches, opt, loss_fn), _units_of(units, here)
 
 
 def _units_of(units: str | list[str], here: list[int]) -> str | list[str]:

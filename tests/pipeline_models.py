@@ -57,35 +57,6 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class LlamaStage(nn.Module):
-    """Stage ``layers`` of a LlamaForCausalLM (a deep copy's modules): embeddings on the first,
-    the final norm and the head on the last."""
-
-    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
-        super().__init__()
-        model = copy.deepcopy(model)
-        self.config = model.config
-        self.embed_tokens = model.model.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
-        self.rotary_emb = model.model.rotary_emb
-        self.norm = model.model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=pos)
-        rope = self.rotary_emb(h, position_ids=pos)
-        for layer in self.layers.values():
-            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
-        if self.norm is not None and self.lm_head is not None:
-            h = self.lm_head(self.norm(h))
-        return h
-
-
 def built(kind: str, n_layer: int, seq: int) -> tuple[nn.Module, int]:
     """The whole model of ``kind`` ("gpt" or "llama") and its vocabulary, seeded."""
     torch.manual_seed(0)
@@ -93,17 +64,16 @@ def built(kind: str, n_layer: int, seq: int) -> tuple[nn.Module, int]:
         return PipelinedGPT(seq=seq, n_layer=n_layer), 512
     from memfit.hf import llama
 
-    model, _ = llama(n_layer=n_layer, hidden=64, n_head=4, vocab=512, seq=seq)
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    model, _ = llama(n_layer=n_layer, hidden=64, n_head=4, vocab=512, seq=seq, tied=False)
     return model, 512
 
 
 def cut(kind: str, model: nn.Module, n: int) -> list[nn.Module]:
     if kind == "gpt":
         return stages_of(model, n)
-    per = model.config.num_hidden_layers // n
-    return [LlamaStage(model, list(range(s * per, (s + 1) * per)), s == 0, s == n - 1) for s in range(n)]
+    from memfit.hf import decoder_stages
+
+    return decoder_stages(model, n)
 
 
 def whole_logits(kind: str, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:

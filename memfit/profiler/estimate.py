@@ -106,31 +106,52 @@ def estimate(
     tensors would not take without being told. Autocast (``amp-*``) runs CUDA's op lists for a
     CUDA target (softmax, layer_norm, the losses in float32: profiler/autocast_lists.py), CPU's
     for the CPU."""
-    from memfit.profiler import measuring_with, profile
+    from memfit.profiler import profile
 
     spec = target if isinstance(target, Device) else device_spec(target)
-    lists = cuda_lists() if spec.cuda else nullcontext()
-    reserved: list[tuple[int, int]] = []  # each memory step's (allocated, reserved) peaks, in the profile's order
-    fake = FakeTensorMode()
     layout = layout_of(parallel, world_size, tp, sequence_parallel) if parallel is not None else None
     if layout is not None:
         check_clipping(layout, step_of(step, optimizer).clip_grad_norm)
-    with _fake_ranks(layout) as mesh, fake, _fused_attention(spec.cuda), lists:
-        with fake_build(fake):
-            built = build()
-        built = real_to_fake(fake, built)
+    with _fake_ranks(layout) as mesh, faked(spec, build) as built:
         if not (isinstance(built, tuple) and len(built) == 2):
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built
         names = find_units(model, units)
         if layout is not None and mesh is not None:  # FSDP2 or TP: its fake ranks' mesh
             shard(model, names, layout, mesh)
-        with measuring_with(fake_meters(spec, reserved), foreach_default=True if spec.cuda else None):
+        with fake_measuring(spec) as reserved:
             prof = profile(model, inputs, loss_fn=loss_fn, units=names, step=step_of(step, optimizer), repeat=1,
                            progress=progress, granularity=granularity, children=children)
         if layout is not None:
             prof.parallel = layout
             prof.baseline_bytes += held_by_wrapper(model, layout["kind"])
+    return estimated(prof, spec, reserved)
+
+
+@contextmanager
+def faked(spec: Device, build: Callable[[], Any]) -> Iterator[Any]:
+    """``build()``'s result, made under ``FakeTensorMode`` (real tensors it returns made fake),
+    inside that mode and, for a CUDA target, CUDA's fused attention and autocast op lists."""
+    with FakeTensorMode() as fake, _fused_attention(spec.cuda), cuda_lists() if spec.cuda else nullcontext():
+        with fake_build(fake):
+            built = build()
+        yield real_to_fake(fake, built)
+
+
+@contextmanager
+def fake_measuring(spec: Device) -> Iterator[list[tuple[int, int]]]:
+    """The profiler measuring with the fake meters for ``spec`` (the optimizer's kernels as PyTorch
+    picks them on the target: foreach on CUDA); yields the list that each memory step's
+    (allocated, reserved) peaks are added to, for ``estimated``."""
+    from memfit.profiler import measuring_with
+
+    reserved: list[tuple[int, int]] = []
+    with measuring_with(fake_meters(spec, reserved), foreach_default=True if spec.cuda else None):
+        yield reserved
+
+
+def estimated(prof: Profile, spec: Device, reserved: list[tuple[int, int]]) -> Profile:
+    """``prof``, measured with ``fake_measuring``'s meters, marked an estimate for ``spec``."""
     prof.mode, prof.target, prof.memory = "estimated", spec.name, spec.memory
     # the profiler's memory steps: one per all-units option, in the order of measured_peak_bytes,
     # then, where it needs them, the two alternating ones (profiler/phases.ALTERNATE), not kept here

@@ -101,17 +101,18 @@ def fake_build(fake: FakeTensorMode) -> Iterator[None]:
 
 
 def real_to_fake(fake: FakeTensorMode, built: Any) -> Any:
-    """``(model, inputs)`` with every tensor the build left real (a module's buffer of indices, an
+    """``built`` (``(model, inputs)``, or modules and inputs nested in tuples and lists: a
+    pipeline's stages) with every tensor the build left real (a module's buffer of indices, an
     input made from a list) turned fake, as the step runs under the fake mode alone."""
-    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
+    if isinstance(built, nn.Module):
+        for module in built.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and not is_fake(buf):
+                    module._buffers[name] = fake.from_tensor(buf)
+            for name, p in list(module._parameters.items()):
+                if p is not None and not is_fake(p):
+                    module._parameters[name] = nn.Parameter(fake.from_tensor(p.detach()), requires_grad=p.requires_grad)
         return built
-    model, inputs = built
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and not is_fake(buf):
-                module._buffers[name] = fake.from_tensor(buf)
-        for name, p in list(module._parameters.items()):
-            if p is not None and not is_fake(p):
-                module._parameters[name] = nn.Parameter(fake.from_tensor(p.detach()), requires_grad=p.requires_grad)
-    inputs = tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) and not is_fake(t) else t, inputs)
-    return model, inputs
+    if isinstance(built, (tuple, list)) and any(isinstance(b, (nn.Module, tuple, list)) for b in built):
+        return type(built)(real_to_fake(fake, b) for b in built)
+    return tree_map(lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) and not is_fake(t) else t, built)
