@@ -160,16 +160,15 @@ def time_two_stages(rounds: int = 41) -> None:
 
 def estimate_llama(stages_list: tuple[int, ...] = (4, 8), budget: str = "40GB") -> None:
     """Llama 3 8B (config only, pure bf16 with AdamW, 8192 tokens a micro-batch, 2 micro-batches a
-    stage under 1F1B) estimated for H100s: each rank's plan at one per-GPU budget beside the
-    uniform plan."""
+    stage under 1F1B, the loss on fp32 logits as Hugging Face and torchtitan take it) estimated for
+    H100s: each rank's plan at one per-GPU budget beside the uniform plan."""
     import time
 
     import torch
 
     from memfit.hf import decoder_stages, llama
     from memfit.report import stages_report
-    from memfit.stages import estimate_stages, plan_stages
-    from tests.pipeline_models import loss_fn
+    from memfit.stages import causal_lm_loss, estimate_stages, plan_stages
 
     for n in stages_list:
         mbs = 2 * n
@@ -185,7 +184,7 @@ def estimate_llama(stages_list: tuple[int, ...] = (4, 8), budget: str = "40GB") 
             return decoder_stages(model, n), ids, ids.clone()
 
         t = time.time()
-        profiles = estimate_stages(build, loss_fn, target="h100", schedule="1F1B", microbatches=mbs,
+        profiles = estimate_stages(build, causal_lm_loss, target="h100", schedule="1F1B", microbatches=mbs,
                                    units="layers.*")
         print(f"Llama 3 8B, {n} stages: estimated in {time.time() - t:.0f} s")
         print(stages_report(plan_stages(profiles, budget, schedule="1F1B", microbatches=mbs)))

@@ -6,8 +6,8 @@ one; under GPipe every stage holds all M. A rank's step is therefore not the mod
 profiles it as the schedule runs it, in the order of the schedule's own actions (its
 ``pipeline_order``, read on stand-in stages: ``torch_private.schedule_ops``), with what
 ``PipelineStage`` keeps across and within a step beside it (``StageData``): a receive buffer per
-micro-batch for the stage's input, whose gradient each backward leaves on it until the next step,
-and one per micro-batch for its output's gradient. That step (``RankStep``) is a step function,
+micro-batch for the stage's input and one for its output's gradient, and the outputs and input
+gradients that the schedule's sends hold past their use (``_sends``). That step (``RankStep``) is a step function,
 which the profiler measures as it does any (``memfit.profile(..., step_fn=)``: a unit's later
 backwards accumulate, its forwards of later micro-batches stack on the earlier ones' saved
 tensors), so the plan, ``predict`` and ``validate`` hold for it unchanged. A rank's time in the
@@ -17,7 +17,6 @@ with each stage's forward and backward times.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.torch_private import is_fake, schedule_ops
+from memfit.torch_private import schedule_ops
 
 Action = tuple[str, int, int]  # ("F" or "B", stage, micro-batch); "R", "G": a send lets go (_sends)
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B"}
@@ -139,9 +138,9 @@ def in_flight(order: Sequence[Action], stage: int) -> int:
 
 @dataclass(slots=True)
 class StageData:
-    """What a stage holds, as ``PipelineStage`` does: per micro-batch, its input (the first stage's
-    share of the batch; a later stage's receive buffer, a leaf whose gradient a backward leaves on
-    it until the next step clears it), the buffer its output's gradient arrives in (None on the
+    """What a stage holds across steps, as ``PipelineStage`` does: per micro-batch, its input (the
+    first stage's share of the batch; a later stage's receive buffer, a leaf whose gradient the
+    backward makes and the send takes), the buffer its output's gradient arrives in (None on the
     last stage) and the loss's target (the last stage's)."""
 
     inputs: list[Any]
@@ -165,16 +164,15 @@ class RankStep:
     """One training step of a rank of a pipeline, as a step function ``(model, data)``: the model is
     the rank's stage (or a ``ModuleDict`` of its stages, keyed by stage index), ``data`` its
     ``StageData`` (a dict of them by stage index). Each action in ``order`` runs the stage's forward
-    (and on the last stage the loss, over ``microbatches`` as the schedule scales it) or its
-    backward from the buffered gradient; then ``optimizer.step()``. It returns the mean loss on
-    the rank of the last stage, else 0."""
+    (and on the last stage the loss) or its backward from the buffered gradient; the gradients are
+    then divided by ``microbatches``, as the schedule's ``scale_grads`` does, and the optimizer
+    steps. It returns the mean loss on the rank of the last stage, else 0."""
 
     order: list[Action]
     last_stage: int
     microbatches: int
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    losses: list[float] = dataclasses.field(default_factory=list)
 
     def __call__(self, model: nn.Module, data: dict[int, StageData]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,8 +186,8 @@ class RankStep:
                 sent.pop((kind, stage, mb), None)
             elif kind == "F":
                 x = d.inputs[mb]
-                if isinstance(x, torch.Tensor) and x.is_floating_point():
-                    x.requires_grad_(True)
+                if stage > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+                    x.requires_grad_(True)  # a received activation: its gradient goes back
                 out = _module(model, stage)(x)
                 loss = None
                 if stage == self.last_stage:
@@ -214,9 +212,7 @@ class RankStep:
             if p.grad is not None:
                 p.grad.div_(self.microbatches)
         self.optimizer.step()
-        total = torch.stack(losses).mean() if losses else torch.zeros(())
-        self.losses.append(float("nan") if is_fake(total) else float(total))
-        return total
+        return torch.stack(losses).mean() if losses else torch.zeros(())
 
 
 def _module(model: nn.Module, stage: int) -> nn.Module:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from memfit.budget import parse_bytes
+from memfit.devices import Device, device_spec
 from memfit.errors import InfeasibleBudgetError, MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
@@ -31,6 +32,14 @@ from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import plan
 from memfit.policy import FULL, KEEP, Policies
 from memfit.trainstep import OptimizerFactory
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A causal language model's loss on the last stage, as Hugging Face's and torchtitan's: each
+    position predicts the next token, the logits upcast to fp32 (a copy of them, in bf16 training)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
 def _split(batch: Any, n: int) -> list[Any]:
@@ -58,17 +67,16 @@ def profile_stages(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_
                                                    optimizer, units)]
 
 
-def estimate_stages(build: Callable[[], tuple[Sequence[nn.Module], Any, Any]], loss_fn: Any, *, target: str,
+def estimate_stages(build: Callable[[], tuple[Sequence[nn.Module], Any, Any]], loss_fn: Any, *, target: str | Device,
                     schedule: Any = "1F1B", microbatches: int, optimizer: str | OptimizerFactory = "adamw",
                     units: str | list[str] = "auto") -> list[Profile]:
     """``profile_stages`` for ``target`` (a device in devices.py) without it: ``build()`` returns
     ``(stages, inputs, targets)`` and runs under ``FakeTensorMode``, as ``memfit.estimate``'s does;
     memory from shapes, times a roofline (profiler/estimate.py)."""
-    from memfit.devices import device_spec
     from memfit.profiler import profile
     from memfit.profiler.estimate import estimated, fake_measuring, faked
 
-    spec = device_spec(target)
+    spec = target if isinstance(target, Device) else device_spec(target)
     out = []
     with faked(spec, build) as built:
         stages, inputs, targets = built

@@ -166,3 +166,38 @@ def test_estimated_stages_equal_the_measured_ones_from_shapes() -> None:
     for e, m in zip(est, meas, strict=True):
         assert e.measured_peak_bytes[KEEP] == m.measured_peak_bytes[KEEP]
         assert abs(e.measured_peak_bytes[FULL] - m.measured_peak_bytes[FULL]) <= 0.01 * m.measured_peak_bytes[FULL]
+
+
+def test_the_command_line_plans_a_hugging_face_decoders_ranks_and_writes_a_schedule_each(tmp_path) -> None:
+    import memfit
+    from memfit.hf import decoder_stages, llama
+    from tests.conftest import run_cli
+
+    ran = run_cli("plan", "--scenario", "hf-llama", "--pp", "2", "--budget", "95%", "--repeat", "1", "-o", "pp.json",
+                  cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "in flight" in ran.stdout and "uniform plan" in ran.stdout and "pp.rank1.json" in ran.stdout
+    stages = decoder_stages(llama()[0], 2)
+    for r, stage in enumerate(stages):
+        schedule = memfit.load_schedule(tmp_path / f"pp.rank{r}.json")
+        memfit.apply(stage, schedule)  # made for this rank's stage: its fingerprint matches
+        assert list(schedule.policies) == [f"layers.{2 * r}", f"layers.{2 * r + 1}"]
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--pp", "2", "--parallel", "fsdp"], "does not plan with --parallel"),
+    (["--pp", "1"], "2 stages or more"),
+    (["--pp", "2", "--pp-schedule", "ZBVZeroBubble"], "whose backward is whole"),
+    (["--pp", "2", "--pp-schedule", "2F2B"], "Unknown schedule name"),
+    (["--pp", "2", "--scenario", "nanogpt"], "no input_ids"),
+    (["--pp", "2", "--pp-microbatches", "3"], "does not split into 3 micro-batches"),
+])
+def test_pipeline_flags_it_cannot_plan_exit_2_with_what_to_do(tmp_path, flags: list[str], said: str) -> None:
+    from tests.conftest import run_cli
+
+    args = ["plan", "--budget", "1GB", *flags]
+    if "--scenario" not in flags:
+        args += ["--scenario", "hf-llama"]
+    ran = run_cli(*args, cwd=tmp_path)
+    assert ran.returncode == 2 and said in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+    assert not list(tmp_path.iterdir())

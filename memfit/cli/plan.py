@@ -11,6 +11,7 @@ from typing import Any
 
 from memfit.cli import modelflags
 from memfit.cli.flags import Command, granularity_flags, profile_file_flags, save_profile_flag, source_flags, title
+from memfit.cli.stages import add_flags as stages_flags
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError, PlanOptionError
 from memfit.planning.options import PlanOptions
@@ -40,6 +41,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.plots import check_plot_path, timeline
     from memfit.report import schedule_report, shapes_report
 
+    if args.pp is not None:
+        from memfit.cli.stages import plan_pipeline
+
+        return plan_pipeline(args, args.budget)
     share = parse_share(args.budget)  # "60%": of the unplanned peak, known once profiled
     budget = parse_bytes(args.budget) if share is None else 0  # fail on a bad budget before minutes of profiling
     settings = _plan_options(args)
@@ -250,4 +255,5 @@ def add_parsers(command: Command) -> None:
     plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
     save_profile_flag(plan)
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
+    stages_flags(plan)
     plan.set_defaults(func=cmd_plan)
