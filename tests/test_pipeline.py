@@ -182,6 +182,8 @@ def test_the_command_line_plans_a_hugging_face_decoders_ranks_and_writes_a_sched
         schedule = memfit.load_schedule(tmp_path / f"pp.rank{r}.json")
         memfit.apply(stage, schedule)  # made for this rank's stage: its fingerprint matches
         assert list(schedule.policies) == [f"layers.{2 * r}", f"layers.{2 * r + 1}"]
+    ran = run_cli("validate", "--schedule", "pp.rank0.json", cwd=tmp_path)  # not yet: said so, exit 2
+    assert ran.returncode == 2 and "one rank's of a pipeline" in ran.stderr
 
 
 @pytest.mark.parametrize(("flags", "said"), [
