@@ -182,6 +182,9 @@ def plan_stages(profiles: Sequence[Profile], budget: str | int, *, schedule: Any
     plain = [_rank_plan(p, {}, o, microbatches) for p, o in zip(profiles, orders, strict=True)]
     k, uniform = _uniform(profiles, orders, budget_bytes, microbatches)
     name = schedule if isinstance(schedule, str) else schedule.__name__
+    for r, s in enumerate(schedules):
+        s.pipeline = {"schedule": name, "ranks": len(orders), "stages": len(stage_ranks(orders)),
+                      "microbatches": microbatches, "rank": r}
     return StagePlans(name, microbatches, budget_bytes, orders, per_stage, uniform, k, schedules,
                       [_as_schedule(s, u) for s, u in zip(schedules, uniform, strict=True)],
                       _time(plain, orders), _time(per_stage, orders), _time(uniform, orders))

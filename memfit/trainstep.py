@@ -138,9 +138,9 @@ class TrainStep:
         from its name: such a step is refused here, and Python callers pass it again."""
         record = record or StepRecord()
         if record.get("function") == "RankStep":  # memfit.pipeline's: a rank of a pipeline
-            raise MemfitError("this plan is one rank's of a pipeline (memfit plan --pp): memfit validate does not run "
-                              "pipelines yet; apply it to that rank's stage and check the rank's peak there, or "
-                              "in Python validate the stage with step_fn= its RankStep")
+            raise MemfitError("this plan is one rank's of a pipeline: memfit validate runs it with its sibling ranks' "
+                              "files, as memfit plan --pp writes them; in Python, validate the stage with step_fn= "
+                              "its memfit.pipeline.RankStep")
         if record.get("function"):
             raise MemfitError(f"this plan was made for a step function of your own ({record['function']}), which "
                               "memfit cannot rebuild from a file: in Python pass step_fn= again")

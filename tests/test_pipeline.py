@@ -183,8 +183,15 @@ def test_the_command_line_plans_a_hugging_face_decoders_ranks_and_writes_a_sched
         schedule = memfit.load_schedule(tmp_path / f"pp.rank{r}.json")
         memfit.apply(stage, schedule)  # made for this rank's stage: its fingerprint matches
         assert list(schedule.policies) == [f"layers.{2 * r}", f"layers.{2 * r + 1}"]
-    ran = run_cli("validate", "--schedule", "pp.rank0.json", cwd=tmp_path)  # not yet: said so, exit 2
-    assert ran.returncode == 2 and "one rank's of a pipeline" in ran.stderr
+    ran = run_cli("validate", "--schedule", "pp.rank1.json", cwd=tmp_path)  # every rank, on gloo
+    assert ran.returncode == 0 and "validation OK" in ran.stdout, ran.stdout + ran.stderr
+    rows = [line.split() for line in ran.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 2 and all(row[8] == "yes" for row in rows)  # rank, predicted, measured, off, budget, fits
+    for row in rows:
+        assert abs(float(row[5].rstrip("%"))) <= 2.0  # each rank's measured peak within 2% of its prediction
+    (tmp_path / "pp.rank0.json").unlink()
+    ran = run_cli("validate", "--schedule", "pp.rank1.json", cwd=tmp_path)
+    assert ran.returncode == 2 and "pp.rank0.json missing" in ran.stderr
 
 
 @pytest.mark.parametrize(("flags", "said"), [

@@ -127,3 +127,123 @@ def _stage_count(args: argparse.Namespace) -> int:
     from memfit.pipeline import rank_orders
 
     return args.pp if len(rank_orders(args.pp_schedule, args.pp, 2 * args.pp)) == args.pp else 2 * args.pp
+
+
+def validate_pipeline(schedule_path: str) -> int:
+    """``memfit validate`` of a pipeline rank's schedule: every rank's schedule (its siblings,
+    ``<stem>.rank<r>.json``) applied on gloo ranks (NCCL on GPUs) running torch's own schedule;
+    each rank's measured peak against its prediction and the budget, its gradients against the
+    unparallelized model's. Exit 1 when a peak exceeds its budget or a gradient differs."""
+    import torch
+
+    from memfit.budget import format_bytes
+    from memfit.formats.schedule import load_schedule
+    from memfit.parallel import spawn_ranks
+    from memfit.report import table
+    from memfit.scenarios import scenario_from_source
+
+    first = load_schedule(schedule_path)
+    info = first.pipeline
+    assert info is not None
+    path = Path(schedule_path)
+    stem = path.stem.rsplit(".rank", 1)[0]
+    paths = [path.with_name(f"{stem}.rank{r}{path.suffix}") for r in range(info["ranks"])]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise MemfitError(f"this plan is rank {info['rank']}'s of {info['ranks']}; validate needs every rank's: "
+                          f"{', '.join(missing)} missing (memfit plan --pp writes them together)")
+    schedules = [load_schedule(p) for p in paths]
+    if [s.pipeline for s in schedules] != [{**info, "rank": r} for r in range(info["ranks"])]:
+        raise MemfitError(f"{', '.join(map(str, paths))} are not the ranks of one pipeline plan: plan them again")
+    if not first.source:
+        raise MemfitError("this pipeline plan does not record its model (it was made in Python): run its ranks there")
+    sc = scenario_from_source(dict(first.source), trusted=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"running {sc.name} on {info['ranks']} ranks of a {info['schedule']} pipeline", file=sys.stderr)
+    ranks = spawn_ranks(_pipeline_rank, info["ranks"], device, sc, schedules, who="pipeline ranks")["ranks"]
+    grads = _plain_grads(sc)
+    rows, ok = [], True
+    for r, (got, planned) in enumerate(zip(ranks, schedules, strict=True)):
+        worst = max((float((g - grads[n]).abs().max() / grads[n].abs().max().clamp_min(1e-12))
+                     for n, g in ((_plain_name(k), torch.from_numpy(v)) for k, v in got["grads"].items())),
+                    default=0.0)
+        fits = got["peak"] <= planned.budget_bytes
+        ok = ok and fits and worst < 1e-3
+        rows.append([str(r), format_bytes(planned.predicted_peak_bytes), format_bytes(got["peak"]),
+                     f"{(got['peak'] - planned.predicted_peak_bytes) / planned.predicted_peak_bytes:+.2%}",
+                     format_bytes(planned.budget_bytes), "yes" if fits else "NO", f"{worst:.1e}"])
+    print(table(["rank", "predicted peak", "measured", "off", "budget", "fits", "gradients off"], rows))
+    print("validation OK" if ok else "validation FAILED: a rank's peak exceeds its budget or its gradients differ")
+    return 0 if ok else 1
+
+
+def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]:
+    """One rank of the pipeline ``schedules`` plan: its stages of the scenario's model with its plan
+    applied, under torch's schedule; its gradients after one step (no optimizer), and its peak in
+    the third step (memfit's meter over the tensors alive at the step's start). All ranks' answers."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from memfit.hf import decoder_stages
+    from memfit.measure.memory import measured
+    from memfit.measure.step import make_optimizer
+    from memfit.runtime.apply import apply
+    from memfit.stages import causal_lm_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info, planned = schedules[rank].pipeline, schedules[rank]
+    model, inputs = sc.build(device)
+    ids, labels = inputs["input_ids"], inputs.get("labels", inputs["input_ids"])
+    stages = decoder_stages(model, info["stages"])
+    mine = [s for s in range(info["stages"]) if s % world == rank]
+    here = stages[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(s): stages[s] for s in mine})
+    apply(here, planned)
+    pipe = [PipelineStage(stages[s], s, info["stages"], torch.device(device)) for s in mine]
+    sched = get_schedule_class(info["schedule"])(pipe[0] if len(mine) == 1 else pipe, info["microbatches"],
+                                                 loss_fn=causal_lm_loss)
+    opt = make_optimizer(sc.train_step.optimizer, here.parameters())
+    first, last = 0 in mine, info["stages"] - 1 in mine
+
+    def pipeline_step() -> None:
+        sched.step(*([ids] if first else []), return_outputs=False, **({"target": labels} if last else {}))
+
+    def step() -> None:
+        here.zero_grad(set_to_none=True)
+        pipeline_step()
+        if opt is not None:
+            opt.step()
+
+    def static() -> list[torch.Tensor]:
+        held = [*here.parameters()] + ([v for st in opt.state.values() for v in st.values()
+                                        if isinstance(v, torch.Tensor)] if opt is not None else [])
+        for stage in pipe:
+            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+                held += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+        return held + ([ids] if first else []) + ([labels] if last else [])
+
+    pipeline_step()
+    grads = {n: p.grad.detach().float().cpu().numpy() for n, p in here.named_parameters() if p.grad is not None}
+    step()
+    _, peak, _ = measured(step, static, torch.device(device))
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, {"peak": peak, "grads": grads})
+    return {"ranks": out}
+
+
+def _plain_grads(sc: Any) -> dict[str, Any]:
+    """The unparallelized model's gradients on the same batch, by parameter name."""
+    from memfit.stages import causal_lm_loss
+
+    model, inputs = sc.build("cpu")
+    causal_lm_loss(model(input_ids=inputs["input_ids"]).logits, inputs.get("labels", inputs["input_ids"])).backward()
+    return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _plain_name(stage_name: str) -> str:
+    """A stage parameter's name in the whole model (under a rank's ModuleDict, less the stage)."""
+    head, _, rest = stage_name.partition(".")
+    name = rest if head.isdigit() else stage_name
+    return name if name.startswith("lm_head.") else f"model.{name}"

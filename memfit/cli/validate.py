@@ -28,6 +28,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise MemfitError(f"--time-tolerance is percentage points, 0 or more (5: five points); got "
                           f"{args.time_tolerance}")
     schedule = load_schedule(args.schedule)
+    if schedule.pipeline:
+        if args.compile or args.timeline or args.save_device_spec or args.input_shape:
+            raise MemfitError("a pipeline's ranks are validated as planned: drop --compile, --timeline, "
+                              "--save-device-spec and --input-shape")
+        from memfit.cli.stages import validate_pipeline
+
+        return validate_pipeline(args.schedule)
     if args.compile:
         from memfit.compiled import check_backend
 

@@ -50,6 +50,17 @@ class CompiledPeak(TypedDict):
     peak_bytes: int
 
 
+class PipelineRank(TypedDict):
+    """A plan for one rank of a pipeline (memfit plan --pp): the schedule by torch's name, the
+    ranks and stages, the micro-batches a step, and this rank."""
+
+    schedule: str
+    ranks: int
+    stages: int
+    microbatches: int
+    rank: int
+
+
 class Source(TypedDict, total=False):
     """How the CLI built the model (scenarios.py), so that ``validate`` can build it again."""
 
@@ -101,6 +112,7 @@ class Schedule:
     # each a Schedule of its own; the fields above are then the largest shape's (the worst case)
     shapes: list[Schedule] = field(default_factory=list)
     share: float | None = None  # a shape's fraction of the steps, from a length histogram; None: not given
+    pipeline: PipelineRank | None = None  # one rank's plan of a pipeline; None: no pipeline
 
     @property
     def train_step(self) -> TrainStep:
@@ -131,7 +143,7 @@ class Schedule:
         data["policies"] = spelt(self.policies)  # asdict would write each policy's fields, not its spelling
         for fallback, mine in zip(data["fallbacks"], self.fallbacks, strict=True):
             fallback["policies"] = spelt(mine["policies"])
-        for key in ("step", "memory", "asked_budget_bytes", "predicted_uncertainty_s", "shapes"):
+        for key in ("step", "memory", "asked_budget_bytes", "predicted_uncertainty_s", "shapes", "pipeline"):
             if not data[key]:
                 del data[key]
         for key in ("compile", "parallel"):  # the file's spelling of the eager step and of one process
@@ -223,6 +235,8 @@ def _schedule(f: Fields, path: str) -> Schedule:
                                  if "predicted_uncertainty_s" in f.data else 0.0),
         edited="policies_sha256" in f.data and f.data["policies_sha256"] != policies_digest(f.obj("policies").data),
         share=f.float("share", minimum=0.0) if f.data.get("share") is not None else None,
+        pipeline=f.obj("pipeline").record(PipelineRank, {"ranks": 2, "stages": 2, "microbatches": 1, "rank": 0})
+        if f.data.get("pipeline") else None,
     )
 
 
