@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.torch_private import schedule_ops
+from memfit.torch_private import schedule_ops, stages_per_rank
 
 Action = tuple[str, int, int]  # ("F" or "B", stage, micro-batch); "R", "G": a send lets go (_sends)
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B"}
@@ -70,6 +70,15 @@ def rank_orders(schedule: Any, stages: int, microbatches: int) -> list[list[Acti
     for order in out:
         _sends(order, name, stages, microbatches)
     return out
+
+
+def stage_count(schedule: Any, ranks: int) -> int:
+    """The stages of a pipeline of ``ranks`` ranks under ``schedule``: one a rank, two for the
+    schedules that interleave."""
+    try:
+        return ranks * stages_per_rank(schedule)
+    except ValueError as exc:  # an unknown name: torch's message lists the valid ones
+        raise MemfitError(str(exc)) from None
 
 
 def _sends(order: list[Action], schedule: str, stages: int, microbatches: int) -> None:

@@ -27,7 +27,17 @@ from memfit.errors import InfeasibleBudgetError, MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
 from memfit.measure.step import make_optimizer
-from memfit.pipeline import Action, RankStep, StageData, in_flight, makespan, rank_orders, stage_data, stage_ranks
+from memfit.pipeline import (
+    Action,
+    RankStep,
+    StageData,
+    in_flight,
+    makespan,
+    rank_orders,
+    stage_count,
+    stage_data,
+    stage_ranks,
+)
 from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import plan
 from memfit.policy import FULL, KEEP, Policies
@@ -175,7 +185,7 @@ def plan_stages(profiles: Sequence[Profile], budget: str | int, *, schedule: Any
     """Each rank of ``profiles`` (``profile_stages``'s, in rank order) planned alone at ``budget``
     (the per-GPU memory), beside the uniform plan at the same budget."""
     budget_bytes = parse_bytes(budget)
-    orders = rank_orders(schedule, _stage_count(profiles, schedule, microbatches), microbatches)
+    orders = rank_orders(schedule, stage_count(schedule, len(profiles)), microbatches)
     schedules = [plan(p, budget_bytes) for p in profiles]
     per_stage = [_rank_plan(p, s.policies, o, microbatches) for p, s, o in zip(profiles, schedules, orders,
                                                                                strict=True)]
@@ -198,18 +208,6 @@ def _as_schedule(planned: Schedule, rank: RankPlan) -> Schedule:
                                predicted_recompute_s=pred.recompute_s, predicted_overhead=pred.overhead,
                                predicted_uncertainty_s=pred.uncertainty_s, strategy="uniform", fallbacks=[],
                                levels={})
-
-
-def _stage_count(profiles: Sequence[Profile], schedule: Any, microbatches: int) -> int:
-    """Stages of a pipeline of ``len(profiles)`` ranks: one a rank, or two for a schedule that
-    interleaves (read from the schedule itself)."""
-    for per_rank in (1, 2):
-        try:
-            if len(rank_orders(schedule, len(profiles) * per_rank, microbatches)) == len(profiles):
-                return len(profiles) * per_rank
-        except MemfitError:
-            continue
-    raise MemfitError(f"{len(profiles)} profiles are not the ranks of a {schedule} pipeline")
 
 
 def _uniform(profiles: Sequence[Profile], orders: list[list[Action]], budget: int,

@@ -89,7 +89,8 @@ __all__ = ["MODULE_HOOKS", "BatchNorm", "FakeTensorMode", "ProfiledAllocation", 
            "TorchDispatchMode", "allow_in_compiled_graph",
            "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "destroy_library", "fake_store",
            "grad_scaler_tensors",
-           "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "schedule_ops", "tree_flatten",
+           "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "schedule_ops", "stages_per_rank",
+           "tree_flatten",
            "tree_map", "tree_unflatten", "unset_fake_temporarily", "without_autocast_cpu"]
 
 
@@ -163,19 +164,32 @@ def grad_scaler_tensors(scaler: Any) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor)]
 
 
+def stages_per_rank(schedule: Any) -> int:
+    """How many stages a ``torch.distributed.pipelining`` schedule (a name as torchtitan names it,
+    "1F1B", "GPipe", "Interleaved1F1B", ..., or its class) runs on each rank: one for a
+    ``PipelineScheduleSingle`` (whose runtime is its own loop), two for the others (memfit plans
+    them so). An unknown name raises torch's ValueError. Since torch 2.6."""
+    single = _private("torch.distributed.pipelining.schedules", "PipelineScheduleSingle", "2.6", kind="class")
+    return 1 if issubclass(_schedule_class(schedule), single) else 2
+
+
+def _schedule_class(schedule: Any) -> Any:
+    """The schedule class a name stands for (torch's ``get_schedule_class``), or the class given."""
+    if not isinstance(schedule, str):
+        return schedule
+    return _private("torch.distributed.pipelining.schedules", "get_schedule_class", "2.6")(schedule)
+
+
 def schedule_ops(schedule: Any, stages: int, microbatches: int) -> tuple[list[list[Any]], bool]:
     """Each rank's actions (``_Action``: stage_index, computation_type, microbatch_index; None for
-    an idle step) in a ``torch.distributed.pipelining`` schedule named as torchtitan names it
-    ("1F1B", "GPipe", "Interleaved1F1B", ...) or given as its class, for ``stages`` stages: the
-    schedule's own ``pipeline_order``, made on stand-in stages by the pipelining package's
-    visualizer, so that memfit reads the order without a process group; and whether the schedule
-    runs one stage a rank (``PipelineScheduleSingle``, whose runtime is its own loop, not this
-    order). Imported here, not with memfit (it loads the pipelining package). Since torch 2.6."""
+    an idle step) in a ``torch.distributed.pipelining`` schedule (``stages_per_rank``'s), for
+    ``stages`` stages: the schedule's own ``pipeline_order``, made on stand-in stages by the
+    pipelining package's visualizer, so that memfit reads the order without a process group; and
+    whether the schedule runs one stage a rank (its runtime is then its own loop, not this order).
+    Imported here, not with memfit (it loads the pipelining package). Since torch 2.6."""
     ops = _private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops", "2.6")
-    single = _private("torch.distributed.pipelining.schedules", "PipelineScheduleSingle", "2.6", kind="class")
-    cls = _private("torch.distributed.pipelining.schedules", "get_schedule_class", "2.6")(schedule) \
-        if isinstance(schedule, str) else schedule
-    per_rank = 1 if issubclass(cls, single) else 2
+    per_rank = stages_per_rank(schedule)
+    name = schedule if isinstance(schedule, str) else schedule.__name__
     if stages % per_rank:
-        raise MemfitError(f"{cls.__name__} runs {per_rank} stages on each rank: give a number of stages it divides")
-    return ops(cls, stages // per_rank, microbatches, per_rank), per_rank == 1
+        raise MemfitError(f"{name} runs {per_rank} stages on each rank: give a number of stages it divides")
+    return ops(_schedule_class(schedule), stages // per_rank, microbatches, per_rank), per_rank == 1

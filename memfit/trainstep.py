@@ -137,10 +137,6 @@ class TrainStep:
         """The step a profile or a schedule was made for. A callable optimizer cannot be rebuilt
         from its name: such a step is refused here, and Python callers pass it again."""
         record = record or StepRecord()
-        if record.get("function") == "RankStep":  # memfit.pipeline's: a rank of a pipeline
-            raise MemfitError("this plan is one rank's of a pipeline: memfit validate runs it with its sibling ranks' "
-                              "files, as memfit plan --pp writes them; in Python, validate the stage with step_fn= "
-                              "its memfit.pipeline.RankStep")
         if record.get("function"):
             raise MemfitError(f"this plan was made for a step function of your own ({record['function']}), which "
                               "memfit cannot rebuild from a file: in Python pass step_fn= again")

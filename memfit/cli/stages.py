@@ -56,17 +56,16 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
     from memfit.report import stages_report
     from memfit.stages import plan_stages
 
-    _stage_count(args)  # an unknown or a split-backward schedule, before minutes of profiling
+    stages = _stage_count(args, microbatches)  # before minutes of profiling
     sc = modelflags.scenario_of(args)
     _check_step(sc)
-    profiles = _profiles(args, sc, microbatches)
+    profiles = _profiles(args, sc, stages, microbatches)
     if share is not None:
         budget = max(1, round(share * max(predict(p, {}).peak_bytes for p in profiles)))
         print(f"budget {budget_text.strip()} of the fullest rank's unplanned peak: {format_bytes(budget)}")
     plans = plan_stages(profiles, budget, schedule=args.pp_schedule, microbatches=microbatches)
     written = [str(outputs[r]) for r in range(len(plans.schedules))]
     for schedule, path in zip(plans.schedules, written, strict=True):
-        schedule.source = profiles[0].source or schedule.source
         write_output(schedule.save, path)
     if args.json:
         print(json.dumps({"format": "memfit.schedules/1", "schedule": plans.schedule, "microbatches": microbatches,
@@ -86,7 +85,7 @@ def _check_step(sc: Any) -> None:
                           "--keep-output")
 
 
-def _profiles(args: argparse.Namespace, sc: Any, microbatches: int) -> list[Any]:
+def _profiles(args: argparse.Namespace, sc: Any, stages: int, microbatches: int) -> list[Any]:
     """Each rank's profile: estimated for the scenario's or the flags' target, else measured here."""
     from memfit.stages import causal_lm_loss, estimate_stages, profile_stages
 
@@ -104,7 +103,7 @@ def _profiles(args: argparse.Namespace, sc: Any, microbatches: int) -> list[Any]
         if ids.shape[0] % microbatches:
             raise MemfitError(f"{sc.name}'s batch of {ids.shape[0]} does not split into {microbatches} micro-batches: "
                               "give --pp-microbatches a divisor of it, or --args batch=N")
-        return decoder_stages(model, _stage_count(args)), ids, inputs.get("labels", ids)
+        return decoder_stages(model, stages), ids, inputs.get("labels", ids)
 
     where = f"for {target.name} from shapes" if target is not None else "here"
     print(f"{'estimating' if target is not None else 'measuring'} {sc.name} in {args.pp} ranks of a "
@@ -113,8 +112,8 @@ def _profiles(args: argparse.Namespace, sc: Any, microbatches: int) -> list[Any]
         profiles = estimate_stages(build, causal_lm_loss, target=target, schedule=args.pp_schedule,
                                    microbatches=microbatches, optimizer=optimizer, units="layers.*")
     else:
-        stages, ids, labels = build()
-        profiles = profile_stages(stages, ids, labels, causal_lm_loss, schedule=args.pp_schedule,
+        modules, ids, labels = build()
+        profiles = profile_stages(modules, ids, labels, causal_lm_loss, schedule=args.pp_schedule,
                                   microbatches=microbatches, optimizer=optimizer, units="layers.*",
                                   repeat=5 if args.repeat is None else args.repeat)
     for p in profiles:
@@ -122,11 +121,14 @@ def _profiles(args: argparse.Namespace, sc: Any, microbatches: int) -> list[Any]
     return profiles
 
 
-def _stage_count(args: argparse.Namespace) -> int:
-    """Stages: one a rank, two for the schedules that interleave."""
-    from memfit.pipeline import rank_orders
+def _stage_count(args: argparse.Namespace, microbatches: int) -> int:
+    """The pipeline's stages, its schedule read once (``rank_orders`` refuses an unknown or a
+    split-backward schedule, and too few micro-batches for it)."""
+    from memfit.pipeline import rank_orders, stage_count
 
-    return args.pp if len(rank_orders(args.pp_schedule, args.pp, 2 * args.pp)) == args.pp else 2 * args.pp
+    stages = stage_count(args.pp_schedule, args.pp)
+    rank_orders(args.pp_schedule, stages, microbatches)
+    return stages
 
 
 def validate_pipeline(schedule_path: str) -> int:
