@@ -12,15 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.zoo import GPTBlock
+from memfit.zoo import GPTBlock, NanoBlock
 
 
 class PipelinedGPT(nn.Module):
-    def __init__(self, vocab: int = 512, seq: int = 64, d_model: int = 64, n_head: int = 4, n_layer: int = 4) -> None:
+    """``written_out``: nanoGPT's blocks (q.k^T, a mask buffer, softmax, .v as ops of their own),
+    a model memfit was not shaped around, instead of SDPA's."""
+
+    def __init__(self, vocab: int = 512, seq: int = 64, d_model: int = 64, n_head: int = 4, n_layer: int = 4,
+                 written_out: bool = False) -> None:
         super().__init__()
         self.wte: nn.Module | None = nn.Embedding(vocab, d_model)
         self.wpe: nn.Module | None = nn.Embedding(seq, d_model)
-        self.layers = nn.ModuleDict({str(i): GPTBlock(d_model, n_head, 0.0) for i in range(n_layer)})
+        self.layers = nn.ModuleDict({str(i): NanoBlock(d_model, n_head, seq, 0.0) if written_out
+                                     else GPTBlock(d_model, n_head, 0.0) for i in range(n_layer)})
         self.norm: nn.Module | None = nn.LayerNorm(d_model)
         self.output: nn.Module | None = nn.Linear(d_model, vocab, bias=False)
 
@@ -58,10 +63,10 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def built(kind: str, n_layer: int, seq: int) -> tuple[nn.Module, int]:
-    """The whole model of ``kind`` ("gpt" or "llama") and its vocabulary, seeded."""
+    """The whole model of ``kind`` ("gpt", "nanogpt" or "llama") and its vocabulary, seeded."""
     torch.manual_seed(0)
-    if kind == "gpt":
-        return PipelinedGPT(seq=seq, n_layer=n_layer), 512
+    if kind in ("gpt", "nanogpt"):
+        return PipelinedGPT(seq=seq, n_layer=n_layer, written_out=kind == "nanogpt"), 512
     from memfit.hf import llama
 
     model, _ = llama(n_layer=n_layer, hidden=64, n_head=4, vocab=512, seq=seq, tied=False)
@@ -69,7 +74,7 @@ def built(kind: str, n_layer: int, seq: int) -> tuple[nn.Module, int]:
 
 
 def cut(kind: str, model: nn.Module, n: int) -> list[nn.Module]:
-    if kind == "gpt":
+    if kind in ("gpt", "nanogpt"):
         return stages_of(model, n)
     from memfit.hf import decoder_stages
 
@@ -77,7 +82,7 @@ def cut(kind: str, model: nn.Module, n: int) -> list[nn.Module]:
 
 
 def whole_logits(kind: str, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    return model(idx) if kind == "gpt" else model(input_ids=idx).logits
+    return model(idx) if kind in ("gpt", "nanogpt") else model(input_ids=idx).logits
 
 
 def plain_name(kind: str, stage_name: str) -> str:
@@ -86,7 +91,7 @@ def plain_name(kind: str, stage_name: str) -> str:
     head, _, rest = stage_name.partition(".")
     if head.isdigit() and rest.startswith(("layers.", "wte.", "wpe.", "norm.", "output.", "embed_tokens.", "lm_head.")):
         stage_name = rest
-    if kind == "gpt":
+    if kind in ("gpt", "nanogpt"):
         return stage_name
     head, _, rest = stage_name.partition(".")
     return stage_name if head == "lm_head" else f"model.{stage_name}"
@@ -132,7 +137,7 @@ def run_rank(device: str, schedule: str, n_stages: int, microbatches: int, plans
         opt.step()
 
     def static() -> list[torch.Tensor]:
-        held = [*stage_mod.parameters(), *[v for s in opt.state.values() for v in s.values()
+        held = [*stage_mod.parameters(), *stage_mod.buffers(), *[v for s in opt.state.values() for v in s.values()
                                          if isinstance(v, torch.Tensor)]]
         for stage in stages:
             for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:

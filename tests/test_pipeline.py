@@ -80,6 +80,12 @@ def test_two_stages_on_gloo_measure_what_their_profiles_predict(schedule: str) -
     _check_ranks(schedule, 2, 4, 4)
 
 
+def test_a_gpt_with_written_out_attention_in_two_stages_on_gloo() -> None:
+    """nanoGPT's blocks (q.k^T, a causal mask buffer, softmax, .v, each an op autograd keeps), a
+    model memfit was not shaped around, under GPipe."""
+    _check_ranks("GPipe", 2, 4, 4, kind="nanogpt")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 def test_four_stages_on_gloo_measure_what_their_profiles_predict(schedule: str) -> None:

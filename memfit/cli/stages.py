@@ -219,7 +219,7 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
             opt.step()
 
     def static() -> list[torch.Tensor]:
-        held = [*here.parameters()] + ([v for st in opt.state.values() for v in st.values()
+        held = [*here.parameters(), *here.buffers()] + ([v for st in opt.state.values() for v in st.values()
                                         if isinstance(v, torch.Tensor)] if opt is not None else [])
         for stage in pipe:
             for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
