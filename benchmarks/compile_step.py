@@ -5,7 +5,7 @@ the plain and the scheduled step for each way of running it.
     python benchmarks/compile_step.py --budget 300MB --backends aot_eager
 
 The plan is the eager plan without segments (what runs under torch.compile). Peaks come from
-one steady-state step each (memfit.runtime.validate.measure_steps); times from one interleaved
+one steady-state step each (memfit.steps.validate.measure_steps); times from one interleaved
 series over all configurations, built at once (the order reverses every round, each timed step
 follows an untimed step of its own, GC held off), medians over --rounds rounds.
 """

@@ -9,7 +9,7 @@ Prints one row per (scenario, budget) and a summary. Peaks, losses, gradients an
 from memfit.validate; the slowdowns of all of a scenario's plans are measured in one series of
 rounds (plain, then each plan, each counted step following one of its own; the order reverses
 every round), each plan's step against the plain step of its round
-(memfit.runtime.validate.step_times). The plan with nothing
+(memfit.steps.validate.step_times). The plan with nothing
 checkpointed is timed too: its "slowdown" shows the measurement's own noise.
 """
 
@@ -22,8 +22,8 @@ import torch
 
 import memfit
 from memfit.report import table
-from memfit.runtime.validate import step_times
 from memfit.scenarios import builtin_names, load_scenario
+from memfit.steps.validate import step_times
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         budgets = [int(lo + (hi - lo) * k / max(1, args.budgets - 1)) for k in range(args.budgets)]
         plans = [memfit.plan(prof, b, granularity=args.granularity) for b in budgets]
         checks = [memfit.validate(model, inputs, p, optimizer=opt, steps=0) for p in plans]
-        # every plan timed in one series with shared plain steps (see memfit.runtime.validate.step_times)
+        # every plan timed in one series with shared plain steps (see memfit.steps.validate.step_times)
         _, ratios = step_times(model, inputs, [p.policies for p in plans], optimizer=opt, steps=args.steps)
         for budget, sched, v, ratio in zip(budgets, plans, checks, ratios, strict=True):
             worst_mem = max(worst_mem, abs(v.error))

@@ -30,8 +30,8 @@ from memfit.budget import format_bytes
 from memfit.devices import DEVICES
 from memfit.profiler.estimate import estimate
 from memfit.report import table
-from memfit.runtime.validate import measure_levels
 from memfit.scenarios import builtin_names, load_scenario
+from memfit.steps.validate import measure_levels
 
 # their plain step needs 63 GiB and more, or 8 ranks: run them by name on a large GPU
 SKIP = {"llama2-7b", "llama3-8b", "llama3-8b-fsdp"}

@@ -14,7 +14,7 @@ on gloo with nothing, the per-stage plans and the uniform plan applied: each ran
 beside its prediction. ``--compare`` plans a 16-block GPT (d 128, 128
 tokens, 2 sequences a micro-batch, 1F1B with 2 micro-batches per stage) for 4 and 8 stages at
 budgets between the plans' reach and the unplanned peak; the slowdowns are the pipeline's
-(``memfit.pipeline.makespan`` over each rank's forward and backward times, measured here).
+(``memfit.steps.pipeline.makespan`` over each rank's forward and backward times, measured here).
 ``--time`` runs 2 stages (one thread and one core a rank) of a 8-block GPT under 1F1B with nothing,
 the per-stage and the uniform plan and nothing again (an A/A control), interleaved: each timed
 step after an untimed one of its own configuration, the order rotated every round, GC held off,
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def measure() -> None:
-    from memfit.parallel import spawn_ranks
     from memfit.policy import KEEP
-    from memfit.stages import plan_stages
+    from memfit.steps.parallel import spawn_ranks
+    from memfit.steps.stages import plan_stages
     from tests.pipeline_models import run_rank, stage_profiles
 
     print("| schedule | stages | rank | in flight (most of its stages) | nothing: predicted / measured "
@@ -61,7 +61,7 @@ def compare() -> None:
     import torch
 
     from memfit.policy import KEEP
-    from memfit.stages import plan_stages, profile_stages
+    from memfit.steps.stages import plan_stages, profile_stages
     from tests.pipeline_models import PipelinedGPT, loss_fn, stages_of
 
     print("| stages | budget | per-stage: checkpointed blocks by rank | slowdown | uniform: k per stage | slowdown |")
@@ -140,9 +140,9 @@ def _time_rank(device: str, plans: list, rounds: int) -> dict:
 def time_two_stages(rounds: int = 41) -> None:
     import torch
 
-    from memfit.parallel import spawn_ranks
     from memfit.policy import KEEP
-    from memfit.stages import plan_stages
+    from memfit.steps.parallel import spawn_ranks
+    from memfit.steps.stages import plan_stages
     from tests.pipeline_models import stage_profiles
 
     torch.set_num_threads(1)
@@ -168,7 +168,7 @@ def estimate_llama(stages_list: tuple[int, ...] = (4, 8), budget: str = "40GB") 
 
     from memfit.hf import decoder_stages, llama
     from memfit.report import stages_report
-    from memfit.stages import causal_lm_loss, estimate_stages, plan_stages
+    from memfit.steps.stages import causal_lm_loss, estimate_stages, plan_stages
 
     for n in stages_list:
         mbs = 2 * n

@@ -65,9 +65,6 @@ def main() -> int:
     try:  # memfit's light modules first: they need torch, never a solver
         import torch  # noqa: F401
 
-        import memfit.measure.timing
-        import memfit.runtime.validate
-        import memfit.scenarios  # noqa: F401
     except Exception as exc:
         write(args.out, {"error": f"memfit's measuring code does not import under {where}: {first_line(exc)}"})
         return 0

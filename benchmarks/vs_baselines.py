@@ -5,7 +5,7 @@
 
 For each budget: the plan of each strategy that fits (ilp, every-k, sqrt, first-k, greedy,
 full), its measured peak (CPU live-tensor accounting) and its measured slowdown against the
-un-checkpointed step (median over rounds, memfit.runtime.validate.step_times). Identical plans
+un-checkpointed step (median over rounds, memfit.steps.validate.step_times). Identical plans
 are measured once. The last column is recompute time of the ILP / best fitting baseline (predicted; 1.00 =
 as good, < 1 = better). "cnn-group" is cnn-mixed with GroupNorm.
 """
@@ -21,8 +21,8 @@ from memfit.policy import Policies
 from memfit.report import table
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
-from memfit.runtime.validate import step_times
 from memfit.scenarios import load_scenario
+from memfit.steps.validate import step_times
 
 
 def build(name: str):  # type: ignore[no-untyped-def]

@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 import memfit
-import memfit.lightning
+from memfit.integrations.lightning import MemfitCallback
 from memfit.zoo import gpt
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, tokens.roll(-1, 1)), batch_size=4)
     trainer = L.Trainer(max_steps=args.steps, accumulate_grad_batches=2, gradient_clip_val=1.0,
                         precision=args.precision, logger=False, enable_checkpointing=False,
-                        callbacks=[memfit.lightning.MemfitCallback(budget=args.budget)])
+                        callbacks=[MemfitCallback(budget=args.budget)])
     try:
         trainer.fit(LanguageModel(args.layers), loader)
     except memfit.MemfitError as exc:  # a budget below what the model needs says the smallest that works

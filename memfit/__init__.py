@@ -47,7 +47,7 @@ _LAZY = {
     "min_budget_bytes": "memfit.planning.planner",
     "plan": "memfit.planning.planner",
     "PlanOptions": "memfit.planning.options",
-    "plan_compiled": "memfit.compiled",
+    "plan_compiled": "memfit.steps.compiled",
     "Profile": "memfit.formats.profile",
     "profile": "memfit.profiler",
     "estimate": "memfit.profiler.estimate",
@@ -57,19 +57,18 @@ _LAZY = {
     "remove": "memfit.runtime.apply",
     "tighten": "memfit.runtime.apply",
     "keep_freed_cpu_memory": "memfit.measure.malloc",
-    "Validation": "memfit.runtime.validate",
-    "validate": "memfit.runtime.validate",
+    "Validation": "memfit.steps.validate",
+    "validate": "memfit.steps.validate",
     "sweep": "memfit.planning.sweep",
     "Schedule": "memfit.formats.schedule",
     "load_schedule": "memfit.formats.schedule",
-    "profile_stages": "memfit.stages",
-    "estimate_stages": "memfit.stages",
-    "plan_stages": "memfit.stages",
-    "StagePlans": "memfit.stages",
+    "profile_stages": "memfit.steps.stages",
+    "estimate_stages": "memfit.steps.stages",
+    "plan_stages": "memfit.steps.stages",
+    "StagePlans": "memfit.steps.stages",
 }
 
 if TYPE_CHECKING:
-    from memfit.compiled import plan_compiled
     from memfit.fitting import fit
     from memfit.formats.profile import Profile
     from memfit.formats.schedule import Schedule, load_schedule
@@ -82,8 +81,9 @@ if TYPE_CHECKING:
     from memfit.profiler import profile
     from memfit.profiler.estimate import estimate
     from memfit.runtime.apply import apply, remove, tighten
-    from memfit.runtime.validate import Validation, validate
-    from memfit.stages import StagePlans, estimate_stages, plan_stages, profile_stages
+    from memfit.steps.compiled import plan_compiled
+    from memfit.steps.stages import StagePlans, estimate_stages, plan_stages, profile_stages
+    from memfit.steps.validate import Validation, validate
 
 
 def __getattr__(name: str) -> Any:

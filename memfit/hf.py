@@ -1,5 +1,5 @@
 """Hugging Face transformers: models built from configs (random weights, nothing downloaded)
-for the scenarios, and ``MemfitCallback`` for the Trainer (hftrainer.py, imported on first use
+for the scenarios, and ``MemfitCallback`` for the Trainer (integrations/hf_trainer.py, imported on first use
 so that this module, like ``import memfit``, does not import transformers)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from memfit.errors import MemfitError
 def __getattr__(name: str) -> Any:
     if name == "MemfitCallback":
         try:
-            from memfit.hftrainer import MemfitCallback
+            from memfit.integrations.hf_trainer import MemfitCallback
         except ImportError as exc:
             raise MemfitError(f"memfit.hf.MemfitCallback needs Hugging Face transformers ({exc}): pip install "
                               "'memfit[hf]'") from None

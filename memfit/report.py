@@ -18,8 +18,8 @@ from memfit.trainstep import CUSTOM, TrainStep, describe_record
 if TYPE_CHECKING:
     import pandas as pd
 
-    from memfit.runtime.validate import Validation
-    from memfit.stages import StagePlans
+    from memfit.steps.stages import StagePlans
+    from memfit.steps.validate import Validation
 
 BASELINE_NAMES = {
     "none": "checkpoint nothing",

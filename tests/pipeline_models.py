@@ -169,7 +169,7 @@ def plain_grads(batch: int = 8, seq: int = 64, n_layer: int = 4,
 def stage_profiles(schedule: str, n_stages: int, microbatches: int, batch: int = 8, seq: int = 64,
                    n_layer: int = 4, repeat: int = 3, kind: str = "gpt") -> list:
     """Each rank's profile of the same run as ``run_rank``'s, measured in this one process."""
-    from memfit.stages import profile_stages
+    from memfit.steps.stages import profile_stages
 
     model, vocab = built(kind, n_layer, seq)
     idx = torch.randint(0, vocab, (batch, seq))

@@ -1,4 +1,4 @@
-"""The accelerate recipe (README): memfit.fit with memfit.trainers.accelerate_step in a loop
+"""The accelerate recipe (README): memfit.fit with memfit.integrations.trainers.accelerate_step in a loop
 written as accelerate's docs write it (prepare, accumulate, backward, clip_grad_norm_), 3
 optimizer steps of 2 micro-batches under bf16 autocast, against the same loop without memfit."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memfit
-import memfit.trainers
+from memfit.integrations import trainers
 
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
@@ -28,11 +28,11 @@ def _run(base, with_memfit: bool):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     sched = None
     if with_memfit:
-        sched = memfit.fit(accelerator.unwrap_model(model), memfit.trainers.first_batch(loader), 6 * 2**20,
-                           step=memfit.trainers.accelerate_step(accelerator, optimizer, clip_grad_norm=1.0),
+        sched = memfit.fit(accelerator.unwrap_model(model), trainers.first_batch(loader), 6 * 2**20,
+                           step=trainers.accelerate_step(accelerator, optimizer, clip_grad_norm=1.0),
                            cache_dir=False, repeat=1)
     losses, peaks = [], []
-    meter = memfit.trainers.StepPeak()
+    meter = trainers.StepPeak()
     model.train()
     for i, batch in enumerate(loader):
         if i % 2 == 0:
@@ -66,5 +66,5 @@ def test_the_accelerate_recipe_trains_as_the_loop_without_memfit_within_the_budg
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
     steady, predicted = max(peaks[1:]), sched.predicted_peak_bytes  # the first step makes AdamW's state
     assert steady <= sched.budget_bytes and abs(steady - predicted) <= 4096, (peaks, predicted)  # 4 bytes here
-    said = memfit.trainers.report(predicted, steady, sched.budget_bytes)  # the README recipe's last line
+    said = trainers.report(predicted, steady, sched.budget_bytes)  # the README recipe's last line
     assert said.startswith("memfit: measured peak") and said.endswith("within the budget")

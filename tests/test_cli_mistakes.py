@@ -404,7 +404,7 @@ def test_deeply_nested_json_is_a_format_error(tmp_path):
 def test_nan_losses_compare_equal():
     import torch
 
-    from memfit.runtime.validate import _same
+    from memfit.steps.validate import _same
 
     nan = float("nan")
     assert _same(torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0]))

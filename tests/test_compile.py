@@ -12,12 +12,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import memfit
-from memfit.compiled import compiled_peak, plan_compiled
 from memfit.formats.schedule import load_schedule
 from memfit.policy import FULL, KEEP, Segment, parse
 from memfit.runtime import watch
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
+from memfit.steps.compiled import compiled_peak, plan_compiled
 from memfit.units import find_units
 
 from .conftest import TINY, kw_net, tiny_gpt

@@ -184,7 +184,7 @@ def test_a_scenario_names_a_spec_file_and_a_parallel_layout(tmp_path):
 
 def test_validation_reports_the_cards_reserved_peak_context_and_margin():
     from memfit.report import validation_report
-    from memfit.runtime.validate import Validation
+    from memfit.steps.validate import Validation
 
     gib = 2**30
     v = Validation(budget_bytes=20 * gib, predicted_peak_bytes=19 * gib, measured_peak_bytes=19 * gib,

@@ -222,7 +222,7 @@ def test_fit_logs_one_line_and_fits_again_over_its_own_plan(tmp_path, caplog):
 
 
 def test_importing_memfit_imports_no_trainer_library():
-    code = ("import sys, memfit, memfit.hf, memfit.fitting, memfit.trainers; "
+    code = ("import sys, memfit, memfit.hf, memfit.fitting, memfit.integrations.trainers; "
             "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -230,7 +230,7 @@ def test_importing_memfit_imports_no_trainer_library():
 
 
 def test_a_trainers_optimizer_is_read_by_name_or_rebuilt_with_its_settings():
-    from memfit.trainers import optimizer_of, train_step
+    from memfit.integrations.trainers import optimizer_of, train_step
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     named = {

@@ -6,15 +6,15 @@ import pytest
 import torch.distributed as dist
 
 import memfit
-from memfit.parallel import spawn_ranks
 from memfit.policy import FULL, KEEP, Policies, Segment
+from memfit.steps.parallel import spawn_ranks
 
 SEGMENT = Segment("h.1", "h.3")
 PLANS = [{}, {"h.0": FULL, "h.1": SEGMENT, "h.2": SEGMENT, "h.3": SEGMENT}]
 
 
 def _rank(device: str, policies: Policies):  # type: ignore[no-untyped-def]
-    """One of two gloo ranks (memfit.parallel.spawn_ranks): the plan applied before sharding."""
+    """One of two gloo ranks (memfit.steps.parallel.spawn_ranks): the plan applied before sharding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

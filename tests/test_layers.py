@@ -22,15 +22,14 @@ LAYERS = [
     # measuring a model's options
     ["memfit.profiler"],
     # what runs whole steps of a scheduled model: validate, compiled planning, ranks, pipeline stages
-    ["memfit.runtime.validate", "memfit.compiled", "memfit.parallel", "memfit.pipeline", "memfit.stages"],
+    ["memfit.steps"],
     # scenarios, tables and pictures
     ["memfit.scenarios", "memfit.zoo", "memfit.report", "memfit.plots", "memfit.lengths"],
     # the command line (the package memfit.cli: parser, commands, model flags) and the package's
     # front door: memfit.fit and its cache, the trainers' callbacks; memfit.hf is here because it
     # is both the HF scenarios' models (which scenarios load by name, not by import) and the home
     # of memfit.hf.MemfitCallback
-    ["memfit.cli", "memfit.fitting", "memfit.cache", "memfit.trainers", "memfit.hftrainer", "memfit.hf",
-     "memfit.lightning", "memfit"],
+    ["memfit.cli", "memfit.integrations", "memfit.fitting", "memfit.cache", "memfit.hf", "memfit"],
 ]
 
 # (importer, imported): violations left from before; remove an entry when its import goes

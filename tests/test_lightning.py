@@ -1,4 +1,4 @@
-"""memfit.lightning.MemfitCallback in Lightning's own Trainer: a small LightningModule around
+"""memfit.integrations.lightning.MemfitCallback in Lightning's own Trainer: a small LightningModule around
 memfit's zoo GPT whose training_step computes its own cross-entropy, 3 optimizer steps of 2
 accumulated batches with clipping, fp32 and bf16-mixed, against the same Trainer without memfit."""
 
@@ -12,7 +12,7 @@ from torch.nn import functional as F
 import memfit
 
 L = pytest.importorskip("lightning.pytorch")
-import memfit.lightning  # noqa: E402
+import memfit.integrations.lightning  # noqa: E402
 from memfit.zoo import gpt  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def base():
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_the_callback_trains_as_the_trainer_without_it_within_the_budget(base, caplog, precision):
     plain = _train(base, precision=precision)
-    callback = memfit.lightning.MemfitCallback(5 * 2**20, cache_dir=False, repeat=1)
+    callback = memfit.integrations.lightning.MemfitCallback(5 * 2**20, cache_dir=False, repeat=1)
     with caplog.at_level(logging.INFO, logger="memfit"):
         module = _train(base, callback, precision)
     sched = callback.schedule
@@ -81,5 +81,5 @@ def test_the_callback_trains_as_the_trainer_without_it_within_the_budget(base, c
 
 
 def test_no_drift_warning_for_the_forward_training_step_calls(base, recwarn):
-    _train(base, memfit.lightning.MemfitCallback(5 * 2**20, cache_dir=False, repeat=1))
+    _train(base, memfit.integrations.lightning.MemfitCallback(5 * 2**20, cache_dir=False, repeat=1))
     assert not [w for w in recwarn if issubclass(w.category, memfit.PlanDriftWarning)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from memfit.parallel import spawn_ranks
+from memfit.steps.parallel import spawn_ranks
 
 from .test_tp import TOLERANCE, _neox, _one_plan, _train_beside
 

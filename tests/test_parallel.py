@@ -6,11 +6,11 @@ import pytest
 import torch.distributed as dist
 
 import memfit
-from memfit.parallel import measure_ranks, profile_ranks
 from memfit.planning.peak import fsdp_headroom
 from memfit.policy import FULL
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
+from memfit.steps.parallel import measure_ranks, profile_ranks
 from memfit.units import find_units
 
 from .conftest import TINY

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from memfit.errors import MemfitError
-from memfit.parallel import spawn_ranks
-from memfit.pipeline import in_flight, makespan, rank_orders, stage_ranks
 from memfit.planning.peak import predict
 from memfit.policy import FULL, KEEP
 from memfit.report import stages_report
-from memfit.stages import plan_stages
+from memfit.steps.parallel import spawn_ranks
+from memfit.steps.pipeline import in_flight, makespan, rank_orders, stage_ranks
+from memfit.steps.stages import plan_stages
 from tests.pipeline_models import plain_grads, plain_name, run_rank, stage_profiles
 
 
@@ -127,13 +127,13 @@ def test_per_stage_plans_recompute_most_where_most_is_in_flight_and_beat_the_uni
 
 
 def test_a_ranks_step_validates_in_one_process_and_its_plan_applies_without_drift_warnings() -> None:
-    """memfit.validate runs the emulated rank step (memfit.pipeline.RankStep): measured peak equal to
+    """memfit.validate runs the emulated rank step (memfit.steps.pipeline.RankStep): measured peak equal to
     the plan's, gradients equal to the plain step's; the stage's forward sees a micro-batch, not the
     step's buffers, and the drift watch does not take one for the other."""
     import warnings
 
     import memfit
-    from memfit.pipeline import RankStep, rank_orders, stage_data
+    from memfit.steps.pipeline import RankStep, rank_orders, stage_data
     from tests.pipeline_models import PipelinedGPT, loss_fn, stages_of
 
     torch.manual_seed(0)
@@ -159,7 +159,7 @@ def test_estimated_stages_equal_the_measured_ones_from_shapes() -> None:
     Llama in 2 stages under 1F1B: nothing checkpointed to the byte; everything checkpointed
     within 1% (the CPU's RNG state each checkpoint keeps, 5,056 bytes a micro-batch in flight, is
     no fake tensor: 0 on a CUDA target, where it stays on the host)."""
-    from memfit.stages import estimate_stages
+    from memfit.steps.stages import estimate_stages
     from tests.pipeline_models import built, cut, loss_fn
 
     def build() -> tuple:

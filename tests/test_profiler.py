@@ -157,7 +157,7 @@ def _reduce_scatter_levels(device: str, rounds: int) -> list[int]:
 def test_cpu_meter_level_returns_after_every_gloo_reduce_scatter():
     """On 2 real gloo ranks, a tenth of the copies went unheard before (the level climbed 2 MiB
     at each); every round now ends where it started."""
-    from memfit.parallel import spawn_ranks
+    from memfit.steps.parallel import spawn_ranks
 
     assert spawn_ranks(_reduce_scatter_levels, 2, "cpu", 60) == [0] * 61
 
@@ -191,7 +191,7 @@ def test_cpu_meter_level_returns_after_every_functional_collective():
     meter placed such frees after the block's last use, the level climbed by 0.25 to 1.8 MiB in
     each of 3 runs of these 60 rounds (it counted each block until its address was taken again);
     each round now ends where it started."""
-    from memfit.parallel import spawn_ranks
+    from memfit.steps.parallel import spawn_ranks
 
     assert spawn_ranks(_functional_levels, 2, "cpu", 60) == [0] * 61
 

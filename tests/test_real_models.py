@@ -12,9 +12,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import memfit
 from memfit.formats.schedule import Schedule, model_fingerprint
 from memfit.policy import FULL, KEEP, Policies, parse
-from memfit.runtime import validate as validate_module
 from memfit.runtime.regions import Region
-from memfit.runtime.validate import _compare_grads
+from memfit.steps import validate as validate_module
+from memfit.steps.validate import _compare_grads
 
 from .models import hf_resnet, mobilenet_v3_small, resnet18ish, resnet50ish
 

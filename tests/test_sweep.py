@@ -145,7 +145,7 @@ def test_measured_timeline_equals_the_predicted_one():
     Per-unit plans (the next test fixes a segment layout): which plan the solver picks depends on
     measured times, and a segment's backward peaks are drawn a few bytes high, so a plan the
     solver chose with segments would make this test depend on the machine's load."""
-    from memfit.runtime.validate import measure_levels
+    from memfit.steps.validate import measure_levels
 
     from .conftest import tiny_gpt
 
@@ -164,7 +164,7 @@ def test_segment_timeline_forward_exact_backward_within_a_vector():
     members before the last peak one vector of d_model floats below the kept unit's measured
     peak (measured: 256 B at d_model 64, 384 B at 96), which the prediction keeps: safe side."""
     from memfit.planning.peak import predict
-    from memfit.runtime.validate import measure_levels
+    from memfit.steps.validate import measure_levels
 
     from .conftest import tiny_gpt
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from memfit.parallel import spawn_ranks
+from memfit.steps.parallel import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -286,11 +286,11 @@ def test_parallel_tp_shards_by_the_models_own_plan_measured_and_estimated(tmp_pa
     from rank 0's profile hold on the ranks, gradients are one process's, and estimate mode over
     the fake process group gives the same per-rank model state and peaks within 2%."""
     import memfit
-    from memfit.parallel import measure_ranks, profile_ranks
     from memfit.policy import FULL
     from memfit.profiler.estimate import estimate
     from memfit.runtime.harness import measure_steps
     from memfit.scenarios import load_scenario
+    from memfit.steps.parallel import measure_ranks, profile_ranks
 
     (tmp_path / "llama.toml").write_text(LLAMA)
     sc = load_scenario(str(tmp_path / "llama.toml"))

@@ -235,7 +235,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
         raise MemfitError("--tp and --sequence-parallel shape the ranks of --parallel; give --parallel too")
     layout = layout_of(parallel, ranks, tp, sp) if parallel is not None else None  # checked before it says what it does
     if layout is not None and target is None:
-        from memfit.parallel import profile_ranks
+        from memfit.steps.parallel import profile_ranks
 
         print(f"measuring {sc.name} on one rank of {describe_layout(layout)}", file=sys.stderr)
         return profile_ranks(sc, parallel=parallel, world_size=ranks, tp=tp, sequence_parallel=sp, repeat=repeat,

@@ -52,7 +52,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise MemfitError(f"{'--compile' if args.compile else '--no-segments'} rules out --strategy sqrt, which "
                           "checkpoints segments of units")
     if args.compile:
-        from memfit.compiled import check_backend
+        from memfit.steps.compiled import check_backend
 
         check_backend(args.compile)
         if args.fallbacks:
@@ -152,8 +152,8 @@ def flag_options(**settings: Any) -> PlanOptions:
 
 def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: PlanOptions) -> Any:
     """The plan whose step, compiled with ``args.compile``, is measured to fit (plan_compiled)."""
-    from memfit.compiled import plan_compiled
     from memfit.scenarios import scenario_from_source
+    from memfit.steps.compiled import plan_compiled
 
     if not prof.source:
         raise MemfitError("--compile measures the compiled step, but this profile does not record its model (it was "

@@ -54,7 +54,7 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
         check_replaceable(str(path), "schedule file")
     from memfit.planning.peak import predict
     from memfit.report import stages_report
-    from memfit.stages import plan_stages
+    from memfit.steps.stages import plan_stages
 
     stages = _stage_count(args, microbatches)  # before minutes of profiling
     sc = modelflags.scenario_of(args)
@@ -87,7 +87,7 @@ def _check_step(sc: Any) -> None:
 
 def _profiles(args: argparse.Namespace, sc: Any, stages: int, microbatches: int) -> list[Any]:
     """Each rank's profile: estimated for the scenario's or the flags' target, else measured here."""
-    from memfit.stages import causal_lm_loss, estimate_stages, profile_stages
+    from memfit.steps.stages import causal_lm_loss, estimate_stages, profile_stages
 
     target = modelflags.target_of(args, sc)
     optimizer = sc.train_step.optimizer or "adamw"
@@ -124,7 +124,7 @@ def _profiles(args: argparse.Namespace, sc: Any, stages: int, microbatches: int)
 def _stage_count(args: argparse.Namespace, microbatches: int) -> int:
     """The pipeline's stages, its schedule read once (``rank_orders`` refuses an unknown or a
     split-backward schedule, and too few micro-batches for it)."""
-    from memfit.pipeline import rank_orders, stage_count
+    from memfit.steps.pipeline import rank_orders, stage_count
 
     stages = stage_count(args.pp_schedule, args.pp)
     rank_orders(args.pp_schedule, stages, microbatches)
@@ -140,9 +140,9 @@ def validate_pipeline(schedule_path: str) -> int:
 
     from memfit.budget import format_bytes
     from memfit.formats.schedule import load_schedule
-    from memfit.parallel import spawn_ranks
     from memfit.report import table
     from memfit.scenarios import scenario_from_source
+    from memfit.steps.parallel import spawn_ranks
 
     first = load_schedule(schedule_path)
     info = first.pipeline
@@ -193,7 +193,7 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
     from memfit.measure.memory import measured
     from memfit.measure.step import make_optimizer
     from memfit.runtime.apply import apply
-    from memfit.stages import causal_lm_loss
+    from memfit.steps.stages import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     info, planned = schedules[rank].pipeline, schedules[rank]
@@ -237,7 +237,7 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
 
 def _plain_grads(sc: Any) -> dict[str, Any]:
     """The unparallelized model's gradients on the same batch, by parameter name."""
-    from memfit.stages import causal_lm_loss
+    from memfit.steps.stages import causal_lm_loss
 
     model, inputs = sc.build("cpu")
     causal_lm_loss(model(input_ids=inputs["input_ids"]).logits, inputs.get("labels", inputs["input_ids"])).backward()

@@ -92,8 +92,8 @@ def _measure_rows(args: argparse.Namespace, prof: Any, frame: Any) -> None:
     """``sweep --measure``: each distinct plan's measured peak and slowdown, as two more columns."""
     from tqdm import tqdm
 
-    from memfit.runtime.validate import measure_plans
     from memfit.scenarios import scenario_from_source
+    from memfit.steps.validate import measure_plans
 
     plans = [p for p in dict.fromkeys(frame["policies"].dropna()) if p]
     sc = scenario_from_source(prof.source, trusted=not args.profile or args.trust_source)

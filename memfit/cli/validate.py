@@ -36,7 +36,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         return validate_pipeline(args.schedule)
     if args.compile:
-        from memfit.compiled import check_backend
+        from memfit.steps.compiled import check_backend
 
         check_backend(args.compile)
     if schedule.shapes and (args.timeline or args.save_device_spec or args.input_shape):
@@ -86,10 +86,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace, schedule: Any, sc: Any, device: str) -> Any:
     """One shape's validation, with the timeline and device spec its flags ask for."""
     from memfit.plots import timeline
-    from memfit.runtime.validate import measure_levels, validate
+    from memfit.steps.validate import measure_levels, validate
 
     if schedule.parallel:
-        from memfit.parallel import validate_ranks
+        from memfit.steps.parallel import validate_ranks
 
         layout = schedule.parallel
         print(f"measuring the plain and the scheduled step on {describe_layout(layout)}", file=sys.stderr)

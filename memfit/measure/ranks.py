@@ -1,6 +1,6 @@
 """Wrapping a model for several ranks as a training script does (FSDP2's ``fully_shard`` per unit
 and on the root, or ``DistributedDataParallel``), and what the wrapper itself holds: used by the
-ranks that parallel.py spawns and by estimate mode's fake ranks alike."""
+ranks that steps/parallel.py spawns and by estimate mode's fake ranks alike."""
 
 from __future__ import annotations
 

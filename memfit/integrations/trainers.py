@@ -199,7 +199,7 @@ def accelerate_step(accelerator: Any, optimizer: Any, clip_grad_norm: float | No
 
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         memfit.fit(accelerator.unwrap_model(model), next(iter(loader)), "20GB",
-                   step=memfit.trainers.accelerate_step(accelerator, optimizer, clip_grad_norm=1.0))
+                   step=memfit.integrations.trainers.accelerate_step(accelerator, optimizer, clip_grad_norm=1.0))
     """
     return train_step(optimizer, precision=str(accelerator.mixed_precision),
                       accumulate=accelerator.gradient_accumulation_steps, clip=clip_grad_norm)

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from memfit.errors import MemfitError, MemfitWarning
 from memfit.fitting import fit
-from memfit.trainers import PlanAndMeasure, bytes_of, first_batch, train_step
+from memfit.integrations.trainers import PlanAndMeasure, bytes_of, first_batch, train_step
 
 
 class MemfitCallback(TrainerCallback, PlanAndMeasure):

@@ -1,5 +1,5 @@
 """Plans for the ranks of a pipeline, each for its own micro-batches in flight, beside the uniform
-plan that gives every stage the same recompute (memfit/pipeline.py has the schedule's order and
+plan that gives every stage the same recompute (memfit/steps/pipeline.py has the schedule's order and
 the rank's step that the profiles measure).
 
 ``profile_stages`` measures every rank's step in this one process, stage after stage, as
@@ -27,7 +27,10 @@ from memfit.errors import InfeasibleBudgetError, MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
 from memfit.measure.step import make_optimizer
-from memfit.pipeline import (
+from memfit.planning.peak import Prediction, predict
+from memfit.planning.planner import plan
+from memfit.policy import FULL, KEEP, Policies
+from memfit.steps.pipeline import (
     Action,
     RankStep,
     StageData,
@@ -38,9 +41,6 @@ from memfit.pipeline import (
     stage_data,
     stage_ranks,
 )
-from memfit.planning.peak import Prediction, predict
-from memfit.planning.planner import plan
-from memfit.policy import FULL, KEEP, Policies
 from memfit.trainstep import OptimizerFactory
 
 

@@ -180,7 +180,7 @@ def validate_ranks(scenario: Any, schedule: Any, *, device: str = "cpu") -> Any:
     step run twice, whose kernels need not repeat bit for bit). Not timed: ranks share this
     machine's cores, and a step's time on them is no one process's."""
     from memfit.runtime.harness import StepRun
-    from memfit.runtime.validate import Validation, agreement
+    from memfit.steps.validate import Validation, agreement
 
     layout = schedule.parallel
     repeat = device.startswith("cuda")

@@ -1,7 +1,7 @@
-"""``memfit.lightning.MemfitCallback``: a Lightning ``Callback`` that plans on the first
+"""``memfit.integrations.lightning.MemfitCallback``: a Lightning ``Callback`` that plans on the first
 training batch with the Trainer's own step and applies the plan before the first step.
 
-    trainer = L.Trainer(callbacks=[memfit.lightning.MemfitCallback(budget="20GB")], ...)
+    trainer = L.Trainer(callbacks=[MemfitCallback(budget="20GB")], ...)
 
 The step is read off the Trainer: its optimizer, ``accumulate_grad_batches``, ``precision``
 (``bf16-mixed``, ``16-mixed``, ``bf16-true``, ...; its autocast runs without the weight-cast
@@ -22,8 +22,8 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.fitting import fit
+from memfit.integrations.trainers import PlanAndMeasure, first_batch, train_step
 from memfit.runtime.apply import apply, remove
-from memfit.trainers import PlanAndMeasure, first_batch, train_step
 
 try:
     from lightning.pytorch import Callback
@@ -31,7 +31,7 @@ except ImportError:  # the older package name
     try:
         from pytorch_lightning import Callback
     except ImportError:
-        raise ImportError("memfit.lightning needs Lightning: pip install lightning") from None
+        raise ImportError("memfit.integrations.lightning needs Lightning: pip install lightning") from None
 
 
 class MemfitCallback(Callback, PlanAndMeasure):  # type: ignore[misc]
@@ -51,8 +51,9 @@ class MemfitCallback(Callback, PlanAndMeasure):  # type: ignore[misc]
         if trainer.gradient_clip_val and algorithm not in (None, "norm"):
             raise MemfitError("memfit plans clipping by norm (gradient_clip_algorithm='norm'), not by value")
         if len(trainer.optimizers) != 1 or not pl_module.automatic_optimization:
-            raise MemfitError("memfit.lightning plans a module with one optimizer and automatic optimization; for "
-                              "others use memfit.fit(model, batch, budget, step=memfit.TrainStep(...))")
+            raise MemfitError("memfit's Lightning callback plans a module with one optimizer and automatic "
+                              "optimization; for others use "
+                              "memfit.fit(model, batch, budget, step=memfit.TrainStep(...))")
         step = train_step(trainer.optimizers[0], precision=str(trainer.precision),
                           accumulate=trainer.accumulate_grad_batches, clip=trainer.gradient_clip_val,
                           autocast_cache=False)  # its MixedPrecision plugin: torch.autocast(..., cache_enabled=False)
