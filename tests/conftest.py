@@ -118,6 +118,16 @@ def kw_net(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return KwNet(), {"x": torch.randn(4, 16, 8), "mask": (torch.rand(4, 16, 1) > 0.1).float()}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kept_ranks():
+    """Gloo ranks started once per world size for the whole suite (memfit.steps.parallel.kept_ranks):
+    some 35 calls would each start 2 processes that import torch (and transformers) again."""
+    from memfit.steps.parallel import kept_ranks
+
+    with kept_ranks():
+        yield
+
+
 @pytest.fixture(scope="session")
 def gpt_profile() -> Profile:
     model, batch = tiny_gpt()

@@ -1,6 +1,8 @@
 """Per-rank plans under FSDP2 and DDP, on 2 gloo ranks on the CPU: the profile measured on a
 rank predicts each plan's per-rank peak, and the gradients equal one process's."""
 
+import os
+
 import numpy as np
 import pytest
 import torch.distributed as dist
@@ -10,7 +12,8 @@ from memfit.planning.peak import fsdp_headroom
 from memfit.policy import FULL
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
-from memfit.steps.parallel import measure_ranks, profile_ranks
+from memfit.steps import parallel
+from memfit.steps.parallel import measure_ranks, profile_ranks, spawn_ranks
 from memfit.units import find_units
 
 from .conftest import TINY
@@ -90,6 +93,41 @@ def test_fsdp_shards_what_one_process_holds(tiny):
     rank = _ranks(tiny, "fsdp")
     held = single.param_bytes + single.optimizer_state_bytes
     assert abs(rank.baseline_bytes - rank.input_bytes - held / 2) <= 0.02 * held
+
+
+def _pids(device: str, failing_rank: int = -1) -> list[int]:
+    """Every rank's process id, gathered; ``failing_rank`` raises first and leaves the others
+    waiting in the gather."""
+    if dist.get_rank() == failing_rank:
+        raise RuntimeError("this rank fails")
+    every = [0] * dist.get_world_size()
+    dist.all_gather_object(every, os.getpid())
+    return every
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_kept_ranks_take_every_call_and_a_failing_call_stops_them(monkeypatch):
+    """Under ``kept_ranks`` (the suite runs inside it) two calls run in the same two processes; a
+    rank that fails is reported at once, by number, though the other waits in a collective for
+    it, and its ranks are stopped: the next call starts fresh ones. Without it, each call's ranks
+    are gone when it returns."""
+    first = spawn_ranks(_pids, 2, "cpu")
+    assert spawn_ranks(_pids, 2, "cpu") == first and len(set(first)) == 2 and os.getpid() not in first
+    with pytest.raises(memfit.MemfitError, match=r"failed: rank 1: RuntimeError: this rank fails"):
+        spawn_ranks(_pids, 2, "cpu", failing_rank=1)
+    assert all(_gone(p) for p in first)
+    fresh = spawn_ranks(_pids, 2, "cpu")
+    assert not set(fresh) & set(first)
+    monkeypatch.setattr(parallel, "_KEPT", None)
+    alone = spawn_ranks(_pids, 2, "cpu")
+    assert not set(alone) & set(fresh) and all(_gone(p) for p in alone)
 
 
 def test_bad_parallel_settings(tiny):
