@@ -2,6 +2,7 @@
 rank predicts each plan's per-rank peak, and the gradients equal one process's."""
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -138,6 +139,35 @@ def test_bad_parallel_settings(tiny):
         profile_ranks(tiny, parallel="tp", world_size=2)
     with pytest.raises(memfit.MemfitError, match="at least 2"):
         profile_ranks(tiny, parallel="ddp", world_size=1)
+
+
+def chatty_gpt(**args):
+    """A GPT whose first block warns on every training forward (a library's deprecation, say)."""
+    from memfit.zoo import gpt
+
+    model, batch = gpt(**args)
+    model.h[0].register_forward_pre_hook(lambda module, _: warnings.warn("block 0 says so", UserWarning, 2)
+                                         if module.training else None)
+    return model, batch
+
+
+def test_a_ranks_warnings_are_said_once_by_the_parent():
+    """What profiling warns on the ranks reaches the caller's warnings (its filters, pytest's
+    capture), rank 0's only; before, each rank printed its own to the terminal."""
+    from memfit.scenarios import Scenario
+
+    sc = Scenario(name="chatty", model="tests.test_parallel:chatty_gpt",
+                  args={"batch": 2, "seq": 16, "vocab": 64, "d_model": 32, "n_head": 2, "n_layer": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = profile_ranks(sc, parallel="ddp", world_size=2, repeat=1)
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert prof.unit_names == ["h.0", "h.1"] and set(said) == {"block 0 says so"}
+    model, batch = sc.build()
+    with warnings.catch_warnings(record=True) as alone:  # one process profiling the same: as many
+        warnings.simplefilter("always")
+        memfit.profile(model, batch, repeat=1)
+    assert len(said) == sum(str(w.message) == "block 0 says so" for w in alone) > 0
 
 
 def test_cli_plans_and_validates_per_rank_and_refuses_what_it_cannot_check(tiny, tmp_path, capsys):

@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,8 +46,10 @@ def profile_ranks(scenario: Any, *, parallel: str, world_size: int, tp: int = 1,
     under ``parallel`` (``tp``: a 2-D mesh with FSDP2, measure/ranks.make_mesh); unit names are the
     plain model's. Spawns the ranks (gloo on the CPU, NCCL on GPUs) and waits at most ``TIMEOUT_S``."""
     layout = layout_of(parallel, world_size, tp, sequence_parallel)
-    return profile_from_dict(_spawn(_profile_rank, scenario, layout, device,
-                                    {"repeat": repeat, "granularity": granularity}), "rank 0's profile")
+    got = _spawn(_profile_rank, scenario, layout, device, {"repeat": repeat, "granularity": granularity})
+    for category, message in got["warnings"]:  # rank 0's, said once, here (every rank would print its own)
+        warnings.warn(message, category, stacklevel=2)
+    return profile_from_dict(got["profile"], "rank 0's profile")
 
 
 def measure_ranks(scenario: Any, plans: list[Policies], *, parallel: str, world_size: int, tp: int = 1,
@@ -220,8 +223,16 @@ def _profile_rank(device: str, scenario: Any, layout: ParallelLayout, *, repeat:
     from memfit.profiler import profile
 
     model, wrapped, inputs, names = _built(scenario, layout, device)
-    prof = profile(wrapped, inputs, units=_wrapped_names(wrapped, model, names), step=scenario.train_step,
-                   repeat=repeat, granularity=granularity)
+    inner = _wrapped_names(wrapped, model, names)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = profile(wrapped, inputs, units=inner, step=scenario.train_step, repeat=repeat, granularity=granularity)
+    said = []
+    for w in caught:  # for the parent to say, in the plain model's unit names
+        message = str(w.message)
+        for wrapped_name, name in sorted(zip(inner, names, strict=True), key=lambda p: -len(p[0])):
+            message = message.replace(wrapped_name, name)
+        said.append((w.category, message))
     for unit, name in zip(prof.units, names, strict=True):
         unit.name = name
     prof.phases = [dataclasses.replace(p, label=p.label.replace("module.", "")) for p in prof.phases]
@@ -230,7 +241,7 @@ def _profile_rank(device: str, scenario: Any, layout: ParallelLayout, *, repeat:
     prof.parallel = layout
     prof.baseline_bytes += held_by_wrapper(model, layout["kind"])
     prof.source = scenario.source()
-    return prof.to_dict()
+    return {"profile": prof.to_dict(), "warnings": said}
 
 
 def validate_ranks(scenario: Any, schedule: Any, *, device: str = "cpu") -> Any:
