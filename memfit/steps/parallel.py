@@ -24,6 +24,7 @@ import dataclasses
 import os
 import signal
 import socket
+import threading
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -76,7 +77,10 @@ def spawn_ranks(target: Any, world_size: int, device: str, *args: Any, who: str 
     if device.startswith("cuda") and torch.cuda.device_count() < world_size:
         raise MemfitError(f"{world_size} ranks need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
     kept = _KEPT.get((world_size, device)) if _KEPT is not None else None
-    ranks = kept if kept is not None and kept.alive() else _Ranks(world_size, device)
+    if kept is not None and not kept.alive():  # a rank was killed from outside: its group cannot serve
+        kept.stop(kill=True)
+        kept = None
+    ranks = kept if kept is not None else _Ranks(world_size, device)
     if _KEPT is not None:
         _KEPT[(world_size, device)] = ranks
     try:
@@ -125,6 +129,7 @@ class _Ranks:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
+        self.lock = threading.Lock()
         self.answers = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         self.procs = [ctx.Process(target=_serve, args=(r, world_size, port, device, self.inboxes[r], self.answers))
@@ -139,6 +144,10 @@ class _Ranks:
         """Rank 0's (status, answer) once every rank has finished, or the first failing rank's; an
         error as soon as a rank dies without one (a script without the ``if __name__ ==
         "__main__":`` guard that spawning needs, say), or after ``TIMEOUT_S``."""
+        with self.lock:  # two threads' calls would interleave their targets in the ranks' queues
+            return self._call(target, args, kwargs, who)
+
+    def _call(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], who: str) -> tuple[str, Any]:
         import queue as queues
         import time
 
