@@ -101,6 +101,10 @@ class OptionCost:
     # is ``none``: an output the unit kept for its backward, dropped by the model's own code once
     # checkpointed (``x = x + block(x)`` with a closing ReLU); freed at that remainder's end
     freed_after_bytes: int = 0
+    # the same, freed one unit later: at the end of the remainder after the *next* unit's forward
+    # (an output the model's loop holds until the next block returns, as GPT-Neo's and BLOOM's
+    # attention probabilities are; autograd would have kept it)
+    freed_later_bytes: int = 0
 
     def backward(self, later: bool) -> tuple[int, int]:
         """(peak, end) of the backward: the first run's, or a later run's."""
@@ -240,7 +244,8 @@ class Profile:
         for u in data["units"]:
             for o in u["options"].values():
                 for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0),
-                                   ("recompute_uncertainty_s", 0.0), ("freed_after_bytes", 0)):
+                                   ("recompute_uncertainty_s", 0.0), ("freed_after_bytes", 0),
+                                   ("freed_later_bytes", 0)):
                     if o[key] == unset:
                         del o[key]
         for p in data["phases"]:
@@ -378,6 +383,7 @@ def _unit(u: Fields) -> UnitProfile:
             o.int("release_bytes", minimum=0) if "release_bytes" in o.data else 0,
             o.float("recompute_uncertainty_s", minimum=0.0) if "recompute_uncertainty_s" in o.data else 0.0,
             o.int("freed_after_bytes", minimum=0) if "freed_after_bytes" in o.data else 0,
+            o.int("freed_later_bytes", minimum=0) if "freed_later_bytes" in o.data else 0,
         )
     return UnitProfile(
         u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),

@@ -38,9 +38,11 @@ def solve_dp(model: IntModel, cap: int | None, minimize: str) -> tuple[list[Role
 
 def dp_exact(model: IntModel) -> bool:
     """The DPs are exact when the units' phases run as a chain (forwards in order, backwards in
-    reverse) and each unit changes the level by one net amount over the step, whatever its role."""
+    reverse), each unit changes the level by one net amount over the step, whatever its role, and
+    no unit frees anything a unit late (``IntCosts.later``: the walk does not subtract it, which
+    keeps it cautious there)."""
     return chain_layout(model) is not None and all(
-        c.net == model.net[j] for (j, role), c in model.costs.items() if not role.is_segment)
+        c.net == model.net[j] and c.later == 0 for (j, role), c in model.costs.items() if not role.is_segment)
 
 
 class _Walk:

@@ -115,8 +115,11 @@ def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: 
             if ph.releases:
                 end_expr = end_expr - b.expr([(model.costs[j, r].release, v) for j in range(model.n)
                                               for r, v in x[j].items()])
-            if ph.after is not None:
+            if ph.after is not None:  # the unit just run frees its freed, the one before it its later
                 end_expr = end_expr - b.expr([(model.costs[ph.after, r].freed, v) for r, v in x[ph.after].items()])
+                if ph.after > 0:
+                    end_expr = end_expr - b.expr([(model.costs[ph.after - 1, r].later, v)
+                                                  for r, v in x[ph.after - 1].items()])
         else:
             fwd, costs = ph.kind == "forward", [(model.costs[ph.unit, r], v) for r, v in x[ph.unit].items()]
             moves = [((c.fwd_peak, c.fwd_end) if fwd else c.backward(ph.later), v) for c, v in costs]
@@ -147,12 +150,16 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
     def net(j: int):  # type: ignore[no-untyped-def]
         return b.expr([(model.costs[j, r].net, v) for r, v in x[j].items()])
 
+    def late(j: int):  # type: ignore[no-untyped-def]  # what unit j - 1 frees after unit j's forward
+        return unit(j - 1, "later") if j > 0 else b.expr([], 0)
+
     kept, after = [b.expr([], 0)], [b.expr([], 0)] * (n + 1)
     hinted = 0
     for j in range(n):  # may only be over-estimated, as every level
         v = b.integer(-big, big, f"P{j}")
-        b.add_le(kept[j] + unit(j, "fwd_end") - unit(j, "freed") - v, 0)  # freed by the remainder after it
-        hinted += model.costs[j, FULL].fwd_end - model.costs[j, FULL].freed
+        b.add_le(kept[j] + unit(j, "fwd_end") - unit(j, "freed") - late(j) - v, 0)  # freed by the remainder after it
+        hinted += model.costs[j, FULL].fwd_end - model.costs[j, FULL].freed - (
+            model.costs[j - 1, FULL].later if j > 0 else 0)
         b.hint(v, hinted)  # its value when every unit is checkpointed (the hinted roles)
         kept.append(b.expr([(1, v)]))
     for j in reversed(range(n)):
@@ -162,10 +169,12 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
     peaks = [at(t, model.phases[t].peak) for t in lay.pre]
     for j in range(n):
         peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, "fwd_peak"))
-        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + (unit(j, "freed") if k == 0 else 0)
+        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + (unit(j, "freed") + late(j) if k == 0 else 0)
                   for k, t in enumerate(lay.after_fwd[j])]  # the first frees them only at its end
-        peaks.append(at(lay.bwd[j], 0) + kept[j + 1] + after[j + 1] + unit(j, "bwd_peak"))
-        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + after[j + 1] + unit(j, "bwd_end")
+        # by unit j's backward every later unit's forward has run: its own later is gone too (the
+        # units after it have theirs in their nets)
+        peaks.append(at(lay.bwd[j], 0) + kept[j + 1] + after[j + 1] - unit(j, "later") + unit(j, "bwd_peak"))
+        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + after[j + 1] - unit(j, "later") + unit(j, "bwd_end")
                   for t in lay.after_bwd[j]]
     return peaks
 

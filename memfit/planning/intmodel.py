@@ -25,7 +25,9 @@ class IntPhase:
     ckpt_end: int = 0  # remainder's end when some unit is checkpointed
     later: bool = False  # a unit's later backward (IntCosts.backward)
     releases: bool = False  # leaving autocast: each unit's IntCosts.release is freed
-    after: int | None = None  # the unit whose forward it follows: that unit's IntCosts.freed leave at its end
+    # the unit whose forward it follows: that unit's IntCosts.freed, and the unit's before it
+    # IntCosts.later, leave at its end
+    after: int | None = None
 
 
 class IntCosts(NamedTuple):
@@ -39,12 +41,13 @@ class IntCosts(NamedTuple):
     later_bwd_end: int
     release: int = 0  # rounded down: the level may only be over-estimated
     freed: int = 0  # the same
+    later: int = 0  # the same (freed after the next unit's forward)
 
     @property
     def net(self) -> int:
-        """The level change over a forward, the remainder after it and its first backward (the
-        chain solvers' step, whose units run once)."""
-        return self.fwd_end - self.freed + self.bwd_end
+        """The level change over a forward, the remainders after it and the next unit's, and its
+        first backward (the chain solvers' step, whose units run once)."""
+        return self.fwd_end - self.freed - self.later + self.bwd_end
 
     def backward(self, later: bool) -> tuple[int, int]:
         return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
@@ -103,7 +106,7 @@ class IntModel:
                 c = unit_costs(profile, j, role)
                 costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end),
                                           up(c.later_bwd_peak), up(c.later_bwd_end), int(c.release // q),
-                                          int(c.freed // q))
+                                          int(c.freed // q), int(c.later // q))
                 recompute[j, role] = round(c.recompute_s * 1e9)
         net = [max(costs[j, r].net for r in roles[j] if not r.is_segment) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)

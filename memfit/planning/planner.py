@@ -217,8 +217,9 @@ def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
         return found, strategy, strategy, "heuristic", 0.0
     model = IntModel.of(profile, segments=opts.segments, max_segment=max_segment, fine=fine)
     if solver == "dp" and not dp_exact(model):
-        raise MemfitError("the dp solver is exact only when the units run as a chain and each keeps the same "
-                          "memory after the step whatever its role; these units do not: use cpsat or cbc")
+        raise MemfitError("the dp solver is exact only when the units run as a chain, each keeps the same "
+                          "memory after the step whatever its role and none frees an output a unit late (as "
+                          "GPT-Neo's blocks do); these units do not: use cpsat or cbc")
     try:
         limit = opts.time_limit if opts.time_limit is not None or not fine else FINE_TIME_LIMIT
         sol = solve(model, budget_bytes, solver=solver, time_limit=limit, gap=FINE_GAP if fine else 0.0)

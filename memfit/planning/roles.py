@@ -60,6 +60,9 @@ class Costs:
     release: int | float = 0  # freed on leaving autocast (profile.OptionCost.release_bytes)
     uncertainty_s: float = 0.0  # how sure recompute_s is (profile.OptionCost.recompute_uncertainty_s)
     freed: int | float = 0  # freed at the end of the remainder after its forward (profile.OptionCost.freed_after_bytes)
+    # freed at the end of the remainder after the next unit's forward (profile.OptionCost.freed_later_bytes);
+    # segment members never count it (cautious: kept until the step's end, as before it was measured)
+    later: int | float = 0
 
     def backward(self, later: bool) -> tuple[int | float, int | float]:
         return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
@@ -114,7 +117,8 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
     if role.option is not None:
         o = u.options[role.option]
         return Costs(o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.recompute_s,
-                     *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s, o.freed_after_bytes)
+                     *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s, o.freed_after_bytes,
+                     o.freed_later_bytes)
     full = u.options[CHECKPOINT]
     rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
     head = j == role.first

@@ -9,14 +9,16 @@ from memfit.policy import FULL, KEEP, Children
 
 
 def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0,
-                   frees: bool = False) -> Profile:
+                   frees: bool = False, late: bool = False) -> Profile:
     """A synthetic chain profile with integer bytes (times ``scale``), for solver checks against
     brute force and for timing the solvers. As in a real step, each unit's net change (its
     gradients) is the same whether it is checkpointed. ``fine`` finer options per unit
     (``child:c0`` …), each keeping between what ``full`` and ``none`` keep, at a cost between
     theirs. ``frees``: checkpointing a unit lets the remainder after it free part of its output
     (``freed_after_bytes``, as ``x = x + block(x)`` does), which its kept backward would free; in a
-    chain only the last unit's output can go so (the others are the next units' inputs)."""
+    chain only the last unit's output can go so (the others are the next units' inputs). ``late``:
+    checkpointed, each unit but the last keeps one more output until the next unit's forward has
+    run (``freed_later_bytes``, as GPT-Neo's attention probabilities), which its kept backward saves."""
     r = random.Random(seed)
     rr = random.Random(seed + 2 * 10**6)
     rf = random.Random(seed + 10**6)  # its own stream: profiles without finer options stay as they were
@@ -40,6 +42,10 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
         if frees and (i == n - 1 or not chain):  # in a chain, outputs live on as the next inputs
             full.freed_after_bytes = rr.randint(0, s)
             full.bwd_end_bytes += full.freed_after_bytes
+        if late and i < n - 1:
+            full.freed_later_bytes = random.Random(seed + 3 * 10**6 + i).randint(0, a - s)
+            full.stored_bytes += full.freed_later_bytes
+            full.fwd_peak_bytes += full.freed_later_bytes
         for m in range(fine):
             kept = rf.randint(s, a)
             freed = rr.randint(0, full.freed_after_bytes)
@@ -61,9 +67,9 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
             u.input_bytes, u.saved_bytes, u.output_bytes = (v * scale for v in (u.input_bytes, u.saved_bytes,
                                                                                 u.output_bytes))
             for o in u.options.values():
-                o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.freed_after_bytes = (
-                    v * scale for v in (o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes,
-                                        o.freed_after_bytes))
+                (o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.freed_after_bytes,
+                 o.freed_later_bytes) = (v * scale for v in (o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes,
+                                                             o.bwd_end_bytes, o.freed_after_bytes, o.freed_later_bytes))
     return Profile("Synthetic", "cpu", "adamw", "", 100 * scale, 0, 0, 0, 0, 0, 0.1, units, phases,
                    {"model_class": "Synthetic", "units": [u.name for u in units], "params_sha256": "0"},
                    chain=chain)

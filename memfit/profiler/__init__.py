@@ -31,7 +31,7 @@ from memfit.measure.step import (
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
-from memfit.policy import COARSE, KEEP, Children, Option, Policy
+from memfit.policy import COARSE, FULL, KEEP, Children, Option, Policy
 from memfit.profiler import costs
 from memfit.profiler import phases as timeline
 from memfit.profiler.options import fine_options
@@ -268,8 +268,8 @@ def _assemble(
     params = list(model.parameters())
     unit_params = [storage_bytes(list(model.get_submodule(n).parameters())) for n in names]
     steps = timeline.phases(memory, names, "micro-batch")
-    freed = timeline.separate(memory, steps, len(names))
-    units = timeline.units(names, memory, times, facts, *factor, per_step, unit_params, groups, freed)
+    freed, later = timeline.separate(memory, steps, len(names))
+    units = timeline.units(names, memory, times, facts, *factor, per_step, unit_params, groups, freed, later)
     extra = per_step - measured  # micro-batches like the last one measured
     step_s = statistics.median(_seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
@@ -359,7 +359,8 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
 
     units = [j for j in range(len(prof.units)) if has[j]]
     share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
-    frees = timeline.option_frees(memory, plain_memory, prof.phases, has)
+    frees = timeline.option_frees(memory, plain_memory, prof.phases, has,
+                                  [u.options[FULL].freed_later_bytes for u in prof.units])
     for j in units:
         cost = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share[j], released[j],
                                     uncertainty_s * share[j])
@@ -382,6 +383,6 @@ def _dominates(a: OptionCost, b: OptionCost) -> bool:
     (an op set that keeps more than autograd would, say)."""
     (a_peak, a_end), (b_peak, b_end) = a.backward(later=True), b.backward(later=True)
     return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes and a_end == b_end
-            and a.freed_after_bytes == b.freed_after_bytes
+            and a.freed_after_bytes == b.freed_after_bytes and a.freed_later_bytes == b.freed_later_bytes
             and a.stored_bytes <= b.stored_bytes and a.fwd_peak_bytes <= b.fwd_peak_bytes
             and a.bwd_peak_bytes <= b.bwd_peak_bytes and a_peak <= b_peak and a.recompute_s <= b.recompute_s)

@@ -61,12 +61,12 @@ class Runs:
 
 def units(names: list[str], memory: Memory, times: list[list[Stretch]], facts: UnitFacts,
           factor: float, sure: float, runs_per_step: int, param_bytes: list[int],
-          groups: list[int], freed: list[int]) -> list[UnitProfile]:
+          groups: list[int], freed: list[int], later: list[int]) -> list[UnitProfile]:
     """Each unit's times and its coarse options' memory figures. A checkpointed unit runs its
     forward once more inside each backward, at the cost measured for all units together
     (``factor``, sure within ``sure`` of it), ``runs_per_step`` times a step. Units of one
-    structure (``groups``: profiler/costs.py) share their times' samples; ``freed``: what
-    checkpointing each frees right after its forward (``separate``)."""
+    structure (``groups``: profiler/costs.py) share their times' samples; ``freed`` and ``later``:
+    what checkpointing each frees right after its forward and a unit later (``separate``)."""
     runs = Runs.of(memory[KEEP], len(names))
     every = [True] * len(names)
     released = {o: releases(memory[KEEP], memory[o], every, facts.saved_casts) for o in COARSE}
@@ -87,8 +87,8 @@ def units(names: list[str], memory: Memory, times: list[list[Stretch]], facts: U
         out.append(UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], param_bytes[i], options,
                                facts.outputs[i]))
     _share_outputs(out, facts)
-    for u, f in zip(out, freed, strict=True):
-        u.options[FULL].freed_after_bytes = f
+    for u, f, late in zip(out, freed, later, strict=True):
+        u.options[FULL].freed_after_bytes, u.options[FULL].freed_later_bytes = f, late
     return out
 
 
@@ -153,37 +153,50 @@ def needs_alternating(memory: Memory, names: list[str], facts: UnitFacts) -> boo
     return any(facts.may_free_output) or any(memory[FULL][t].end != memory[KEEP][t].end for t in after)
 
 
-def separate(memory: Memory, steps: list[Phase], n: int) -> list[int]:
+def separate(memory: Memory, steps: list[Phase], n: int) -> tuple[list[int], list[int]]:
     """Split the remainders right after a unit's forward (of ``steps``, the step's phases) with the
-    alternating runs where they were made: in the one where unit ``j`` is kept the phase shows what
-    the other checkpoints keep (its ``ckpt_end_bytes``, set here), in the one where it is
-    checkpointed also what that frees. Returns what checkpointing each unit frees there (the
-    least over its runs). A phase that does not add up (the all-checkpointed run ends elsewhere,
-    or a part comes out negative) keeps the cautious rule and frees nothing."""
+    alternating runs where they were made. The remainder after unit ``j`` ends at the level the
+    checkpoints keep there (B, its ``ckpt_end_bytes``, set here), less what checkpointing ``j``
+    frees (``x = x + block(x)``), less what checkpointing ``j - 1`` frees a unit late (an output
+    the model's loop holds until ``j`` returns): in the run where ``j`` is kept ``j - 1`` is
+    checkpointed (B - late), in the other ``j`` is (B - freed), in the all-checkpointed run both
+    are. Returns what checkpointing each unit frees right after it and a unit later (the least
+    over its runs). A phase that does not add up (a part comes out negative, B below the plain
+    step's end) keeps the cautious rule and frees nothing."""
     none, full = memory[KEEP], memory[FULL]
     runs = (memory[ALTERNATE[0]], memory[ALTERNATE[1]]) if ALTERNATE[0] in memory else None
     if n == 1:
         runs = (full, none)
     by_unit: dict[int, list[int]] = {}
+    later: dict[int, list[int]] = {}
     for t, j in after_forwards(steps).items():
-        freed = 0
+        freed = late = 0
         if runs is not None:
-            kept, ckpt = runs[1 - j % 2][t].end, runs[j % 2][t].end  # unit j kept; unit j checkpointed
-            if ckpt == full[t].end and kept >= none[t].end and kept >= ckpt:
-                steps[t].ckpt_end_bytes, freed = kept, kept - ckpt
+            kept, ckpt = runs[1 - j % 2][t].end, runs[j % 2][t].end  # unit j kept (j - 1 not); unit j checkpointed
+            both = full[t].end
+            if j == 0 and ckpt != both:  # no unit before it to free anything late
+                kept = -(2**62)
+            if kept >= both and ckpt >= both and kept + ckpt - both >= none[t].end:
+                steps[t].ckpt_end_bytes, freed, late = kept + ckpt - both, kept - both, ckpt - both
         by_unit.setdefault(j, []).append(freed)
-    return [min(by_unit.get(j, [0])) for j in range(n)]
+        if j > 0:
+            later.setdefault(j - 1, []).append(late)
+    return [min(by_unit.get(j, [0])) for j in range(n)], [min(later.get(j, [0])) for j in range(n)]
 
 
-def option_frees(memory: list[Stretch], plain: list[Stretch], steps: list[Phase], has: list[bool]) -> list[int]:
+def option_frees(memory: list[Stretch], plain: list[Stretch], steps: list[Phase], has: list[bool],
+                 later: list[int]) -> list[int]:
     """What the remainder after each forward of a unit that ``has`` a finer option frees beyond
     the plain step (``steps``: its phases): only what the option's own run ends below the plain
     one (the least over the unit's runs), so never more than the option frees whatever the other
-    units do."""
+    units do. Where the unit before has the option too, what it may free a unit late is taken off
+    (at most what checkpointing it whole frees so, ``later``): a finer option's late frees are
+    not counted (cautious)."""
     by_unit: dict[int, list[int]] = {}
     for t, j in after_forwards(steps).items():
         if has[j]:
-            by_unit.setdefault(j, []).append(max(0, plain[t].end - memory[t].end))
+            before = later[j - 1] if j > 0 and has[j - 1] else 0
+            by_unit.setdefault(j, []).append(max(0, plain[t].end - memory[t].end - before))
     return [min(by_unit.get(j, [0])) for j in range(len(has))]
 
 
