@@ -189,7 +189,7 @@ def test_blocks_returning_what_the_loop_drops_a_block_later_are_predicted_exactl
     the model's loop drops them when the next block returns. Kept, autograd saves them anyway;
     checkpointed, they are freed a unit late, which the alternating memory runs tell apart from
     what a unit frees right after itself (``OptionCost.freed_later_bytes``). Counted until the
-    block's backward, every checkpointed block read 98-131 KiB high (3% with all four). A finer
+    block's backward, every checkpointed block read 96-128 KiB high (3% with all four). A finer
     option's late frees are not counted (cautious): before, one was taken for the next unit's,
     and ``child:attn`` on the last block beside a kept one measured 128 KiB above its prediction."""
     model, inputs = build()
