@@ -193,20 +193,21 @@ def test_blocks_returning_what_the_loop_drops_a_block_later_are_predicted_exactl
     option's late frees are not counted (cautious): before, one was taken for the next unit's,
     and ``child:attn`` on the last block beside a kept one measured 128 KiB above its prediction."""
     model, inputs = build()
+
+    def measured(plan):  # a copy of the model under the plan, its step's peak
+        twin = copy.deepcopy(model)
+        set_policies(twin, plan)
+        return measure_steps(twin, inputs, optimizer="adamw").peak_bytes
+
     prof = memfit.profile(model, inputs, optimizer="adamw", repeat=1)
     names = prof.unit_names
     assert [u.options[FULL].freed_later_bytes > 0 for u in prof.units] == [True, True, True, False]
     for plan in ({names[0]: FULL}, {names[0]: FULL, names[2]: FULL}, dict.fromkeys(names, FULL)):
-        twin = copy.deepcopy(model)
-        set_policies(twin, plan)
-        measured = measure_steps(twin, inputs, optimizer="adamw")
-        assert memfit.predict(prof, plan).peak_bytes == measured.peak_bytes, plan
+        assert memfit.predict(prof, plan).peak_bytes == measured(plan), plan
     if build is hf_bloom:  # the finer options' check once is enough
         return
     fine = memfit.profile(model, inputs, optimizer="adamw", repeat=1, granularity="fine", children=["attn"])
     attn = next(o for o in fine.units[3].options if str(o) == "child:attn")
     for plan in ({names[3]: attn}, {names[1]: FULL, names[2]: attn}):
-        twin = copy.deepcopy(model)
-        set_policies(twin, plan)
-        measured = measure_steps(twin, inputs, optimizer="adamw").peak_bytes
-        assert measured <= memfit.predict(fine, plan).peak_bytes <= 1.01 * measured, plan
+        peak = measured(plan)
+        assert peak <= memfit.predict(fine, plan).peak_bytes <= 1.01 * peak, plan

@@ -22,6 +22,7 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
     r = random.Random(seed)
     rr = random.Random(seed + 2 * 10**6)
     rf = random.Random(seed + 10**6)  # its own stream: profiles without finer options stay as they were
+    rl = random.Random(seed + 3 * 10**6)  # the same for late frees
     units, phases = [], [Phase("pre", None, "remainder", r.randint(0, 50), r.randint(0, 50), r.randint(50, 60))]
     for i in range(n):
         a = r.randint(10, 100)
@@ -43,7 +44,7 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
             full.freed_after_bytes = rr.randint(0, s)
             full.bwd_end_bytes += full.freed_after_bytes
         if late and i < n - 1:
-            full.freed_later_bytes = random.Random(seed + 3 * 10**6 + i).randint(0, a - s)
+            full.freed_later_bytes = rl.randint(0, a - s)
             full.stored_bytes += full.freed_later_bytes
             full.fwd_peak_bytes += full.freed_later_bytes
         for m in range(fine):

@@ -174,9 +174,8 @@ def separate(memory: Memory, steps: list[Phase], n: int) -> tuple[list[int], lis
         if runs is not None:
             kept, ckpt = runs[1 - j % 2][t].end, runs[j % 2][t].end  # unit j kept (j - 1 not); unit j checkpointed
             both = full[t].end
-            if j == 0 and ckpt != both:  # no unit before it to free anything late
-                kept = -(2**62)
-            if kept >= both and ckpt >= both and kept + ckpt - both >= none[t].end:
+            # no unit before the first to free anything late: there the two checkpointed runs agree
+            if (j > 0 or ckpt == both) and kept >= both and ckpt >= both and kept + ckpt - both >= none[t].end:
                 steps[t].ckpt_end_bytes, freed, late = kept + ckpt - both, kept - both, ckpt - both
         by_unit.setdefault(j, []).append(freed)
         if j > 0:

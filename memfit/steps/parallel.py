@@ -236,10 +236,11 @@ def _profile_rank(device: str, scenario: Any, layout: ParallelLayout, *, repeat:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prof = profile(wrapped, inputs, units=inner, step=scenario.train_step, repeat=repeat, granularity=granularity)
+    renames = sorted(zip(inner, names, strict=True), key=lambda p: -len(p[0]))  # module.h.10 before module.h.1
     said = []
     for w in caught:  # for the parent to say, in the plain model's unit names
         message = str(w.message)
-        for wrapped_name, name in sorted(zip(inner, names, strict=True), key=lambda p: -len(p[0])):
+        for wrapped_name, name in renames:
             message = message.replace(wrapped_name, name)
         said.append((w.category, message))
     for unit, name in zip(prof.units, names, strict=True):
