@@ -237,15 +237,16 @@ def _profile_rank(device: str, scenario: Any, layout: ParallelLayout, *, repeat:
         warnings.simplefilter("always")
         prof = profile(wrapped, inputs, units=inner, step=scenario.train_step, repeat=repeat, granularity=granularity)
     renames = sorted(zip(inner, names, strict=True), key=lambda p: -len(p[0]))  # module.h.10 before module.h.1
-    said = []
-    for w in caught:  # for the parent to say, in the plain model's unit names
-        message = str(w.message)
+
+    def plain(text: str) -> str:  # in the plain model's unit names
         for wrapped_name, name in renames:
-            message = message.replace(wrapped_name, name)
-        said.append((w.category, message))
+            text = text.replace(wrapped_name, name)
+        return text
+
+    said = [(w.category, plain(str(w.message))) for w in caught]  # for the parent to say
     for unit, name in zip(prof.units, names, strict=True):
         unit.name = name
-    prof.phases = [dataclasses.replace(p, label=p.label.replace("module.", "")) for p in prof.phases]
+    prof.phases = [dataclasses.replace(p, label=plain(p.label)) for p in prof.phases]
     prof.fingerprint = model_fingerprint(model, names)
     prof.model_class = prof.fingerprint["model_class"]
     prof.parallel = layout
