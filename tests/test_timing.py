@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import memfit
 from memfit import zoo
@@ -186,3 +187,41 @@ def test_a_gain_within_the_costs_uncertainty_is_said_and_a_fine_one_not_taken():
         assert sched.policies == memfit.plan(prof, b).policies and "module-level plan is used" in sched.solver_status
         assert "cost the same within the measurement's noise" in schedule_report(sched)
     assert "within the measurement's noise" not in schedule_report(memfit.plan(prof, hi))  # nothing to gain
+
+
+def test_cuda_marks_are_timed_by_events_read_once_after_the_step(monkeypatch):
+    """On CUDA a synchronisation at every mark would serialise host and device (launch-bound steps
+    then measured 2 to 4 times their prediction, docs/cuda.md): the recorder records an event per
+    mark and synchronises once, when its marks are read. A stand-in for the CUDA calls."""
+    from memfit.measure.meters import TimeRecorder
+
+    device_ms = [0.0]  # where the device's timeline is when an event is recorded
+    syncs: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.at: float | None = None
+
+        def record(self, stream: object) -> None:
+            assert stream == "stream"
+            self.at = device_ms[0]
+
+        def elapsed_time(self, other: "Event") -> float:
+            assert syncs, "read before the device was synchronised"
+            return other.at - self.at
+
+    monkeypatch.setattr("torch.cuda.Event", Event)
+    monkeypatch.setattr("torch.cuda.current_stream", lambda device: "stream")
+    monkeypatch.setattr("torch.cuda.synchronize", lambda device: syncs.append("sync"))
+    recorder = TimeRecorder(torch.device("cuda"))
+    with recorder:
+        for label, ms in [("forward", 5.0), ("fwd:0", 7.5), ("bwd:0", 12.0), ("done", 12.5)]:
+            device_ms[0] = ms
+            recorder.on_mark(label)
+    assert syncs == []  # none while the step ran
+    marks = recorder.marks()
+    assert syncs == ["sync"]
+    assert [(m.label, m.time_s) for m in marks] == [("forward", 0.0), ("fwd:0", 0.0025), ("bwd:0", 0.007),
+                                                    ("done", 0.0075)]
+    assert recorder.marks() == marks and syncs == ["sync"]  # read once

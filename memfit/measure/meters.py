@@ -39,13 +39,18 @@ def real_meters(device: torch.device) -> Meters:
 
 
 class TimeRecorder:
-    """The time at each mark by ``timing.clock`` (a single-threaded CPU step: its thread's CPU
-    time; else the wall; CUDA is synchronised first, so a mark's time is real)."""
+    """The time at each mark. On the CPU by ``timing.clock`` (one thread: its CPU time; else the
+    wall). On CUDA by events on the current stream, read once after the step: a synchronisation
+    at every mark would serialise the host and the device, so the stretches and the whole step
+    would be priced as a real step never runs (launch-bound steps measured 2 to 4 times their
+    prediction on an H200 that way, docs/cuda.md), and the host's launches would hide behind the
+    waits."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._now = clock(device)
         self._marks: list[Mark] = []
+        self._events: list[tuple[str, Any]] = []
 
     def __enter__(self) -> TimeRecorder:
         return self
@@ -55,8 +60,16 @@ class TimeRecorder:
 
     def on_mark(self, label: str) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._marks.append(Mark(label, 0, 0, self._now()))
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self._events.append((label, event))
+        else:
+            self._marks.append(Mark(label, 0, 0, self._now()))
 
     def marks(self) -> list[Mark]:
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            first = self._events[0][1]
+            self._marks = [Mark(label, 0, 0, first.elapsed_time(e) / 1e3) for label, e in self._events]
+            self._events = []
         return self._marks
