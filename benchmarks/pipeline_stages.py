@@ -5,6 +5,7 @@
     python benchmarks/pipeline_stages.py --measure    # gloo ranks only: predicted vs measured peaks
     python benchmarks/pipeline_stages.py --compare    # 4 and 8 stages: per-stage vs uniform slowdown
     python benchmarks/pipeline_stages.py --time       # 2 gloo ranks, a core each: measured slowdowns
+                                                      # (2 stages, 1F1B; 4 stages, Interleaved1F1B)
     python benchmarks/pipeline_stages.py --estimate   # Llama 3 8B on 4 and 8 H100s, estimated
 
 ``--measure`` profiles each rank of tests/pipeline_models.py's GPT (4 or 8 blocks) in one process,
@@ -15,7 +16,8 @@ beside its prediction. ``--compare`` plans a 16-block GPT (d 128, 128
 tokens, 2 sequences a micro-batch, 1F1B with 2 micro-batches per stage) for 4 and 8 stages at
 budgets between the plans' reach and the unplanned peak; the slowdowns are the pipeline's
 (``memfit.steps.pipeline.makespan`` over each rank's forward and backward times, measured here).
-``--time`` runs 2 stages (one thread and one core a rank) of a 8-block GPT under 1F1B with nothing,
+``--time`` runs 2 stages (one thread and one core a rank) of a 8-block GPT under 1F1B, and 4
+stages of it under Interleaved1F1B (two a rank), with nothing,
 the per-stage and the uniform plan and nothing again (an A/A control), interleaved: each timed
 step after an untimed one of its own configuration, the order rotated every round, GC held off,
 medians over 41 rounds of the pipeline's wall time between two barriers; beside the slowdowns
@@ -87,16 +89,19 @@ def compare() -> None:
                   f"{plans.uniform_s / plans.plain_s - 1:+.1%} |")
 
 
-def _time_rank(device: str, plans: list, rounds: int) -> dict:
-    """On each rank: its stage under each configuration of ``plans`` (per configuration, one
-    schedule a rank, or None), timed in interleaved rounds; rank 0's medians."""
+def _time_rank(device: str, plans: list, rounds: int, schedule: str, n_stages: int, microbatches: int) -> dict:
+    """On each rank: its stage (or stages, two a rank when interleaved) under each configuration of
+    ``plans`` (per configuration, one schedule a rank, or None), timed in interleaved rounds;
+    rank 0's medians."""
     import gc
     import statistics
     import time
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
 
     import memfit
     from tests.pipeline_models import built, cut, loss_fn
@@ -106,14 +111,17 @@ def _time_rank(device: str, plans: list, rounds: int) -> dict:
     model, vocab = built("gpt", 8, 128)
     idx = torch.randint(0, vocab, (8, 128))
     tgt = torch.randint(0, vocab, (8, 128))
-    stage_mod = cut("gpt", model, 2)[rank]
-    stage = PipelineStage(stage_mod, rank, 2, torch.device(device))
-    sched = Schedule1F1B(stage, 4, loss_fn=loss_fn)
+    mods = cut("gpt", model, n_stages)
+    mine = [s for s in range(n_stages) if s % dist.get_world_size() == rank]
+    stage_mod = mods[rank] if len(mine) == 1 else nn.ModuleDict({str(s): mods[s] for s in mine})
+    pipe = [PipelineStage(mods[s], s, n_stages, torch.device(device)) for s in mine]
+    sched = get_schedule_class(schedule)(pipe[0] if len(mine) == 1 else pipe, microbatches, loss_fn=loss_fn)
     opt = torch.optim.AdamW(stage_mod.parameters(), lr=0.0)
+    first, last = 0 in mine, n_stages - 1 in mine
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        sched.step(idx, return_outputs=False) if rank == 0 else sched.step(target=tgt, return_outputs=False)
+        sched.step(*([idx] if first else []), return_outputs=False, **({"target": tgt} if last else {}))
         opt.step()
 
     times: list[list[float]] = [[] for _ in plans]
@@ -137,7 +145,8 @@ def _time_rank(device: str, plans: list, rounds: int) -> dict:
     return {"medians": [statistics.median(ts) for ts in times]}
 
 
-def time_two_stages(rounds: int = 41) -> None:
+def time_stages(rounds: int = 41) -> None:
+    """2 ranks, a core each: 2 stages under 1F1B, and 4 stages (two a rank) under Interleaved1F1B."""
     import torch
 
     from memfit.policy import KEEP
@@ -146,16 +155,19 @@ def time_two_stages(rounds: int = 41) -> None:
     from tests.pipeline_models import stage_profiles
 
     torch.set_num_threads(1)
-    profiles = stage_profiles("1F1B", 2, 4, n_layer=8, seq=128, repeat=7)
-    top = max(p.measured_peak_bytes[KEEP] for p in profiles)
-    print("| budget | per-stage: predicted / measured | uniform: predicted / measured | A/A (nothing twice) |")
-    print("|---:|---:|---:|---:|")
-    for share in (0.9, 0.8):
-        plans = plan_stages(profiles, int(share * top), schedule="1F1B", microbatches=4)
-        configs = [[None, None], plans.schedules, plans.uniform_schedules, [None, None]]
-        m = spawn_ranks(_time_rank, 2, "cpu", configs, rounds)["medians"]
-        print(f"| {share:.0%} | {plans.per_stage_s / plans.plain_s - 1:+.1%} / {m[1] / m[0] - 1:+.1%} | "
-              f"{plans.uniform_s / plans.plain_s - 1:+.1%} / {m[2] / m[0] - 1:+.1%} | {m[3] / m[0] - 1:+.1%} |")
+    print("| schedule | stages | budget | per-stage: predicted / measured | uniform: predicted / measured "
+          "| A/A (nothing twice) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for schedule, n_stages in (("1F1B", 2), ("Interleaved1F1B", 4)):
+        profiles = stage_profiles(schedule, n_stages, 4, n_layer=8, seq=128, repeat=7)
+        top = max(p.measured_peak_bytes[KEEP] for p in profiles)
+        for share in (0.9, 0.8):
+            plans = plan_stages(profiles, int(share * top), schedule=schedule, microbatches=4)
+            configs = [[None, None], plans.schedules, plans.uniform_schedules, [None, None]]
+            m = spawn_ranks(_time_rank, 2, "cpu", configs, rounds, schedule, n_stages, 4)["medians"]
+            print(f"| {schedule} | {n_stages} | {share:.0%} | {plans.per_stage_s / plans.plain_s - 1:+.1%} / "
+                  f"{m[1] / m[0] - 1:+.1%} | {plans.uniform_s / plans.plain_s - 1:+.1%} / {m[2] / m[0] - 1:+.1%} | "
+                  f"{m[3] / m[0] - 1:+.1%} |")
 
 
 def estimate_llama(stages_list: tuple[int, ...] = (4, 8), budget: str = "40GB") -> None:
@@ -194,7 +206,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--measure", action="store_true", help="only the gloo ranks' peaks")
     ap.add_argument("--compare", action="store_true", help="only the per-stage vs uniform table")
-    ap.add_argument("--time", action="store_true", help="only the timed 2-rank runs")
+    ap.add_argument("--time", action="store_true", help="only the timed 2-rank runs (2 and 4 stages)")
     ap.add_argument("--estimate", action="store_true", help="only Llama 3 8B on 4 and 8 H100s, estimated")
     args = ap.parse_args()
     both = not (args.measure or args.compare or args.time or args.estimate)
@@ -203,7 +215,7 @@ def main() -> None:
     if args.compare or both:
         compare()
     if args.time or both:
-        time_two_stages()
+        time_stages()
     if args.estimate or both:
         estimate_llama()
 

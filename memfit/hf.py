@@ -144,6 +144,14 @@ class DecoderStage(nn.Module):
         self.norm = base.norm if last else None
         self.lm_head = model.lm_head if last else None
 
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The token embedding on the first stage (None on the others), as the model's own."""
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The head on the last stage (None on the others), as the model's own."""
+        return self.lm_head
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 

@@ -193,3 +193,22 @@ def schedule_ops(schedule: Any, stages: int, microbatches: int) -> tuple[list[li
     if stages % per_rank:
         raise MemfitError(f"{name} runs {per_rank} stages on each rank: give a number of stages it divides")
     return ops(_schedule_class(schedule), stages // per_rank, microbatches, per_rank), per_rank == 1
+
+
+def fsdp_reduce_after_pipeline(module: Any) -> None:
+    """What ``PipelineStage.perform_reduce_grad`` does for an FSDP2 stage after its last backward:
+    gradient sync and resharding on again, every FSDP state's parameter groups' ``post_backward``
+    (the reduce-scatter of the gradients accumulated unsharded over the micro-batches), then the
+    root's final callback. Reads ``fully_shard.state(module)._state_ctx.all_states``,
+    ``_fsdp_param_groups`` and ``_root_post_backward_final_callback``, as torch's stage does.
+    Since torch 2.6."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    root = fully_shard.state(module)
+    for state in root._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    root._root_post_backward_final_callback()

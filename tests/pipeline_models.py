@@ -177,3 +177,71 @@ def stage_profiles(schedule: str, n_stages: int, microbatches: int, batch: int =
     return profile_stages(cut(kind, model, n_stages), idx, tgt, loss_fn, schedule=schedule,
                           microbatches=microbatches, units="layers.*", repeat=repeat,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+
+
+def run_mesh_rank(device: str, schedule: str, n_stages: int, microbatches: int, layout: dict, plans: list,
+                  batch: int = 8, seq: int = 64, n_layer: int = 4) -> dict:
+    """Hugging Face's Llama in ``n_stages`` pipeline stages, each stage held by ``layout``'s ranks
+    (FSDP2 shards, tensor-parallel ranks, or both), sharded by memfit's own ``shard`` on the
+    ``("dp_shard", "tp")`` part of a ``("pp", "dp_shard", "tp")`` mesh, as torchtitan builds its PP x
+    FSDP x TP mesh; ``plans[pp rank]`` (a memfit Schedule, or None) applied after the sharding.
+    Every rank runs the same batch (so the gradients reduced over the data-parallel shards are
+    one process's). Each rank's first-step gradients, made whole, and its peak in the third step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.distributed.tensor import DTensor
+
+    import memfit
+    from memfit.formats.profile import tp_degree
+    from memfit.measure.memory import measured
+    from memfit.measure.ranks import shard
+    from memfit.units import find_units
+
+    inner, tp = int(layout["world_size"]), tp_degree(layout)
+    pp = dist.get_world_size() // inner
+    mesh = init_device_mesh(device, (pp, inner // tp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+    within = mesh["tp"] if layout["kind"] == "tp" else mesh["dp_shard", "tp"] if tp > 1 else mesh["dp_shard"]
+    pp_rank = mesh["pp"].get_local_rank()
+    model, vocab = built("llama", n_layer, seq)
+    idx = torch.randint(0, vocab, (batch, seq))
+    tgt = torch.randint(0, vocab, (batch, seq))
+    mods = cut("llama", model, n_stages)
+    mine = [s for s in range(n_stages) if s % pp == pp_rank]
+    for s in mine:
+        shard(mods[s], find_units(mods[s], "layers.*"), layout, within, pipeline=True)
+    stage_mod = mods[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(s): mods[s] for s in mine})
+    if plans[pp_rank] is not None:
+        memfit.apply(stage_mod, plans[pp_rank])
+    pipe = [PipelineStage(mods[s], s, n_stages, torch.device(device), group=mesh["pp"].get_group()) for s in mine]
+    sched = get_schedule_class(schedule)(pipe[0] if len(mine) == 1 else pipe, microbatches, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3, foreach=False)
+    first, last = 0 in mine, n_stages - 1 in mine
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        sched.step(*([idx] if first else []), return_outputs=False, **({"target": tgt} if last else {}))
+        opt.step()
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def static() -> list[torch.Tensor]:
+        held = [local(t) for t in [*stage_mod.parameters(), *stage_mod.buffers(),
+                                   *[v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]]]
+        for stage in pipe:
+            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+                held += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+        return held + ([idx] if first else []) + ([tgt] if last else [])
+
+    opt.zero_grad(set_to_none=True)
+    sched.step(*([idx] if first else []), return_outputs=False, **({"target": tgt} if last else {}))
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone().numpy()
+             for n, p in stage_mod.named_parameters() if p.grad is not None}
+    step()
+    _, peak, _ = measured(step, static)
+    out = {"rank": dist.get_rank(), "pp": pp_rank, "peak": peak, "grads": grads}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    return {"ranks": gathered}

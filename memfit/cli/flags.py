@@ -98,7 +98,8 @@ def source_flags(p: argparse.ArgumentParser, *, validate: bool = False) -> None:
                        "and the root; fsdp-bf16: with MixedPrecisionPolicy, bf16 params, fp32 reduce), DDP, or tensor "
                        "parallelism by a Hugging Face model's own plan (tp: its config's base_model_tp_plan) (gloo "
                        "on the CPU, one GPU each with NCCL)")
-        g.add_argument("--world-size", type=int, help="ranks for --parallel (default: 2)")
+        g.add_argument("--world-size", type=int, help="ranks for --parallel (default: 2); with --pp, the ranks "
+                       "that hold each stage")
         g.add_argument("--tp", type=int, metavar="N",
                        help="with --parallel fsdp or fsdp-bf16: a 2-D mesh of --world-size/N FSDP2 shards by N "
                        "tensor-parallel ranks (torchtitan's data_parallel_shard_degree and tensor_parallel_degree), "

@@ -199,6 +199,34 @@ def target_of(args: argparse.Namespace, sc: Any) -> Any:
     return None
 
 
+def layout_from(args: argparse.Namespace, sc: Any) -> Any:
+    """The ranks the flags (over the scenario's own ``parallel``, ``world_size``, ``tp``,
+    ``sequence_parallel``) ask for, checked (``formats.profile.layout_of``); None for one process."""
+    from memfit.formats.profile import layout_of
+
+    if args.world_size is not None and args.parallel is None and sc.parallel is None:
+        raise MemfitError("--world-size is the number of ranks for --parallel; give --parallel too")
+    parallel = args.parallel or sc.parallel
+    ranks = args.world_size if args.world_size is not None else (
+        sc.world_size if parallel == sc.parallel and sc.world_size else 2)
+    same = parallel == sc.parallel and args.world_size in (None, sc.world_size)
+    tp = args.tp if args.tp is not None else (sc.tp or 1) if same else 1
+    sp = args.sequence_parallel if args.sequence_parallel is not None else (sc.sequence_parallel and same)
+    if (args.tp is not None or args.sequence_parallel) and parallel is None:
+        raise MemfitError("--tp and --sequence-parallel shape the ranks of --parallel; give --parallel too")
+    return layout_of(parallel, ranks, tp, sp) if parallel is not None else None
+
+
+def mesh_arguments(layout: Any) -> dict[str, Any]:
+    """``layout`` as the keyword arguments of ``estimate`` and ``estimate_stages``."""
+    from memfit.formats.profile import tp_degree
+
+    if layout is None:
+        return {}
+    return {"parallel": layout["kind"], "world_size": int(layout["world_size"]), "tp": tp_degree(layout),
+            "sequence_parallel": bool(layout.get("sequence_parallel"))}
+
+
 def build_model(sc: Any, device: str) -> tuple[Any, Any]:
     print(f"building {sc.name} ({sc.model}) on {device}", file=sys.stderr)
     return sc.build(device)
@@ -210,7 +238,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
     import torch
 
     from memfit.devices import DEVICES
-    from memfit.formats.profile import describe_layout, layout_of
+    from memfit.formats.profile import describe_layout
 
     repeat = 5 if args.repeat is None else args.repeat
     if repeat < 1:
@@ -223,23 +251,13 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
         raise MemfitError(f"--compile measures the compiled step, which needs the device; {sc.name} would be estimated "
                           f"for {target.name} from shapes: plan without --compile here, or with it on that GPU")
     step = sc.train_step
-    if args.world_size is not None and args.parallel is None and sc.parallel is None:
-        raise MemfitError("--world-size is the number of ranks for --parallel; give --parallel too")
-    parallel = args.parallel or sc.parallel
-    ranks = args.world_size if args.world_size is not None else (
-        sc.world_size if parallel == sc.parallel and sc.world_size else 2)
-    same = parallel == sc.parallel and args.world_size in (None, sc.world_size)
-    tp = args.tp if args.tp is not None else (sc.tp or 1) if same else 1
-    sp = args.sequence_parallel if args.sequence_parallel is not None else (sc.sequence_parallel and same)
-    if (args.tp is not None or args.sequence_parallel) and parallel is None:
-        raise MemfitError("--tp and --sequence-parallel shape the ranks of --parallel; give --parallel too")
-    layout = layout_of(parallel, ranks, tp, sp) if parallel is not None else None  # checked before it says what it does
+    layout = layout_from(args, sc)  # checked before it says what it does
     if layout is not None and target is None:
         from memfit.steps.parallel import profile_ranks
 
         print(f"measuring {sc.name} on one rank of {describe_layout(layout)}", file=sys.stderr)
-        return profile_ranks(sc, parallel=parallel, world_size=ranks, tp=tp, sequence_parallel=sp, repeat=repeat,
-                             granularity=args.granularity, device=parse_device(args.device))
+        return profile_ranks(sc, **mesh_arguments(layout), repeat=repeat, granularity=args.granularity,
+                             device=parse_device(args.device))
     if target is not None:
         from memfit.profiler.estimate import estimate
 
@@ -247,7 +265,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
               file=sys.stderr)
         result = estimate(lambda: sc.build("cpu"), target=target, units=sc.units, step=step,
                           granularity=args.granularity, children=args.children, progress=lambda _m: check_interrupt(),
-                          parallel=parallel, world_size=ranks if parallel else 1, tp=tp, sequence_parallel=sp)
+                          **mesh_arguments(layout))
         result.source = sc.source()
         _say_units(sc, result)
         return result

@@ -15,9 +15,8 @@ from memfit.cli import modelflags
 from memfit.errors import MemfitError
 
 # the flags a pipeline plan does not take yet, and what they are
-_NOT_WITH_PP = {"parallel": "--parallel", "tp": "--tp", "profile": "--profile", "compile": "--compile",
-                "seq_lens": "--seq-lens", "seq_hist": "--seq-hist", "timeline": "--timeline",
-                "save_profile": "--save-profile"}
+_NOT_WITH_PP = {"profile": "--profile", "compile": "--compile", "seq_lens": "--seq-lens", "seq_hist": "--seq-hist",
+                "timeline": "--timeline", "save_profile": "--save-profile"}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -29,6 +28,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="1F1B, GPipe, Interleaved1F1B or LoopedBFS (default: %(default)s)")
     g.add_argument("--pp-microbatches", type=int, metavar="M",
                    help="micro-batches the scenario's batch is cut into (default: 2 a stage)")
+    g.description = ("with --parallel fsdp|fsdp-bf16|tp, --tp and --sequence-parallel, each stage is held by "
+                     "--world-size ranks (its FSDP2 shards times --tp): torchtitan's PP x FSDP x TP mesh of --pp "
+                     "times --world-size ranks, estimated for a --target")
 
 
 def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
@@ -59,7 +61,10 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
     stages = _stage_count(args, microbatches)  # before minutes of profiling
     sc = modelflags.scenario_of(args)
     _check_step(sc)
-    profiles = _profiles(args, sc, stages, microbatches)
+    layout = modelflags.layout_from(args, sc)
+    if layout is not None:
+        _check_mesh(layout, modelflags.target_of(args, sc))
+    profiles = _profiles(args, sc, stages, microbatches, layout)
     if share is not None:
         budget = max(1, round(share * max(predict(p, {}).peak_bytes for p in profiles)))
         print(f"budget {budget_text.strip()} of the fullest rank's unplanned peak: {format_bytes(budget)}")
@@ -72,21 +77,36 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
                           "ranks": [s.to_dict() for s in plans.schedules]}, indent=2))
         return 0
     print(stages_report(plans))
-    print(f"\nwrote {', '.join(written)}; on rank r, before PipelineStage(stage, r, ...):\n"
+    where = "before PipelineStage(stage, r, ...)" if layout is None else (
+        "after its stage is sharded (parallelize_module, fully_shard) and before PipelineStage(stage, r, ...)")
+    print(f"\nwrote {', '.join(written)}; on pipeline rank r, {where}:\n"
           f'    memfit.apply(stage, memfit.load_schedule("{stem.stem}.rank<r>{stem.suffix or ".json"}"))')
     return 0
 
 
 def _check_step(sc: Any) -> None:
     step = sc.train_step
-    if step.accumulate > 1 or step.amp or step.clip_grad_norm is not None or step.keep_output:
+    if step.accumulate > 1 or step.amp or step.keep_output:
         raise MemfitError(f"{sc.name}'s step ({step.describe()}) is more than a pipeline rank's step memfit plans yet "
-                          "(an optimizer, a dtype): drop --accumulate, amp precision, --clip-grad-norm and "
-                          "--keep-output")
+                          "(an optimizer, a dtype, clipping; micro-batches are --pp-microbatches): drop --accumulate, "
+                          "amp precision and --keep-output (for mixed precision under --pp, --parallel fsdp-bf16)")
 
 
-def _profiles(args: argparse.Namespace, sc: Any, stages: int, microbatches: int) -> list[Any]:
+def _check_mesh(layout: Any, target: Any) -> None:
+    """Refuse stages held by several ranks where memfit cannot plan them: measured here (one
+    process measures every stage; sharded stages need their ranks), or under DDP."""
+    from memfit.formats.profile import describe_layout
+
+    if layout["kind"] == "ddp":
+        raise MemfitError("--pp plans stages sharded by --parallel fsdp, fsdp-bf16 or tp, not ddp")
+    if target is None:
+        raise MemfitError(f"--pp with stages on {describe_layout(layout)} is estimated, not measured here: give "
+                          "--target (h100, a100-80gb, ..., or cpu)")
+
+
+def _profiles(args: argparse.Namespace, sc: Any, stages: int, microbatches: int, layout: Any) -> list[Any]:
     """Each rank's profile: estimated for the scenario's or the flags' target, else measured here."""
+    from memfit.formats.profile import describe_layout
     from memfit.steps.stages import causal_lm_loss, estimate_stages, profile_stages
 
     target = modelflags.target_of(args, sc)
@@ -106,16 +126,20 @@ def _profiles(args: argparse.Namespace, sc: Any, stages: int, microbatches: int)
         return decoder_stages(model, stages), ids, inputs.get("labels", ids)
 
     where = f"for {target.name} from shapes" if target is not None else "here"
+    held = "" if layout is None else (f", each stage on {describe_layout(layout)} "
+                                      f"({args.pp * int(layout['world_size'])} ranks in all)")
     print(f"{'estimating' if target is not None else 'measuring'} {sc.name} in {args.pp} ranks of a "
-          f"{args.pp_schedule} pipeline, {microbatches} micro-batches, {where}", file=sys.stderr)
+          f"{args.pp_schedule} pipeline{held}, {microbatches} micro-batches, {where}", file=sys.stderr)
     if target is not None:
         profiles = estimate_stages(build, causal_lm_loss, target=target, schedule=args.pp_schedule,
-                                   microbatches=microbatches, optimizer=optimizer, units="layers.*")
+                                   microbatches=microbatches, optimizer=optimizer, units="layers.*",
+                                   clip_grad_norm=sc.train_step.clip_grad_norm, **modelflags.mesh_arguments(layout))
     else:
         modules, ids, labels = build()
         profiles = profile_stages(modules, ids, labels, causal_lm_loss, schedule=args.pp_schedule,
                                   microbatches=microbatches, optimizer=optimizer, units="layers.*",
-                                  repeat=5 if args.repeat is None else args.repeat)
+                                  repeat=5 if args.repeat is None else args.repeat,
+                                  clip_grad_norm=sc.train_step.clip_grad_norm)
     for p in profiles:
         p.source = sc.source()
     return profiles
@@ -139,6 +163,7 @@ def validate_pipeline(schedule_path: str) -> int:
     import torch
 
     from memfit.budget import format_bytes
+    from memfit.formats.profile import describe_layout
     from memfit.formats.schedule import load_schedule
     from memfit.report import table
     from memfit.scenarios import scenario_from_source
@@ -159,19 +184,29 @@ def validate_pipeline(schedule_path: str) -> int:
         raise MemfitError(f"{', '.join(map(str, paths))} are not the ranks of one pipeline plan: plan them again")
     if not first.source:
         raise MemfitError("this pipeline plan does not record its model (it was made in Python): run its ranks there")
+    if first.target and first.device == "cuda" and not torch.cuda.is_available():
+        raise MemfitError(f"these ranks' plans were estimated for {first.target} without one; validate them on those "
+                          "GPUs")
     sc = scenario_from_source(dict(first.source), trusted=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"running {sc.name} on {info['ranks']} ranks of a {info['schedule']} pipeline", file=sys.stderr)
-    ranks = spawn_ranks(_pipeline_rank, info["ranks"], device, sc, schedules, who="pipeline ranks")["ranks"]
+    layout = first.parallel
+    per_stage = int(layout["world_size"]) if layout else 1
+    held = f", each stage on {describe_layout(layout)}" if layout else ""
+    print(f"running {sc.name} on {info['ranks'] * per_stage} ranks of a {info['schedule']} pipeline{held}",
+          file=sys.stderr)
+    ranks = spawn_ranks(_pipeline_rank, info["ranks"] * per_stage, device, sc, schedules,
+                        who="pipeline ranks")["ranks"]
     grads = _plain_grads(sc)
     rows, ok = [], True
-    for r, (got, planned) in enumerate(zip(ranks, schedules, strict=True)):
+    for r, got in enumerate(ranks):
+        planned = schedules[got["pp"]]
         worst = max((float((g - grads[n]).abs().max() / grads[n].abs().max().clamp_min(1e-12))
                      for n, g in ((_plain_name(k), torch.from_numpy(v)) for k, v in got["grads"].items())),
                     default=0.0)
         fits = got["peak"] <= planned.budget_bytes
         ok = ok and fits and worst < 1e-3
-        rows.append([str(r), format_bytes(planned.predicted_peak_bytes), format_bytes(got["peak"]),
+        name = f"{r} (stage rank {got['pp']})" if layout else str(r)
+        rows.append([name, format_bytes(planned.predicted_peak_bytes), format_bytes(got["peak"]),
                      f"{(got['peak'] - planned.predicted_peak_bytes) / planned.predicted_peak_bytes:+.2%}",
                      format_bytes(planned.budget_bytes), "yes" if fits else "NO", f"{worst:.1e}"])
     print(table(["rank", "predicted peak", "measured", "off", "budget", "fits", "gradients off"], rows))
@@ -194,16 +229,34 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
     from memfit.measure.step import make_optimizer
     from memfit.runtime.apply import apply
     from memfit.steps.stages import causal_lm_loss
+    from memfit.torch_private import inner_tensors
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = schedules[0].parallel
+    rank, pp, group, within = dist.get_rank(), dist.get_world_size(), None, None
+    if layout:  # a ("pp", "dp_shard", "tp") mesh, as torchtitan's; each stage sharded on its part of it
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from memfit.formats.profile import tp_degree
+
+        inner, tp = int(layout["world_size"]), tp_degree(layout)
+        pp = dist.get_world_size() // inner
+        mesh = init_device_mesh(device, (pp, inner // tp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+        within = mesh["tp"] if layout["kind"] == "tp" else mesh["dp_shard", "tp"] if tp > 1 else mesh["dp_shard"]
+        rank, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     info, planned = schedules[rank].pipeline, schedules[rank]
     model, inputs = sc.build(device)
     ids, labels = inputs["input_ids"], inputs.get("labels", inputs["input_ids"])
     stages = decoder_stages(model, info["stages"])
-    mine = [s for s in range(info["stages"]) if s % world == rank]
+    mine = [s for s in range(info["stages"]) if s % pp == rank]
+    if layout:
+        from memfit.measure.ranks import shard
+        from memfit.units import find_units
+
+        for s in mine:
+            shard(stages[s], find_units(stages[s], "layers.*"), layout, within, pipeline=True)
     here = stages[mine[0]] if len(mine) == 1 else nn.ModuleDict({str(s): stages[s] for s in mine})
     apply(here, planned)
-    pipe = [PipelineStage(stages[s], s, info["stages"], torch.device(device)) for s in mine]
+    pipe = [PipelineStage(stages[s], s, info["stages"], torch.device(device), group=group) for s in mine]
     sched = get_schedule_class(info["schedule"])(pipe[0] if len(mine) == 1 else pipe, info["microbatches"],
                                                  loss_fn=causal_lm_loss)
     opt = make_optimizer(sc.train_step.optimizer, here.parameters())
@@ -212,27 +265,42 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
     def pipeline_step() -> None:
         sched.step(*([ids] if first else []), return_outputs=False, **({"target": labels} if last else {}))
 
+    clip = sc.train_step.clip_grad_norm
+
     def step() -> None:
         here.zero_grad(set_to_none=True)
         pipeline_step()
+        if clip is not None:  # the norm of every stage's gradients, as torchtitan's clip_grad_norm_ takes it
+            grads = [p.grad for p in here.parameters() if p.grad is not None]
+            norm = whole(torch.nn.utils.get_total_norm(grads))
+            dist.all_reduce(norm.pow_(2), group=group)
+            torch.nn.utils.clip_grads_with_norm_(list(here.parameters()), clip, norm.sqrt_())
         if opt is not None:
             opt.step()
 
     def static() -> list[torch.Tensor]:
-        held = [*here.parameters(), *here.buffers()] + ([v for st in opt.state.values() for v in st.values()
-                                        if isinstance(v, torch.Tensor)] if opt is not None else [])
+        held = [inner_tensors(t)[0] for t in [*here.parameters(), *here.buffers()] + (
+            [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)] if opt is not None
+            else [])]
         for stage in pipe:
             for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
                 held += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
         return held + ([ids] if first else []) + ([labels] if last else [])
 
     pipeline_step()
-    grads = {n: p.grad.detach().float().cpu().numpy() for n, p in here.named_parameters() if p.grad is not None}
+    grads = {n: whole(p.grad).detach().float().cpu().numpy() for n, p in here.named_parameters() if p.grad is not None}
     step()
     _, peak, _ = measured(step, static, torch.device(device))
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, {"peak": peak, "grads": grads})
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, {"peak": peak, "grads": grads, "pp": rank})
     return {"ranks": out}
+
+
+def whole(t: Any) -> Any:
+    """A DTensor's whole value (a collective: every rank of its mesh calls it), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _plain_grads(sc: Any) -> dict[str, Any]:

@@ -33,10 +33,14 @@ def make_mesh(layout: ParallelLayout, device: str) -> Any:
     return init_device_mesh(device, (int(layout["world_size"]),))
 
 
-def shard(model: nn.Module, units: list[str], layout: ParallelLayout, mesh: Any = None) -> nn.Module:
+def shard(model: nn.Module, units: list[str], layout: ParallelLayout, mesh: Any = None, *,
+          pipeline: bool = False) -> nn.Module:
     """Tensor parallelism by the model's own plan (``tp_plan``, in place), then FSDP2 on each unit
     and the root over the data-parallel shards (in place); or DDP around the model (a new wrapper).
-    ``mesh``: the device mesh (``make_mesh``), made here over every rank when not given."""
+    ``mesh``: the device mesh (``make_mesh``), made here over every rank when not given.
+    ``pipeline``: the model is a pipeline stage, whose FSDP2 units keep their parameters gathered
+    after the forward, as torchtitan shards stages (the micro-batches' forwards would gather
+    them again each time)."""
     check_layout(layout)
     kind = layout["kind"]
     if kind == "ddp":
@@ -50,6 +54,8 @@ def shard(model: nn.Module, units: list[str], layout: ParallelLayout, mesh: Any 
 
         tp_mesh = mesh["tp"] if mesh.ndim == 2 else mesh
         parallelize_module(model, tp_mesh, tp_plan(model, tp_mesh.size(), bool(layout.get("sequence_parallel"))))
+        if layout.get("sequence_parallel"):
+            _stage_boundaries(model, tp_mesh)
     if is_fsdp(kind):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -57,7 +63,9 @@ def shard(model: nn.Module, units: list[str], layout: ParallelLayout, mesh: Any 
         # bf16: units gather and compute in bf16 and reduce gradients in fp32 (the sharded
         # parameters, gradients and optimizer state stay fp32), as mixed-precision FSDP2 runs
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if kind == "fsdp-bf16" else None
-        extra = {"mp_policy": policy} if policy is not None else {}
+        extra: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
+        if pipeline:
+            extra["reshard_after_forward"] = False
         # over tensor-parallel parameters FSDP2 makes a mesh of both dimensions from a tensor of
         # rank numbers, which must be a real one under estimate mode's fake tensors
         with unset_fake_temporarily():
@@ -139,16 +147,19 @@ def sequence_plan(model: nn.Module, plan: dict[str, str], base: str, degree: int
         else:  # embedding_rowwise
             out[key] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
     names = {id(m): n for n, m in model.named_modules()}
+    # a pipeline stage (hf.DecoderStage) has the input embedding on the first stage only and the
+    # head on the last: the others take and give the sequence shards (``_stage_boundaries``)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     for module in (embedding, head):
         if module is not None and module.weight.shape[0] % degree:
             raise MemfitError(f"{names[id(module)]}'s {module.weight.shape[0]} vocabulary rows do not divide among "
                               f"{degree} tensor-parallel ranks")
-    if not any(matches(names[id(embedding)], key) for key in out):  # vocabulary-parallel, as torchtitan's Llama
+    if embedding is not None and not any(matches(names[id(embedding)], key) for key in out):
+        # vocabulary-parallel, as torchtitan's Llama
         out[names[id(embedding)]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                                     use_local_output=False)
     if head is not None:
-        if head.weight is embedding.weight:
+        if embedding is not None and head.weight is embedding.weight:
             raise MemfitError(f"{type(model).__name__} ties its output embedding to its input embedding; memfit's "
                               "sequence-parallel plan shards them apart (plan tensor parallelism without it)")
         out[names[id(head)]] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
@@ -159,6 +170,20 @@ def sequence_plan(model: nn.Module, plan: dict[str, str], base: str, degree: int
         if on_stream and "norm" in type(module).__name__.lower():
             out[name] = SequenceParallel()
     return out
+
+
+def _stage_boundaries(model: nn.Module, tp_mesh: Any) -> None:
+    """Under sequence parallelism, a pipeline stage that lacks the input embedding takes its
+    rank's sequence shard of the hidden states (a plain tensor, as the pipeline sends it) and makes
+    it the DTensor the residual stream is; one that lacks the head gives its shard back as a plain
+    tensor: what torchtitan's stages send between them (b, s / tp, h)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if model.get_input_embeddings() is None:
+        model.register_forward_pre_hook(lambda _m, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)],
+                                                                             run_check=False), *args[1:]))
+    if model.get_output_embeddings() is None:
+        model.register_forward_hook(lambda _m, _a, out: out.to_local() if isinstance(out, DTensor) else out)
 
 
 @functools.cache

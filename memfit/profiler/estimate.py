@@ -31,7 +31,7 @@ from memfit.units import find_units
 
 
 @contextmanager
-def _fake_ranks(layout: ParallelLayout | None) -> Iterator[Any]:
+def fake_ranks(layout: ParallelLayout | None) -> Iterator[Any]:
     """Rank 0 of the layout's ranks over the fake process group (its collectives move nothing), and
     their mesh, made before fake tensors are on (a mesh holds a real rank table)."""
     if layout is None:
@@ -112,7 +112,7 @@ def estimate(
     layout = layout_of(parallel, world_size, tp, sequence_parallel) if parallel is not None else None
     if layout is not None:
         check_clipping(layout, step_of(step, optimizer).clip_grad_norm)
-    with _fake_ranks(layout) as mesh, faked(spec, build) as built:
+    with fake_ranks(layout) as mesh, faked(spec, build) as built:
         if not (isinstance(built, tuple) and len(built) == 2):
             raise MemfitError("build() must return (model, inputs)")
         model, inputs = built

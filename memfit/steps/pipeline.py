@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.torch_private import schedule_ops, stages_per_rank
+from memfit.torch_private import fsdp_reduce_after_pipeline, schedule_ops, stages_per_rank
 
 Action = tuple[str, int, int]  # ("F" or "B", stage, micro-batch); "R", "G": a send lets go (_sends)
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B"}
@@ -174,17 +174,23 @@ class RankStep:
     the rank's stage (or a ``ModuleDict`` of its stages, keyed by stage index), ``data`` its
     ``StageData`` (a dict of them by stage index). Each action in ``order`` runs the stage's forward
     (and on the last stage the loss) or its backward from the buffered gradient; the gradients are
-    then divided by ``microbatches``, as the schedule's ``scale_grads`` does, and the optimizer
-    steps. It returns the mean loss on the rank of the last stage, else 0."""
+    then divided by ``microbatches``, as the schedule's ``scale_grads`` does, clipped to
+    ``clip_grad_norm`` where given, and the optimizer steps. It returns the mean loss on the rank
+    of the last stage, else 0. (A pipeline clips to the norm of every stage's gradients, which
+    torchtitan all-reduces over the pipeline's ranks: one number, no memory; a rank's step here
+    takes its own stages' norm.)"""
 
     order: list[Action]
     last_stage: int
     microbatches: int
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    clip_grad_norm: float | None = None
 
     def __call__(self, model: nn.Module, data: dict[int, StageData]) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
+        for stage in sorted({s for _, s, _ in self.order}):
+            _gathered(_module(model, stage))
         held: dict[tuple[int, int], tuple[Any, Any]] = {}  # PipelineStage.fwd_cache: output, and the loss
         sent: dict[tuple[str, int, int], Any] = {}  # what a send holds past its use, until its "R" or "G"
         kept = {a for a in self.order if a[0] in "RG"}
@@ -209,6 +215,7 @@ class RankStep:
                     sent[("R", stage, mb)] = out
             else:
                 out, loss = held.pop((stage, mb))
+                _no_sync(_module(model, stage))
                 torch.autograd.backward(out, d.grads[mb]) if loss is None else loss.backward()
                 del out, loss
                 x = d.inputs[mb]
@@ -217,11 +224,56 @@ class RankStep:
                         sent[("G", stage, mb)] = x.grad
                     x.grad = None
         sent.clear()
+        for stage in sorted({s for _, s, _ in self.order}):
+            if _is_fsdp(_module(model, stage)):
+                fsdp_reduce_after_pipeline(_module(model, stage))
         for p in model.parameters():  # the schedule's scale_grads: the mean over micro-batches
             if p.grad is not None:
                 p.grad.div_(self.microbatches)
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), self.clip_grad_norm)
         self.optimizer.step()
         return torch.stack(losses).mean() if losses else torch.zeros(())
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if _is_fsdp(m)]
+
+
+def _gathered(module: nn.Module) -> None:
+    """An FSDP2 stage's parameters gathered at the step's start. A stage sharded as torchtitan
+    shards one (no resharding after the forward, none after a backward but the last) gathers each
+    unit's in its first forward and keeps them to the end of the step; gathering them first makes
+    every micro-batch's forward alike, which the profile needs, and moves no peak: a stage holds the
+    most after its first forwards, when the real one has gathered everything too."""
+    for m in _fsdp_modules(module):
+        m.unshard()
+
+
+def reshard(module: nn.Module) -> None:
+    """Every FSDP2 module of ``module`` resharded (a forward with no backward, or a step, left
+    their parameters gathered)."""
+    for m in _fsdp_modules(module):
+        m.reshard()
+
+
+def _no_sync(module: nn.Module) -> None:
+    """Before each backward of an FSDP2 stage, what ``PipelineStage.backward_maybe_with_nosync``
+    does: no gradient reduction and no resharding, so the stage's parameters stay gathered and its
+    gradients accumulate unsharded over the micro-batches until the step's end
+    (``fsdp_reduce_after_pipeline``)."""
+    if _is_fsdp(module):
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False)
+        module.set_requires_gradient_sync(False)
 
 
 def _module(model: nn.Module, stage: int) -> nn.Module:

@@ -24,8 +24,9 @@ from torch import nn
 from memfit.budget import parse_bytes
 from memfit.devices import Device, device_spec
 from memfit.errors import InfeasibleBudgetError, MemfitError
-from memfit.formats.profile import Profile
+from memfit.formats.profile import Profile, layout_of
 from memfit.formats.schedule import Schedule
+from memfit.measure.ranks import check_clipping, shard
 from memfit.measure.step import make_optimizer
 from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import plan
@@ -37,11 +38,13 @@ from memfit.steps.pipeline import (
     in_flight,
     makespan,
     rank_orders,
+    reshard,
     stage_count,
     stage_data,
     stage_ranks,
 )
 from memfit.trainstep import OptimizerFactory
+from memfit.units import find_units
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -64,43 +67,65 @@ def _split(batch: Any, n: int) -> list[Any]:
 
 def profile_stages(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_fn: Any, *,
                    schedule: Any = "1F1B", microbatches: int, optimizer: str | OptimizerFactory = "adamw",
-                   units: str | list[str] = "auto", repeat: int = 5) -> list[Profile]:
+                   units: str | list[str] = "auto", repeat: int = 5,
+                   clip_grad_norm: float | None = None) -> list[Profile]:
     """Each rank's profile of a pipeline of ``stages`` (the modules in order; a rank of an
     interleaved schedule holds several) under ``schedule`` with ``microbatches`` micro-batches of
     the batch ``inputs`` (the first stage's) and ``targets`` (``loss_fn(output, target)`` on the
-    last stage), each stage with its own ``optimizer``. Measured here in one process; the later
-    stages' inputs are the earlier stages' outputs for the same micro-batches."""
+    last stage), each stage with its own ``optimizer``, the gradients clipped to ``clip_grad_norm``
+    where given. Measured here in one process; the later stages' inputs are the earlier stages'
+    outputs for the same micro-batches."""
     from memfit.profiler import profile
 
     return [profile(model, data, step_fn=step, units=names, repeat=repeat)
             for model, data, step, names in _ranks(stages, inputs, targets, loss_fn, schedule, microbatches,
-                                                   optimizer, units)]
+                                                   optimizer, units, clip_grad_norm=clip_grad_norm)]
 
 
 def estimate_stages(build: Callable[[], tuple[Sequence[nn.Module], Any, Any]], loss_fn: Any, *, target: str | Device,
                     schedule: Any = "1F1B", microbatches: int, optimizer: str | OptimizerFactory = "adamw",
-                    units: str | list[str] = "auto") -> list[Profile]:
+                    units: str | list[str] = "auto", parallel: str | None = None, world_size: int = 1, tp: int = 1,
+                    sequence_parallel: bool = False, clip_grad_norm: float | None = None) -> list[Profile]:
     """``profile_stages`` for ``target`` (a device in devices.py) without it: ``build()`` returns
     ``(stages, inputs, targets)`` and runs under ``FakeTensorMode``, as ``memfit.estimate``'s does;
-    memory from shapes, times a roofline (profiler/estimate.py)."""
+    memory from shapes, times a roofline (profiler/estimate.py).
+
+    ``parallel`` ("fsdp", "fsdp-bf16"), ``world_size``, ``tp``, ``sequence_parallel``: each stage
+    is held by ``world_size`` ranks (its data-parallel shards times ``tp``), sharded as
+    ``memfit.estimate`` shards a model (tensor parallelism by the config's plan, then FSDP2 on each
+    unit and the stage), on fake ranks: torchtitan's PP x FSDP x TP mesh, whose pipeline has
+    ``len(stages) / stages a rank`` times ``world_size`` ranks in all. An FSDP2 stage runs as
+    ``PipelineStage`` runs it: gradients accumulated unsharded over the micro-batches and reduced
+    after the last backward."""
     from memfit.profiler import profile
-    from memfit.profiler.estimate import estimated, fake_measuring, faked
+    from memfit.profiler.estimate import estimated, fake_measuring, fake_ranks, faked
 
     spec = target if isinstance(target, Device) else device_spec(target)
+    layout = layout_of(parallel, world_size, tp, sequence_parallel) if parallel is not None else None
+    if layout is not None and layout["kind"] == "ddp":
+        raise MemfitError("pipeline stages are estimated under fsdp, fsdp-bf16 or tp, not ddp")
+    if layout is not None:
+        check_clipping(layout, clip_grad_norm)
     out = []
-    with faked(spec, build) as built:
+    with fake_ranks(layout) as mesh, faked(spec, build) as built:
         stages, inputs, targets = built
+        if layout is not None:
+            for stage in stages:
+                shard(stage, find_units(stage, units), layout, mesh, pipeline=True)
         for model, data, step, names in _ranks(stages, inputs, targets, loss_fn, schedule, microbatches, optimizer,
-                                               units, foreach=True if spec.cuda else None):
+                                               units, foreach=True if spec.cuda else None,
+                                               clip_grad_norm=clip_grad_norm):
             with fake_measuring(spec) as reserved:
                 prof = profile(model, data, step_fn=step, units=names, repeat=1)
+            if layout is not None:
+                prof.parallel = layout
             out.append((prof, reserved))
     return [estimated(prof, spec, reserved) for prof, reserved in out]
 
 
 def _ranks(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_fn: Any, schedule: Any, microbatches: int,
-           optimizer: str | OptimizerFactory, units: str | list[str],
-           foreach: bool | None = None) -> Iterator[tuple[nn.Module, dict[int, StageData], RankStep, Any]]:
+           optimizer: str | OptimizerFactory, units: str | list[str], foreach: bool | None = None,
+           clip_grad_norm: float | None = None) -> Iterator[tuple[nn.Module, dict[int, StageData], RankStep, Any]]:
     """Each rank's model (its stage, or a ModuleDict of its stages), data, step and unit names."""
     orders = rank_orders(schedule, len(stages), microbatches)
     ranks = stage_ranks(orders)
@@ -108,6 +133,8 @@ def _ranks(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_fn: Any,
     with torch.no_grad():
         for stage in stages[:-1]:
             acts.append([stage(x) for x in acts[-1]])
+    for stage in stages:
+        reshard(stage)  # FSDP2 stages: as PipelineStage leaves them after its shape inference
     last = len(stages) - 1
     for r, order in enumerate(orders):
         here = sorted(s for s, rank in ranks.items() if rank == r)
@@ -117,7 +144,7 @@ def _ranks(stages: Sequence[nn.Module], inputs: Any, targets: Any, loss_fn: Any,
         opt = make_optimizer(optimizer, model.parameters(), foreach_default=foreach)
         if opt is None:
             raise MemfitError("a pipeline stage needs an optimizer: name one or pass a factory")
-        yield model, data, RankStep(order, last, microbatches, opt, loss_fn), _units_of(units, here)
+        yield model, data, RankStep(order, last, microbatches, opt, loss_fn, clip_grad_norm), _units_of(units, here)
 
 
 def _units_of(units: str | list[str], here: list[int]) -> str | list[str]:
@@ -132,13 +159,14 @@ def _units_of(units: str | list[str], here: list[int]) -> str | list[str]:
 @dataclass(slots=True)
 class RankPlan:
     """One rank's plan: its policies, what they predict, the most micro-batches any of its stages
-    holds, and its forward and backward seconds per micro-batch (recompute in the backward)."""
+    holds, and each of its stages' forward and backward seconds per micro-batch (recompute in the
+    backward), by stage index."""
 
     policies: Policies
     prediction: Prediction
     in_flight: int
-    fwd_s: float
-    bwd_s: float
+    fwd_s: dict[int, float]
+    bwd_s: dict[int, float]
 
 
 @dataclass(slots=True)
@@ -160,24 +188,41 @@ class StagePlans:
     uniform_s: float
 
 
-def _rank_plan(profile: Profile, policies: Policies, order: list[Action], microbatches: int) -> RankPlan:
-    """A rank's figures under ``policies``: its step less the optimizer's share (a unit-less
-    stretch) spread over its micro-batches, split between forward and backward as its units'
-    times are, and the recompute added to the backward."""
-    pred = predict(profile, policies)
-    fwd = sum(u.fwd_s for u in profile.units)
-    bwd = sum(u.bwd_s for u in profile.units)
-    per_mb = profile.step_s / microbatches
-    share = fwd / (fwd + bwd) if fwd + bwd > 0 else 1 / 3
+def _stage_units(profile: Profile, order: list[Action]) -> dict[int, list[str]]:
+    """Each stage of a rank's ``order`` and its units, in order: all of them for a rank of one
+    stage; under the stage's index in the ModuleDict of a rank of several (``_units_of``)."""
     stages = sorted({s for _, s, _ in order})
-    return RankPlan(policies, pred, max(in_flight(order, s) for s in stages), per_mb * share,
-                    per_mb * (1 - share) + pred.recompute_s / microbatches)
+    if len(stages) == 1:
+        return {stages[0]: [u.name for u in profile.units]}
+    return {s: [u.name for u in profile.units if u.name.split(".", 1)[0] == str(s)] for s in stages}
+
+
+def _rank_plan(profile: Profile, policies: Policies, order: list[Action], microbatches: int) -> RankPlan:
+    """A rank's figures under ``policies``: its step spread over its micro-batches, then among its
+    stages and between forward and backward as their units' times are, each stage's recompute
+    added to its backward."""
+    pred = predict(profile, policies)
+    units = {u.name: u for u in profile.units}
+    by_stage = _stage_units(profile, order)
+    per_mb = profile.step_s / microbatches
+    total = sum(u.fwd_s + u.bwd_s for u in profile.units)
+    fwd, bwd = {}, {}
+    for s, names in by_stage.items():
+        f, b = sum(units[n].fwd_s for n in names), sum(units[n].bwd_s for n in names)
+        if total > 0:
+            fwd[s], bwd[s] = per_mb * f / total, per_mb * b / total
+        else:  # no unit time: the stages alike, a third forward
+            fwd[s], bwd[s] = per_mb / len(by_stage) / 3, per_mb / len(by_stage) * 2 / 3
+        mine = {n: p for n, p in policies.items() if n in names}
+        recompute = pred.recompute_s if len(by_stage) == 1 else predict(profile, mine).recompute_s
+        bwd[s] += recompute / microbatches
+    return RankPlan(policies, pred, max(in_flight(order, s) for s in by_stage), fwd, bwd)
 
 
 def _time(plans: list[RankPlan], orders: list[list[Action]]) -> float:
     ranks = stage_ranks(orders)
-    return makespan(orders, {s: plans[r].fwd_s for s, r in ranks.items()},
-                    {s: plans[r].bwd_s for s, r in ranks.items()})
+    return makespan(orders, {s: plans[r].fwd_s[s] for s, r in ranks.items()},
+                    {s: plans[r].bwd_s[s] for s, r in ranks.items()})
 
 
 def plan_stages(profiles: Sequence[Profile], budget: str | int, *, schedule: Any = "1F1B",
@@ -212,11 +257,12 @@ def _as_schedule(planned: Schedule, rank: RankPlan) -> Schedule:
 
 def _uniform(profiles: Sequence[Profile], orders: list[list[Action]], budget: int,
              microbatches: int) -> tuple[int, list[RankPlan]]:
-    """The least k with which checkpointing the first k units of every rank fits every rank."""
-    most = max(len(p.units) for p in profiles)
+    """The least k with which checkpointing the first k units of every stage fits every rank."""
+    stages = [_stage_units(p, o) for p, o in zip(profiles, orders, strict=True)]
+    most = max(len(names) for by in stages for names in by.values())
     for k in range(most + 1):
-        plans = [_rank_plan(p, {u.name: FULL if j < k else KEEP for j, u in enumerate(p.units)}, o, microbatches)
-                 for p, o in zip(profiles, orders, strict=True)]
+        plans = [_rank_plan(p, {n: FULL if j < k else KEEP for names in by.values() for j, n in enumerate(names)},
+                            o, microbatches) for p, o, by in zip(profiles, orders, stages, strict=True)]
         if all(r.prediction.peak_bytes <= budget for r in plans):
             return k, plans
     worst = max(predict(p, {u.name: FULL for u in p.units}).peak_bytes for p in profiles)
