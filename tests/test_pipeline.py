@@ -238,6 +238,16 @@ def test_stages_on_a_pp_by_fsdp_mesh_are_estimated_then_validated_on_every_rank(
         assert abs(float(row[8].rstrip("%"))) <= 1.0 and row[11] == "yes" and float(row[12]) < 1e-5, row
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without the GPU it was estimated for")
+def test_ranks_estimated_for_a_gpu_are_not_validated_without_one(tmp_path) -> None:
+    from tests.conftest import run_cli
+
+    ran = run_cli("plan", "--scenario", "hf-llama", "--pp", "2", "--target", "h100", "--budget", "95%", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    ran = run_cli("validate", "--schedule", "schedule.rank1.json", cwd=tmp_path)
+    assert ran.returncode == 2 and "estimated for h100 without one" in ran.stderr and "Traceback" not in ran.stderr
+
+
 @pytest.mark.slow  # 4 to 8 gloo ranks each: 40 s to 2.5 min on 2 cores
 @pytest.mark.parametrize(("kind", "world", "tp", "sp", "schedule"), [
     ("tp", 2, 2, True, "1F1B"),  # PP 2 x TP 2 with sequence parallelism: sequence shards between the stages

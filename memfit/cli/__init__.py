@@ -33,6 +33,7 @@ examples:
   memfit plan --budget 24GB --device cuda:1       # measure on the second GPU (default: cuda if there is one)
   memfit plan --budget 300MB --scenario gpt-small --parallel fsdp --world-size 2   # a plan per rank
   memfit plan --budget 95% --scenario hf-llama --pp 2   # pipeline stages: a plan per rank for its micro-batches
+  memfit plan --budget 95% --scenario hf-llama --pp 2 --parallel fsdp --world-size 4 --tp 2 --target cpu  # on a mesh
   memfit validate --schedule schedule.json        # rebuild the planned model; measure peak, slowdown, gradients
   memfit sweep --scenario gpt-small --plot curve.png   # the memory-vs-slowdown curve over 30 budgets
   memfit sweep --scenario gpt-small --budgets 150MB:550MB:50MB --measure --csv sweep.csv

@@ -28,9 +28,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="1F1B, GPipe, Interleaved1F1B or LoopedBFS (default: %(default)s)")
     g.add_argument("--pp-microbatches", type=int, metavar="M",
                    help="micro-batches the scenario's batch is cut into (default: 2 a stage)")
-    g.description = ("with --parallel fsdp|fsdp-bf16|tp, --tp and --sequence-parallel, each stage is held by "
-                     "--world-size ranks (its FSDP2 shards times --tp): torchtitan's PP x FSDP x TP mesh of --pp "
-                     "times --world-size ranks, estimated for a --target")
+    g.description = ("with --parallel fsdp|fsdp-bf16|tp, --tp and --sequence-parallel, each stage is held by\n"
+                     "--world-size ranks (its FSDP2 shards times --tp): torchtitan's PP x FSDP x TP mesh of\n"
+                     "--pp times --world-size ranks, estimated for a --target")
 
 
 def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
