@@ -63,6 +63,11 @@ class Scenario:
     # the products is sharded along the sequence between them
     tp: int | None = None
     sequence_parallel: bool = False
+    # pipeline stages, torchtitan's pipeline_parallel_degree (with parallel: the ranks of each stage
+    # are world_size), its schedule and micro-batches (defaults: 1F1B, 2 a stage)
+    pp: int | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
     # sequence lengths to plan for (one schedule, a plan each): the factory is called with its
     # ``seq`` argument at the longest, and each length's inputs are its inputs cut to that length
     seq_lens: list[int] | None = None
@@ -316,7 +321,7 @@ def load_scenario(name_or_path: str) -> Scenario:
     data = _read_toml(path)
     known = {"description", "model", "args", "input_shape", "optimizer", "units", "dtype", "requires", "target",
              "accumulate", "precision", "clip_grad_norm", "zero_grad", "keep_output", "parallel", "world_size",
-             "tp", "sequence_parallel", "seq_lens", "autocast_cache"}
+             "tp", "sequence_parallel", "seq_lens", "autocast_cache", "pp", "pp_schedule", "pp_microbatches"}
     unknown = set(data) - known
     if unknown:
         raise MemfitError(f"{path}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -384,6 +389,13 @@ def load_scenario(name_or_path: str) -> Scenario:
             layout_of(data["parallel"], world_size or 2, tp or 1, bool(data.get("sequence_parallel")))
         except MemfitError as exc:
             raise MemfitError(f"{path}: parallel, world_size, tp and sequence_parallel (as flags): {exc}") from None
+    for key, least in (("pp", 2), ("pp_microbatches", 1)):
+        if key in data and not (isinstance(data[key], int) and not isinstance(data[key], bool) and data[key] >= least):
+            raise bad(key, f"an integer of at least {least}")
+    if "pp_schedule" in data and not isinstance(data["pp_schedule"], str):
+        raise bad("pp_schedule", 'a schedule\'s name, e.g. "1F1B"')
+    if ("pp_schedule" in data or "pp_microbatches" in data) and "pp" not in data:
+        raise MemfitError(f"{path}: pp_schedule and pp_microbatches describe the pipeline of pp: give pp too")
     try:
         step = TrainStep.from_fields(data)
     except MemfitError as exc:
@@ -411,5 +423,8 @@ def load_scenario(name_or_path: str) -> Scenario:
         tp=tp,
         sequence_parallel=bool(data.get("sequence_parallel", False)),
         seq_lens=seq_lens,
+        pp=data.get("pp"),
+        pp_schedule=data.get("pp_schedule"),
+        pp_microbatches=data.get("pp_microbatches"),
     )
 

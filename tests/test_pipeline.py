@@ -238,6 +238,33 @@ def test_stages_on_a_pp_by_fsdp_mesh_are_estimated_then_validated_on_every_rank(
         assert abs(float(row[8].rstrip("%"))) <= 1.0 and row[11] == "yes" and float(row[12]) < 1e-5, row
 
 
+def test_a_scenario_names_its_pipeline_by_degrees_and_plan_reads_them(tmp_path) -> None:
+    """pp, pp_schedule and pp_microbatches in a scenario file (beside parallel, world_size, tp), as
+    torchtitan's config names them: ``memfit plan --scenario FILE`` plans its ranks without --pp;
+    profile and sweep, which take one model, say so; wrong fields are refused with the file's name."""
+    from memfit.scenarios import load_scenario
+    from tests.conftest import run_cli
+
+    path = tmp_path / "piped.toml"
+    path.write_text('model = "memfit.hf:llama"\nrequires = "transformers"\ntarget = "cpu"\nparallel = "fsdp"\n'
+                    'world_size = 2\npp = 2\npp_schedule = "GPipe"\npp_microbatches = 2\n'
+                    "[args]\nbatch = 4\nseq = 64\nn_layer = 4\nhidden = 64\nn_head = 4\nvocab = 512\n")
+    sc = load_scenario(str(path))
+    assert (sc.pp, sc.pp_schedule, sc.pp_microbatches, sc.parallel, sc.world_size) == (2, "GPipe", 2, "fsdp", 2)
+    ran = run_cli("plan", "--scenario", str(path), "--budget", "95%", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "2 ranks of a GPipe pipeline, each stage on fsdp on 2 ranks (4 ranks in all), 2 micro-batches" in ran.stderr
+    assert (tmp_path / "schedule.rank1.json").is_file()
+    ran = run_cli("sweep", "--scenario", str(path), cwd=tmp_path)
+    assert ran.returncode == 2 and "is a pipeline of 2 ranks" in ran.stderr
+    for field, says in (("pp = 1", "'pp' must be an integer of at least 2"),
+                        ('pp_schedule = "1F1B"', "give pp too")):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(f'model = "memfit.hf:llama"\n{field}\n')
+        with pytest.raises(MemfitError, match=says):
+            load_scenario(str(bad))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without the GPU it was estimated for")
 def test_ranks_estimated_for_a_gpu_are_not_validated_without_one(tmp_path) -> None:
     from tests.conftest import run_cli

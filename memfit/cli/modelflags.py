@@ -250,6 +250,9 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
     if target is not None and getattr(args, "compile", None):
         raise MemfitError(f"--compile measures the compiled step, which needs the device; {sc.name} would be estimated "
                           f"for {target.name} from shapes: plan without --compile here, or with it on that GPU")
+    if sc.pp is not None:
+        raise MemfitError(f"{sc.name} is a pipeline of {sc.pp} ranks (its pp): memfit plan --scenario {sc.name} plans "
+                          "each rank; profile and sweep take one model")
     step = sc.train_step
     layout = layout_from(args, sc)  # checked before it says what it does
     if layout is not None and target is None:

@@ -37,13 +37,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from memfit.budget import format_bytes, parse_bytes, parse_share
+    from memfit.cli.stages import pipeline_asked, plan_pipeline
     from memfit.planning.planner import plan
     from memfit.plots import check_plot_path, timeline
     from memfit.report import schedule_report, shapes_report
 
-    if args.pp is not None:
-        from memfit.cli.stages import plan_pipeline
-
+    if pipeline_asked(args):
         return plan_pipeline(args, args.budget)
     share = parse_share(args.budget)  # "60%": of the unplanned peak, known once profiled
     budget = parse_bytes(args.budget) if share is None else 0  # fail on a bad budget before minutes of profiling

@@ -24,8 +24,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, metavar="N", help="pipeline ranks (torchtitan's pipeline_parallel_degree), a "
                    "stage each (two for interleaved schedules): a plan per rank, for the micro-batches its "
                    "schedule holds in flight; Hugging Face decoders laid out as Llama")
-    g.add_argument("--pp-schedule", default="1F1B", metavar="NAME",
-                   help="1F1B, GPipe, Interleaved1F1B or LoopedBFS (default: %(default)s)")
+    g.add_argument("--pp-schedule", metavar="NAME",
+                   help="1F1B, GPipe, Interleaved1F1B or LoopedBFS (default: the scenario's pp_schedule, or 1F1B)")
     g.add_argument("--pp-microbatches", type=int, metavar="M",
                    help="micro-batches the scenario's batch is cut into (default: 2 a stage)")
     g.description = ("with --parallel fsdp|fsdp-bf16|tp, --tp and --sequence-parallel, each stage is held by\n"
@@ -43,6 +43,10 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
     used = [flag for key, flag in _NOT_WITH_PP.items() if getattr(args, key, None)]
     if used:
         raise MemfitError(f"--pp does not plan with {', '.join(used)} yet: drop {'it' if len(used) == 1 else 'them'}")
+    sc = modelflags.scenario_of(args)  # its pp, pp_schedule and pp_microbatches under the flags
+    args.pp = args.pp if args.pp is not None else sc.pp
+    args.pp_schedule = args.pp_schedule or sc.pp_schedule or "1F1B"
+    args.pp_microbatches = args.pp_microbatches if args.pp_microbatches is not None else sc.pp_microbatches
     if args.pp < 2:
         raise MemfitError(f"--pp {args.pp}: a pipeline has 2 stages or more")
     if args.pp_microbatches is not None and args.pp_microbatches < 1:
@@ -59,7 +63,6 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
     from memfit.steps.stages import plan_stages
 
     stages = _stage_count(args, microbatches)  # before minutes of profiling
-    sc = modelflags.scenario_of(args)
     _check_step(sc)
     layout = modelflags.layout_from(args, sc)
     if layout is not None:
@@ -82,6 +85,17 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
     print(f"\nwrote {', '.join(written)}; on pipeline rank r, {where}:\n"
           f'    memfit.apply(stage, memfit.load_schedule("{stem.stem}.rank<r>{stem.suffix or ".json"}"))')
     return 0
+
+
+def pipeline_asked(args: argparse.Namespace) -> bool:
+    """``--pp``, or a scenario that names its pipeline (``pp``), planned from its model."""
+    if args.pp is not None:
+        return True
+    if not args.scenario or args.profile:
+        return False
+    from memfit.scenarios import load_scenario
+
+    return load_scenario(args.scenario).pp is not None
 
 
 def _check_step(sc: Any) -> None:
