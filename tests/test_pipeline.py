@@ -265,6 +265,17 @@ def test_a_scenario_names_its_pipeline_by_degrees_and_plan_reads_them(tmp_path) 
             load_scenario(str(bad))
 
 
+def test_mixed_precision_stages_are_estimated_with_the_gap_measured_on_gloo_said(tmp_path) -> None:
+    """fsdp-bf16 stages measured 4.7 to 6.9% above their estimate on gloo (hf-llama, PP 2 x FSDP 2; the
+    cause is not found): the plan says so, where fsdp stages are within 1.3%."""
+    from tests.conftest import run_cli
+
+    ran = run_cli("plan", "--scenario", "hf-llama", "--pp", "2", "--parallel", "fsdp-bf16", "--world-size", "2",
+                  "--target", "cpu", "--budget", "95%", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "memfit: warning: fsdp-bf16 stages are estimated, but on gloo CPU ranks they measured up to 7%" in ran.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without the GPU it was estimated for")
 def test_ranks_estimated_for_a_gpu_are_not_validated_without_one(tmp_path) -> None:
     from tests.conftest import run_cli

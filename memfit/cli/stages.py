@@ -67,6 +67,15 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
     layout = modelflags.layout_from(args, sc)
     if layout is not None:
         _check_mesh(layout, modelflags.target_of(args, sc))
+        if layout["kind"] == "fsdp-bf16":
+            import warnings
+
+            from memfit.errors import MemfitWarning
+
+            warnings.warn(MemfitWarning(
+                "fsdp-bf16 stages are estimated, but on gloo CPU ranks they measured up to 7% above the estimate "
+                "(fsdp stages within 1.3%), for a reason not found yet: keep that margin, and check the plan on "
+                "your ranks"), stacklevel=2)
     profiles = _profiles(args, sc, stages, microbatches, layout)
     if share is not None:
         budget = max(1, round(share * max(predict(p, {}).peak_bytes for p in profiles)))
@@ -211,6 +220,8 @@ def validate_pipeline(schedule_path: str) -> int:
     ranks = spawn_ranks(_pipeline_rank, info["ranks"] * per_stage, device, sc, schedules,
                         who="pipeline ranks")["ranks"]
     grads = _plain_grads(sc)
+    # bf16 compute against the fp32 model's gradients: bf16's precision, not an exact match
+    tolerance = 5e-2 if layout and layout["kind"] == "fsdp-bf16" else 1e-3
     rows, ok = [], True
     for r, got in enumerate(ranks):
         planned = schedules[got["pp"]]
@@ -218,12 +229,13 @@ def validate_pipeline(schedule_path: str) -> int:
                      for n, g in ((_plain_name(k), torch.from_numpy(v)) for k, v in got["grads"].items())),
                     default=0.0)
         fits = got["peak"] <= planned.budget_bytes
-        ok = ok and fits and worst < 1e-3
+        ok = ok and fits and worst < tolerance
         name = f"{r} (stage rank {got['pp']})" if layout else str(r)
         rows.append([name, format_bytes(planned.predicted_peak_bytes), format_bytes(got["peak"]),
                      f"{(got['peak'] - planned.predicted_peak_bytes) / planned.predicted_peak_bytes:+.2%}",
                      format_bytes(planned.budget_bytes), "yes" if fits else "NO", f"{worst:.1e}"])
     print(table(["rank", "predicted peak", "measured", "off", "budget", "fits", "gradients off"], rows))
+    print(f"gradients against the unparallelized fp32 model's, within {tolerance:g} of each tensor's largest")
     print("validation OK" if ok else "validation FAILED: a rank's peak exceeds its budget or its gradients differ")
     return 0 if ok else 1
 
