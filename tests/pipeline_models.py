@@ -188,21 +188,17 @@ def run_mesh_rank(device: str, schedule: str, n_stages: int, microbatches: int, 
     Every rank runs the same batch (so the gradients reduced over the data-parallel shards are
     one process's). Each rank's first-step gradients, made whole, and its peak in the third step."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
     from torch.distributed.tensor import DTensor
 
     import memfit
-    from memfit.formats.profile import tp_degree
     from memfit.measure.memory import measured
-    from memfit.measure.ranks import shard
+    from memfit.measure.ranks import pipeline_mesh, shard
     from memfit.units import find_units
 
-    inner, tp = int(layout["world_size"]), tp_degree(layout)
-    pp = dist.get_world_size() // inner
-    mesh = init_device_mesh(device, (pp, inner // tp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
-    within = mesh["tp"] if layout["kind"] == "tp" else mesh["dp_shard", "tp"] if tp > 1 else mesh["dp_shard"]
+    pp = dist.get_world_size() // int(layout["world_size"])
+    mesh, within = pipeline_mesh(layout, pp, device)
     pp_rank = mesh["pp"].get_local_rank()
     model, vocab = built("llama", n_layer, seq)
     idx = torch.randint(0, vocab, (batch, seq))

@@ -252,22 +252,18 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
 
     from memfit.hf import decoder_stages
     from memfit.measure.memory import measured
-    from memfit.measure.step import make_optimizer
+    from memfit.measure.step import local, make_optimizer
     from memfit.runtime.apply import apply
+    from memfit.steps.parallel import whole, whole_numpy
     from memfit.steps.stages import causal_lm_loss
-    from memfit.torch_private import inner_tensors
 
     layout = schedules[0].parallel
     rank, pp, group, within = dist.get_rank(), dist.get_world_size(), None, None
     if layout:  # a ("pp", "dp_shard", "tp") mesh, as torchtitan's; each stage sharded on its part of it
-        from torch.distributed.device_mesh import init_device_mesh
+        from memfit.measure.ranks import pipeline_mesh
 
-        from memfit.formats.profile import tp_degree
-
-        inner, tp = int(layout["world_size"]), tp_degree(layout)
-        pp = dist.get_world_size() // inner
-        mesh = init_device_mesh(device, (pp, inner // tp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
-        within = mesh["tp"] if layout["kind"] == "tp" else mesh["dp_shard", "tp"] if tp > 1 else mesh["dp_shard"]
+        pp = dist.get_world_size() // int(layout["world_size"])
+        mesh, within = pipeline_mesh(layout, pp, device)
         rank, group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     info, planned = schedules[rank].pipeline, schedules[rank]
     model, inputs = sc.build(device)
@@ -305,7 +301,7 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
             opt.step()
 
     def static() -> list[torch.Tensor]:
-        held = [inner_tensors(t)[0] for t in [*here.parameters(), *here.buffers()] + (
+        held = [local(t) for t in [*here.parameters(), *here.buffers()] + (
             [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)] if opt is not None
             else [])]
         for stage in pipe:
@@ -314,19 +310,13 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
         return held + ([ids] if first else []) + ([labels] if last else [])
 
     pipeline_step()
-    grads = {n: whole(p.grad).detach().float().cpu().numpy() for n, p in here.named_parameters() if p.grad is not None}
+    grads = {n: whole_numpy(p.grad) for n, p in here.named_parameters() if p.grad is not None}
     step()
     _, peak, _ = measured(step, static, torch.device(device))
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, {"peak": peak, "grads": grads, "pp": rank})
     return {"ranks": out}
 
-
-def whole(t: Any) -> Any:
-    """A DTensor's whole value (a collective: every rank of its mesh calls it), else ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _plain_grads(sc: Any) -> dict[str, Any]:

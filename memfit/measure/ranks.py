@@ -33,6 +33,16 @@ def make_mesh(layout: ParallelLayout, device: str) -> Any:
     return init_device_mesh(device, (int(layout["world_size"]),))
 
 
+def pipeline_mesh(layout: ParallelLayout, pp: int, device: str) -> tuple[Any, Any]:
+    """A pipeline of ``pp`` ranks whose stages each ``layout``'s ranks hold: torchtitan's
+    ``("pp", "dp_shard", "tp")`` mesh, and the part of it a stage is sharded on (``shard``'s mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    inner, tp = int(layout["world_size"]), tp_degree(layout)
+    mesh = init_device_mesh(device, (pp, inner // tp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+    return mesh, mesh["tp"] if layout["kind"] == "tp" else mesh["dp_shard", "tp"] if tp > 1 else mesh["dp_shard"]
+
+
 def shard(model: nn.Module, units: list[str], layout: ParallelLayout, mesh: Any = None, *,
           pipeline: bool = False) -> nn.Module:
     """Tensor parallelism by the model's own plan (``tp_plan``, in place), then FSDP2 on each unit

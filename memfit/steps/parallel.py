@@ -303,15 +303,20 @@ def _measure_rank(device: str, scenario: Any, layout: ParallelLayout, *, plans: 
         out["peaks"].append(peak)
         out["rank_peaks"].append(every)
         out["losses"].append(run.losses)
-        out["grads"].append({n.removeprefix("module."): _full(g) for n, g in run.grads.items()})
-        out["buffers"].append({n: _full(b) for n, b in model.named_buffers()})
+        out["grads"].append({n.removeprefix("module."): whole_numpy(g) for n, g in run.grads.items()})
+        out["buffers"].append({n: whole_numpy(b) for n, b in model.named_buffers()})
     return out
 
 
-def _full(t: torch.Tensor | None) -> Any:
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank of its mesh calls it), else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def whole_numpy(t: torch.Tensor | None) -> Any:
     """A gradient or buffer, whole (a DTensor's every shard), as numpy for the queue (bfloat16,
     which numpy lacks, widened to float32: exact)."""
     if t is None:
         return None
-    full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+    full = whole(t).detach().cpu()
     return (full.float() if full.dtype == torch.bfloat16 else full).numpy().copy()
