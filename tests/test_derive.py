@@ -113,8 +113,21 @@ def _tiny_vit() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return hf.vit(batch=2, image=32, patch=8, n_layer=3, hidden=32, n_head=4, classes=10, attention="eager")
 
 
-@pytest.mark.parametrize(("build", "tokens"), [(_tiny_nanogpt, 32), (_tiny_vit, 17)])
-def test_derive_products_re_derives_written_out_attention_probabilities(build, tokens):
+def _nanogpt_of_short_sequences() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Heads of 8 at 16 tokens: the scores (T x T) are as large as q and k together (2 x T x d),
+    larger than either; the compiler's partitioner recomputes them, and so does ``derive:products``."""
+    return zoo.nanogpt(batch=2, seq=16, vocab=128, d_model=32, n_head=4, n_layer=3)
+
+
+def _nanogpt_of_two_heads() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Two heads: the probabilities are 8% of a block's saved bytes, under the tenth a first
+    finer option must shed (profiler/options.MIN_SHARE), over what one beyond ``derive`` must."""
+    return zoo.nanogpt(batch=2, seq=48, vocab=128, d_model=64, n_head=2, n_layer=3)
+
+
+@pytest.mark.parametrize(("build", "tokens", "heads"), [
+    (_tiny_nanogpt, 32, 4), (_tiny_vit, 17, 4), (_nanogpt_of_short_sequences, 16, 4), (_nanogpt_of_two_heads, 48, 2)])
+def test_derive_products_re_derives_written_out_attention_probabilities(build, tokens, heads):
     """``derive:products`` also sheds the probabilities (batch x heads x T x T), re-derived from
     the q and k the first product keeps; P.v, which makes less than it takes, is not run again.
     Two models written by different hands: memfit's nanoGPT and Hugging Face's ViT."""
@@ -131,7 +144,7 @@ def test_derive_products_re_derives_written_out_attention_probabilities(build, t
         loss(model(**batch)).backward()
         d.remove()
         shed[products] = d.derived_bytes
-    assert shed[True] - shed[False] == 4 * 2 * 4 * tokens * tokens  # the probabilities, float32
+    assert shed[True] - shed[False] == heads * 2 * 4 * tokens * tokens  # the probabilities, float32
     prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
     assert parse("derive:products") in prof.units[0].options
     none, deep = prof.units[0].options[KEEP], prof.units[0].options[parse("derive:products")]
