@@ -12,7 +12,7 @@ is its JSON spelling (the one schedules and profiles have always used) and ``par
 Text is parsed once, where it enters (the file loaders, the command line, ``as_policies`` at the
 public API); inside memfit policies travel as these values.
 
-    none  full  derive  derive:products
+    none  full  derive  derive:products  derive:projections
     child:<region>[+<region>...]      a region is a module, or a chain a>b (a feeds b), by relative name
     selective:<op set>[@<child>]      the unit, or only that child of it, under the op set
     nested:<region>[+<region>...]     the whole unit, and inside it those regions again
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from memfit.errors import PolicyError
 
 SEGMENT_HELP = "segment:<first>..<last>"
-KINDS_HELP = (f"none, full, child:<children>, nested:<children>, selective:<op set>, derive, derive:products or "
+KINDS_HELP = (f"none, full, child:<children>, nested:<children>, selective:<op set>, derive, derive:products, "
+              f"derive:projections or "
               f"{SEGMENT_HELP}")
 
 
@@ -117,14 +118,25 @@ class Selective:
 class Derive:
     """No checkpoint: saved tensors that cheap ops can re-derive are dropped (runtime/derive.py);
     with ``products``, also those that a product of two activations and a softmax re-derive
-    (written-out attention's probabilities from the q and k kept for its first product)."""
+    (written-out attention's probabilities from the q and k kept for its first product); with
+    ``projections`` (which implies ``products``), also products with a weight that make no more than
+    they take (attention's q, k, v and output projections from the norm's output, itself re-derived
+    from the block's input), spelt ``derive:projections``."""
 
     products: bool = False
+    projections: bool = False
+
+    def __post_init__(self) -> None:
+        if self.projections and not self.products:
+            raise PolicyError("derive:projections re-derives through products too: "
+                              "Derive(products=True, projections=True)")
 
     def __str__(self) -> str:
-        return "derive:products" if self.products else "derive"
+        return "derive:projections" if self.projections else "derive:products" if self.products else "derive"
 
     def describe(self) -> str:
+        if self.projections:
+            return "cheap ops, attention's projections, q.k^T and softmax: their saved outputs re-derived"
         if self.products:
             return "cheap ops and attention's q.k^T, softmax: their saved outputs re-derived"
         return "cheap ops whose saved outputs it re-derives (norms, activations, dropout)"
@@ -148,8 +160,9 @@ Policy = Keep | Full | Children | Nested | Selective | Derive | Segment
 Option = Keep | Full | Children | Nested | Selective | Derive  # what a profile measures
 Policies = dict[str, Policy]  # unit -> its policy, in the model's order
 KEEP, FULL, DERIVE, DERIVE_PRODUCTS = Keep(), Full(), Derive(), Derive(products=True)
+DERIVE_PROJECTIONS = Derive(products=True, projections=True)
 COARSE: tuple[Option, Option] = (KEEP, FULL)  # the options measured for every unit
-_PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE, DERIVE_PRODUCTS)}
+_PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE, DERIVE_PRODUCTS, DERIVE_PROJECTIONS)}
 
 
 @functools.lru_cache(maxsize=4096)

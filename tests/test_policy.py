@@ -9,6 +9,7 @@ import pytest
 from memfit.policy import (
     DERIVE,
     DERIVE_PRODUCTS,
+    DERIVE_PROJECTIONS,
     FULL,
     KEEP,
     KINDS_HELP,
@@ -30,6 +31,7 @@ RELEASE = Path(__file__).parent / "fixtures" / "release"
     ("full", FULL),
     ("derive", DERIVE),
     ("derive:products", DERIVE_PRODUCTS),
+    ("derive:projections", DERIVE_PROJECTIONS),
     ("child:mlp", Children((("mlp",),))),
     ("child:ln_2>mlp+ln_1>attn.qkv", Children((("ln_2", "mlp"), ("ln_1", "attn.qkv")))),
     ("child:a+b>c>d", Children((("a",), ("b", "c", "d")))),

@@ -63,7 +63,8 @@ from memfit.torch_private import saved_tensors_hooks_active
 class Derive(PerThread):
     """Re-derive cheap saved tensors of ``unit`` (module hooks; ``remove()`` undoes them); with
     ``products``, also through products of two activations and softmax (written-out attention's
-    probabilities from the q and k its first product keeps).
+    probabilities from the q and k its first product keeps); with ``projections`` too, also through
+    products with a weight (q, k and v from a re-derived norm output).
 
     The unit's first training forward for each input signature runs under the watch and learns a
     plan (runtime/derive_plan.py); later forwards follow it with saved-tensor hooks alone, at a
@@ -72,10 +73,11 @@ class Derive(PerThread):
     watched on every forward, as correct and slower. The contexts a forward opens are this
     thread's; copies and pickles take the hooks, not them, nor the plans."""
 
-    def __init__(self, unit: nn.Module, products: bool = False) -> None:
+    def __init__(self, unit: nn.Module, products: bool = False, projections: bool = False) -> None:
         super().__init__()
         self._unit = Weak(unit)
-        self.products = products
+        self.products = products or projections
+        self.projections = projections
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
         self.plans: dict[Any, Plan | None] = {}  # None: watched on every forward
         self.misses: dict[Any, int] = {}
@@ -109,7 +111,7 @@ class Derive(PerThread):
         key = _signature(unit, args, kwargs)
         plan = self.plans.get(key, _LEARN)
         fwd: _Forward = (_Replay(plan) if isinstance(plan, Plan)
-                         else _Learn(self.products, _tensors(unit), plan is _LEARN))
+                         else _Learn(self.products, self.projections, _tensors(unit), plan is _LEARN))
         self.derived_bytes = fwd.derived_bytes
         self._tls.fwd = (key, fwd)
         hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack)
@@ -194,11 +196,12 @@ class _Learn(_Forward):
     ``record``, writes the plan that later forwards follow. Its own re-derived tensors go through
     the plan's templates too, so the learning step and the later ones run alike."""
 
-    def __init__(self, products: bool, tensors: list[tuple[torch.Tensor, Weak, str, str]], record: bool) -> None:
+    def __init__(self, products: bool, projections: bool, tensors: list[tuple[torch.Tensor, Weak, str, str]],
+                 record: bool) -> None:
         params = [t for t, *_ in tensors]
         self.where = [w for _, *w in tensors]
         self.param_of = {storage_key(t.untyped_storage()): (i, t) for i, t in enumerate(params)}
-        self.watch = OpWatch(products, set(self.param_of))
+        self.watch = OpWatch(products, projections, set(self.param_of))
         self.kept: set[int] = set(self.param_of)
         self.derived: set[int] = set()
         self.derived_bytes = 0

@@ -26,6 +26,9 @@ _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group
 # autograd keeps for the products anyway (Megatron's core-attention recompute, without a checkpoint)
 _ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
 _PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
+# the deepest level: products with a weight (a projection from a norm's output that is itself
+# re-derived), what the compiler's partitioner recomputes at small budgets (q, k, v in a ViT block)
+_WEIGHT_PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 # what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
 _MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
           _aten.tril.default, _aten.triu.default}
@@ -98,9 +101,10 @@ class OpWatch(TorchDispatchMode):
     recorded: an entry whose output has died may stand for a storage used again, and is never
     looked up by its storage again (a later op's ``_Arg`` holds it directly)."""
 
-    def __init__(self, products: bool, params: set[int]) -> None:
+    def __init__(self, products: bool, projections: bool, params: set[int]) -> None:
         super().__init__()
         self.products = products
+        self.projections = projections
         self.params = params  # the unit's parameters' and buffers' storages
         self.made: dict[int, _Made] = {}
         self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
@@ -123,6 +127,17 @@ class OpWatch(TorchDispatchMode):
         pinned = t if key in self.params else None
         return _Arg(weakref.ref(t), key, pinned, self.entry(key), _geometry(t), t._version)
 
+    def _projects(self, args: Any, out: Any) -> bool:
+        """A product with a weight (a parameter or a buffer, or a view of one) whose output is no
+        larger than its activation operand: q, k, v and the output projection of attention, not an
+        MLP's up-projection, whose output (four times its input) is what the compiler's partitioner
+        keeps while it recomputes the projections (HF ViT at activation budget 0.3)."""
+        tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+        weights = [a for a in tensors if storage_key(a.untyped_storage()) in self.params]
+        acts = [a for a in tensors if a.dim() >= 2 and all(a is not w for w in weights)]
+        return (bool(weights) and len(acts) == 1 and isinstance(out, torch.Tensor)
+                and out.numel() <= acts[0].numel())
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -134,6 +149,8 @@ class OpWatch(TorchDispatchMode):
                 self.written[storage_key(value.untyped_storage())] = self.seq
         if ok and func in _PRODUCTS and not _expands(args, out):
             ok = False
+        if not ok and self.projections and func in _WEIGHT_PRODUCTS and self._projects(args, out):
+            ok = True
         if ok:
             recorded = None
             for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
