@@ -12,7 +12,7 @@ is its JSON spelling (the one schedules and profiles have always used) and ``par
 Text is parsed once, where it enters (the file loaders, the command line, ``as_policies`` at the
 public API); inside memfit policies travel as these values.
 
-    none  full  derive  derive:products  derive:projections
+    none  full  derive  derive:products  derive:projections  derive:all
     child:<region>[+<region>...]      a region is a module, or a chain a>b (a feeds b), by relative name
     selective:<op set>[@<child>]      the unit, or only that child of it, under the op set
     nested:<region>[+<region>...]     the whole unit, and inside it those regions again
@@ -29,7 +29,7 @@ from memfit.errors import PolicyError
 
 SEGMENT_HELP = "segment:<first>..<last>"
 KINDS_HELP = (f"none, full, child:<children>, nested:<children>, selective:<op set>, derive, derive:products, "
-              f"derive:projections or "
+              f"derive:projections, derive:all or "
               f"{SEGMENT_HELP}")
 
 
@@ -114,32 +114,43 @@ class Selective:
         return f"{self.child}: {what}" if self.child else what
 
 
+DERIVE_LEVELS = ("derive", "derive:products", "derive:projections", "derive:all")
+_DERIVE_SAYS = ("cheap ops whose saved outputs it re-derives (norms, activations, dropout)",
+                "cheap ops and attention's q.k^T, softmax: their saved outputs re-derived",
+                "cheap ops, attention's projections, q.k^T and softmax: their saved outputs re-derived",
+                "everything but random ops and P.v (products with weights too): saved outputs re-derived")
+
+
 @dataclass(frozen=True, slots=True)
 class Derive:
-    """No checkpoint: saved tensors that cheap ops can re-derive are dropped (runtime/derive.py);
-    with ``products``, also those that a product of two activations and a softmax re-derive
-    (written-out attention's probabilities from the q and k kept for its first product); with
-    ``projections`` (which implies ``products``), also products with a weight that make no more than
-    they take (attention's q, k, v and output projections from the norm's output, itself re-derived
-    from the block's input), spelt ``derive:projections``."""
+    """No checkpoint: saved tensors that cheap ops can re-derive are dropped (runtime/derive.py).
+    Each ``level`` re-runs more (``DERIVE_LEVELS``): 0 cheap ops; 1 (``products``) also a product
+    of two activations that makes more than it takes and a softmax (written-out attention's
+    probabilities from the q and k kept for its first product); 2 (``projections``) also products
+    with a weight that make no more than they take (attention's q, k, v and output projections
+    from the norm's output, itself re-derived from the block's input); 3 (``all``) every product
+    with a weight (an MLP's up-projection too), so a block keeps little more than its input and
+    attention's context, what torch.compile's partitioner keeps at budget 0.1."""
 
-    products: bool = False
-    projections: bool = False
+    level: int = 0
 
     def __post_init__(self) -> None:
-        if self.projections and not self.products:
-            raise PolicyError("derive:projections re-derives through products too: "
-                              "Derive(products=True, projections=True)")
+        if self.level not in range(len(DERIVE_LEVELS)):
+            raise PolicyError(f"derive has levels 0 to {len(DERIVE_LEVELS) - 1}, not {self.level!r}")
+
+    @property
+    def products(self) -> bool:
+        return self.level >= 1
+
+    @property
+    def projections(self) -> bool:
+        return self.level >= 2
 
     def __str__(self) -> str:
-        return "derive:projections" if self.projections else "derive:products" if self.products else "derive"
+        return DERIVE_LEVELS[self.level]
 
     def describe(self) -> str:
-        if self.projections:
-            return "cheap ops, attention's projections, q.k^T and softmax: their saved outputs re-derived"
-        if self.products:
-            return "cheap ops and attention's q.k^T, softmax: their saved outputs re-derived"
-        return "cheap ops whose saved outputs it re-derives (norms, activations, dropout)"
+        return _DERIVE_SAYS[self.level]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +170,11 @@ class Segment:
 Policy = Keep | Full | Children | Nested | Selective | Derive | Segment
 Option = Keep | Full | Children | Nested | Selective | Derive  # what a profile measures
 Policies = dict[str, Policy]  # unit -> its policy, in the model's order
-KEEP, FULL, DERIVE, DERIVE_PRODUCTS = Keep(), Full(), Derive(), Derive(products=True)
-DERIVE_PROJECTIONS = Derive(products=True, projections=True)
+KEEP, FULL = Keep(), Full()
+DERIVES = tuple(Derive(k) for k in range(len(DERIVE_LEVELS)))
+DERIVE, DERIVE_PRODUCTS, DERIVE_PROJECTIONS, DERIVE_ALL = DERIVES
 COARSE: tuple[Option, Option] = (KEEP, FULL)  # the options measured for every unit
-_PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE, DERIVE_PRODUCTS, DERIVE_PROJECTIONS)}
+_PLAIN: dict[str, Policy] = {str(p): p for p in (KEEP, FULL, DERIVE, DERIVE_PRODUCTS, DERIVE_PROJECTIONS, DERIVE_ALL)}
 
 
 @functools.lru_cache(maxsize=4096)

@@ -183,16 +183,19 @@ def test_derive_products_recomputes_one_product_per_block():
     assert flops["derive:products"] - flops["none"] == 3 * qk
 
 
-@pytest.mark.parametrize(("build", "tokens", "width", "projections"), [
-    (_tiny_vit, 17, 32, 4), (_tiny_nanogpt, 32, 32, 1)])
-def test_derive_projections_re_derives_attention_projections_from_the_block_input(build, tokens, width, projections):
+@pytest.mark.parametrize(("build", "tokens", "width", "projections", "rest"), [
+    (_tiny_vit, 17, 32, 4, 4), (_tiny_nanogpt, 32, 32, 1, 7)])
+def test_derive_projections_and_all_re_derive_products_with_weights(build, tokens, width, projections, rest):
     """``derive:projections`` also runs products with a weight that make no more than they take:
     in Hugging Face's ViT q, k and v (their per-head copies for the products) and the output
     projection (for the residual the second norm saves), from the first norm's output that
     ``derive`` re-derives from the block's input; what the compiler's partitioner recomputes at
     budget 0.3. nanoGPT's fused qkv makes three times what it takes and its MLP four times, so only
-    the output projection is run again there. Exactly those bytes and those products, predicted =
-    measured, and the plain model's losses, gradients and buffers in a user's loop."""
+    the output projection is run again there. ``derive:all`` runs every product with a weight: the
+    MLP's up-projection (its output, four widths), and in nanoGPT the fused qkv too, once for its
+    three per-head copies (their bytes, three widths; its product, three). Exactly those bytes and
+    those products, predicted = measured, and the plain model's losses, gradients and buffers in a
+    user's loop."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model, batch = build()
@@ -202,9 +205,9 @@ def test_derive_projections_re_derives_attention_projections_from_the_block_inpu
         return out if isinstance(out, torch.Tensor) else out.loss  # type: ignore[attr-defined]
 
     shed, flops = {}, {}
-    for option in ("derive:products", "derive:projections"):
+    for option in ("derive:products", "derive:projections", "derive:all"):
         policy = parse(option)
-        d = Derive(model.get_submodule(names[0]), policy.products, policy.projections)
+        d = Derive(model.get_submodule(names[0]), policy.level)
         loss(model(**batch)).backward()
         d.remove()
         shed[option] = d.derived_bytes
@@ -218,17 +221,20 @@ def test_derive_projections_re_derives_attention_projections_from_the_block_inpu
     assert shed["derive:projections"] - shed["derive:products"] == projections * one
     product = 2 * (2 * tokens) * width * width  # batch x tokens rows, width x width weight
     assert flops["derive:projections"] - flops["derive:products"] == len(names) * projections * product
+    assert shed["derive:all"] - shed["derive:projections"] == rest * one
+    assert flops["derive:all"] - flops["derive:projections"] == len(names) * rest * product
     prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
-    assert parse("derive:projections") in prof.units[0].options
-    policies = {names[0]: parse("derive:projections"), names[1]: parse("derive:products"), names[2]: FULL}
+    assert {parse("derive:projections"), parse("derive:all")} <= set(prof.units[0].options)
+    policies = {names[0]: parse("derive:projections"), names[1]: parse("derive:all"), names[2]: FULL}
     twin = copy.deepcopy(model)
     set_policies(twin, policies)
     plain = measure_steps(copy.deepcopy(model), batch)
     run = measure_steps(twin, batch)
     assert run.peak_bytes == memfit.predict(prof, policies).peak_bytes < plain.peak_bytes
-    twin = copy.deepcopy(model)
-    set_policies(twin, dict.fromkeys(names, parse("derive:projections")))
-    _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
+    for option in ("derive:projections", "derive:all"):
+        twin = copy.deepcopy(model)
+        set_policies(twin, dict.fromkeys(names, parse(option)))
+        _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
 
 
 def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_results():

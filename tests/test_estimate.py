@@ -244,7 +244,9 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     """A GPT of small hidden size on an H100: its kernels take a microsecond or two, so what its
     options cost is the host's time per op, per hooked op and per op through a dispatch mode.
     Priced without them, the plan takes options that look free; priced with them it takes
-    another plan, cheaper by its own measure."""
+    another plan, never dearer by its own measure and cheaper at some budgets (since
+    ``derive:all``, which is cheap both ways, the two often cost the same: the sweep shows where
+    they part)."""
     import dataclasses
 
     from memfit import zoo
@@ -268,14 +270,19 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     assert priced.units[0].options[FULL].recompute_s > 10 * bare.units[0].options[FULL].recompute_s
     none = memfit.predict(priced, {}).peak_bytes
     full = memfit.predict(priced, dict.fromkeys(priced.unit_names, FULL)).peak_bytes
-    budget = int(full + 0.8 * (none - full))
-    chosen = memfit.plan(priced, budget, granularity="fine")
-    blind = memfit.plan(bare, budget, granularity="fine")
-    assert chosen.policies != blind.policies
-    cost = memfit.predict(priced, chosen.policies).recompute_s
-    assert cost < 0.9 * memfit.predict(priced, blind.policies).recompute_s
+    shares = (0.1, 0.3, 0.5, 0.7, 0.9)
+    ratios = []
+    for share in shares:
+        budget = int(full + share * (none - full))
+        chosen = memfit.plan(priced, budget, granularity="fine")
+        blind = memfit.plan(bare, budget, granularity="fine")
+        assert chosen.policies != blind.policies
+        cost = memfit.predict(priced, chosen.policies).recompute_s
+        ratios.append(cost / memfit.predict(priced, blind.policies).recompute_s)
+    assert max(ratios) <= 1 and min(ratios) < 0.95, ratios
     # an op set's two Python dispatch modes (SAC's) cost the host per op they see: unpriced, the
-    # op sets look nearly free and a plan takes one; priced, it takes another, cheaper by its measure
+    # op sets look nearly free and a plan takes one at some budgets; priced, never, and where the
+    # unpriced plan has one the priced plan is cheaper by its measure
     assert h100.seconds(1e3, 1e3, torch.float32, dispatched=True) == h100.launch_s + h100.dispatch_s
     undispatched = estimate(build, target=dataclasses.replace(h100, dispatch_s=0.0), granularity="fine")
     sac = [k for k in priced.units[0].options if isinstance(k, Selective)]
@@ -285,13 +292,17 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
         assert extra > 12 * h100.dispatch_s
     for k in set(priced.units[0].options) - set(sac):  # no other option opens a dispatch mode
         assert priced.units[0].options[k].recompute_s == undispatched.units[0].options[k].recompute_s
-    budget = int(full + 0.6 * (none - full))
-    chosen = memfit.plan(priced, budget, granularity="fine")
-    blind = memfit.plan(undispatched, budget, granularity="fine")
-    assert any(isinstance(p, Selective) for p in blind.policies.values())
-    assert not any(isinstance(p, Selective) for p in chosen.policies.values())
-    cost = memfit.predict(priced, chosen.policies).recompute_s
-    assert cost < 0.9 * memfit.predict(priced, blind.policies).recompute_s
+    tempted = 0
+    for share in shares:
+        budget = int(full + share * (none - full))
+        chosen = memfit.plan(priced, budget, granularity="fine")
+        blind = memfit.plan(undispatched, budget, granularity="fine")
+        assert not any(isinstance(p, Selective) for p in chosen.policies.values())
+        if any(isinstance(p, Selective) for p in blind.policies.values()):
+            tempted += 1
+            cost = memfit.predict(priced, chosen.policies).recompute_s
+            assert cost < 0.9 * memfit.predict(priced, blind.policies).recompute_s
+    assert tempted
     # a spec file sets the host's times (a card in a slower host, say), in microseconds
     spec = tmp_path / "slow-host.toml"
     spec.write_text('base = "h100"\nlaunch_us = 12\nhook_us = 9\ndispatch_us = 20\n')

@@ -233,7 +233,7 @@ def test_named_children_replace_the_automatic_choice():
     prof = memfit.profile(model, batch, repeat=1, granularity="fine", children=["mlp.0", "attn+mlp"])
     assert set(map(str, prof.units[0].options)) <= {"none", "full", "child:mlp.0", "child:attn+mlp",
                                                     "selective:gemm@mlp.0", "derive", "derive:projections",
-                                                    "nested:attn+mlp"}
+                                                    "derive:all", "nested:attn+mlp"}
     assert parse("child:attn+mlp") in prof.units[0].options  # frees both children's tensors: never dominated
     with pytest.raises(memfit.MemfitError, match=r"no unit has the child 'nope'.*ln_1, attn, ln_2, mlp"):
         memfit.profile(model, batch, repeat=1, granularity="fine", children=["nope"])

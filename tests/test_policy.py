@@ -8,6 +8,7 @@ import pytest
 
 from memfit.policy import (
     DERIVE,
+    DERIVE_ALL,
     DERIVE_PRODUCTS,
     DERIVE_PROJECTIONS,
     FULL,
@@ -32,6 +33,7 @@ RELEASE = Path(__file__).parent / "fixtures" / "release"
     ("derive", DERIVE),
     ("derive:products", DERIVE_PRODUCTS),
     ("derive:projections", DERIVE_PROJECTIONS),
+    ("derive:all", DERIVE_ALL),
     ("child:mlp", Children((("mlp",),))),
     ("child:ln_2>mlp+ln_1>attn.qkv", Children((("ln_2", "mlp"), ("ln_1", "attn.qkv")))),
     ("child:a+b>c>d", Children((("a",), ("b", "c", "d")))),

@@ -25,7 +25,7 @@ from torch import nn
 from memfit import policy
 from memfit.errors import MemfitError, PolicyError
 from memfit.measure.step import Inputs, LossFn, packed, storage_key
-from memfit.policy import DERIVE, DERIVE_PRODUCTS, DERIVE_PROJECTIONS, Children, Nested, Option, Selective
+from memfit.policy import DERIVES, Children, Nested, Option, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
 from memfit.runtime.op_sets import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
@@ -40,7 +40,7 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
                  unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[Option]]:
     """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
     ``nested:<the child options' regions that do not overlap>``, ``selective:gemm[@<name>]``,
-    ``derive``, ``derive:products``, ``derive:projections``), in a fixed order.
+    ``derive``, ``derive:products``, ``derive:projections``, ``derive:all``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
     out: dict[str, list[Option]] = {}
@@ -147,17 +147,18 @@ def _activation_products(model: nn.Module, name: str, inputs: Inputs) -> set[str
 def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, saved: int) -> list[policy.Derive]:
     """``derive`` where it sheds ``MIN_SHARE`` of the unit's saved bytes, ``derive:products``
     where going through products and softmax sheds more again (written-out attention's
-    probabilities), and ``derive:projections`` where going through attention's projections too
-    sheds more still: ``MIN_SHARE`` beside no ``derive``, ``MIN_MORE`` beyond one. The bar beyond is
-    low because one step measures the option on every unit that has it, so a unit that has it
-    costs the profile nothing, and the planner weighs what it frees against what it costs: two
-    heads' probabilities at 128 tokens are 8% of a block's saved bytes, and the compiler's
-    partitioner recomputes them first (benchmarks/uneven-gpt.toml at budget 0.6)."""
+    probabilities), ``derive:projections`` where going through attention's projections too sheds
+    more still, and ``derive:all`` where every product with a weight does: ``MIN_SHARE`` beside no
+    ``derive``, ``MIN_MORE`` beyond one. The bar beyond is low because one step measures the option
+    on every unit that has it, so a unit that has it costs the profile nothing, and the planner
+    weighs what it frees against what it costs: two heads' probabilities at 128 tokens are 8% of a
+    block's saved bytes, and the compiler's partitioner recomputes them first
+    (benchmarks/uneven-gpt.toml at budget 0.6)."""
     if saved <= 0:
         return []
     out: list[policy.Derive] = []
     shed = 0
-    for option in (DERIVE, DERIVE_PRODUCTS, DERIVE_PROJECTIONS):
+    for option in DERIVES:
         more = _derivable(model, name, inputs, loss_fn, option)
         if more - shed >= (MIN_MORE if out else MIN_SHARE) * saved:
             out.append(option)
@@ -167,7 +168,7 @@ def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn
 
 def _derivable(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, option: policy.Derive) -> int:
     """Bytes the unit's saved tensors would shed under ``option`` (one forward, not kept)."""
-    derive = Derive(model.get_submodule(name), option.products, option.projections)
+    derive = Derive(model.get_submodule(name), option.level)
     try:
         loss_fn(model(*inputs.args, **inputs.kwargs))
     finally:

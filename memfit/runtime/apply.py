@@ -176,8 +176,7 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
                                                 ) from None
             _refuse_checkpointed(name, modules[name])
     for name in derived:
-        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].products,
-                                                            derived[name].projections)
+        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].level)
     return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
             for members, op_set, chain, inner in plan]
 

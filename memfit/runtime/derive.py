@@ -62,9 +62,10 @@ from memfit.torch_private import saved_tensors_hooks_active
 
 class Derive(PerThread):
     """Re-derive cheap saved tensors of ``unit`` (module hooks; ``remove()`` undoes them); with
-    ``products``, also through products of two activations and softmax (written-out attention's
-    probabilities from the q and k its first product keeps); with ``projections`` too, also through
-    products with a weight (q, k and v from a re-derived norm output).
+    ``level`` 1 (policy.Derive's levels), also through products of two activations and softmax
+    (written-out attention's probabilities from the q and k its first product keeps); 2, also
+    through attention's projections (q, k and v from a re-derived norm output); 3, through every
+    product with a weight.
 
     The unit's first training forward for each input signature runs under the watch and learns a
     plan (runtime/derive_plan.py); later forwards follow it with saved-tensor hooks alone, at a
@@ -73,11 +74,10 @@ class Derive(PerThread):
     watched on every forward, as correct and slower. The contexts a forward opens are this
     thread's; copies and pickles take the hooks, not them, nor the plans."""
 
-    def __init__(self, unit: nn.Module, products: bool = False, projections: bool = False) -> None:
+    def __init__(self, unit: nn.Module, level: int = 0) -> None:
         super().__init__()
         self._unit = Weak(unit)
-        self.products = products or projections
-        self.projections = projections
+        self.level = int(level)  # True: products
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
         self.plans: dict[Any, Plan | None] = {}  # None: watched on every forward
         self.misses: dict[Any, int] = {}
@@ -111,7 +111,7 @@ class Derive(PerThread):
         key = _signature(unit, args, kwargs)
         plan = self.plans.get(key, _LEARN)
         fwd: _Forward = (_Replay(plan) if isinstance(plan, Plan)
-                         else _Learn(self.products, self.projections, _tensors(unit), plan is _LEARN))
+                         else _Learn(self.level, _tensors(unit), plan is _LEARN))
         self.derived_bytes = fwd.derived_bytes
         self._tls.fwd = (key, fwd)
         hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack)
@@ -196,12 +196,11 @@ class _Learn(_Forward):
     ``record``, writes the plan that later forwards follow. Its own re-derived tensors go through
     the plan's templates too, so the learning step and the later ones run alike."""
 
-    def __init__(self, products: bool, projections: bool, tensors: list[tuple[torch.Tensor, Weak, str, str]],
-                 record: bool) -> None:
+    def __init__(self, level: int, tensors: list[tuple[torch.Tensor, Weak, str, str]], record: bool) -> None:
         params = [t for t, *_ in tensors]
         self.where = [w for _, *w in tensors]
         self.param_of = {storage_key(t.untyped_storage()): (i, t) for i, t in enumerate(params)}
-        self.watch = OpWatch(products, projections, set(self.param_of))
+        self.watch = OpWatch(level, set(self.param_of))
         self.kept: set[int] = set(self.param_of)
         self.derived: set[int] = set()
         self.derived_bytes = 0
@@ -241,7 +240,7 @@ class _Learn(_Forward):
                 past = history(t, self.bind.leaves(template), template.depth)
                 self.steps.append(Step(layout, t.dtype, derive=(template, view, past)))
                 made_again.pending += 1
-                return Derived(made_again, view, True)
+                return Derived(made_again, view)
         self.kept.add(key)
         if key not in self.param_of and key not in self.slot_of:
             self.slot_of[key] = (len(self.steps), t)
@@ -293,4 +292,4 @@ class _Replay(_Forward):
             self.missed = True
             return t
         recipe.pending += 1
-        return Derived(recipe, view, True)
+        return Derived(recipe, view)

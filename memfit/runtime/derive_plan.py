@@ -93,7 +93,8 @@ class Recipe:
     """One forward's instance of a template: the op, its inputs bound, the versions the inputs
     had when bound. Views of one storage saved by several nodes share the recomputed base: held
     from its first use until every saved view of it was unpacked (so the probabilities, saved by
-    the softmax and by the product with V, are made once)."""
+    the softmax and by the product with V, are made once); an input that several recipes take is
+    held until each of them was made (a fused qkv product, run once for q, k and v's copies)."""
 
     __slots__ = ("__weakref__", "args", "base", "func", "held", "out", "pending", "versions")
 
@@ -128,18 +129,18 @@ class Recipe:
 
 
 class Derived:
-    """What autograd holds instead of a re-derived tensor (or an input of another recipe)."""
+    """What autograd holds instead of a re-derived tensor (or an input of another recipe); each
+    counts once in its recipe's ``pending``."""
 
-    __slots__ = ("recipe", "saved", "view")
+    __slots__ = ("recipe", "view")
 
-    def __init__(self, recipe: Recipe, view: Geometry, saved: bool) -> None:
-        self.recipe, self.view, self.saved = recipe, view, saved
+    def __init__(self, recipe: Recipe, view: Geometry) -> None:
+        self.recipe, self.view = recipe, view
 
     def unpack(self) -> torch.Tensor:
         size, stride, offset = self.view
         out = self.recipe.make().as_strided(size, stride, offset)
-        if self.saved:
-            self.recipe.unpacked()
+        self.recipe.unpacked()  # a saved view unpacked, or an input taken by the recipe that needed it
         return out
 
 
@@ -186,7 +187,8 @@ class Bind:
                 sub = self.recipe(a.template)
                 if sub is None:
                     return None
-                a = Derived(sub, a.view, False)
+                a = Derived(sub, a.view)
+                sub.pending += 1  # until this recipe has made its tensor
             args.append(a)
         made = self.recipes[id(template)] = Recipe(template.func, (args, template.spec), template.out, versions)
         return made

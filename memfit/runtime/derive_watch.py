@@ -101,10 +101,10 @@ class OpWatch(TorchDispatchMode):
     recorded: an entry whose output has died may stand for a storage used again, and is never
     looked up by its storage again (a later op's ``_Arg`` holds it directly)."""
 
-    def __init__(self, products: bool, projections: bool, params: set[int]) -> None:
+    def __init__(self, level: int, params: set[int]) -> None:
         super().__init__()
-        self.products = products
-        self.projections = projections
+        self.products = level >= 1
+        self.level = level  # policy.Derive's: 2 attention's projections, 3 every product with a weight
         self.params = params  # the unit's parameters' and buffers' storages
         self.made: dict[int, _Made] = {}
         self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
@@ -128,15 +128,16 @@ class OpWatch(TorchDispatchMode):
         return _Arg(weakref.ref(t), key, pinned, self.entry(key), _geometry(t), t._version)
 
     def _projects(self, args: Any, out: Any) -> bool:
-        """A product with a weight (a parameter or a buffer, or a view of one) whose output is no
-        larger than its activation operand: q, k, v and the output projection of attention, not an
-        MLP's up-projection, whose output (four times its input) is what the compiler's partitioner
-        keeps while it recomputes the projections (HF ViT at activation budget 0.3)."""
+        """A product with a weight (a parameter or a buffer, or a view of one): at level 3 any, at
+        level 2 one whose output is no larger than its activation operand, so q, k, v and the
+        output projection of attention, not an MLP's up-projection, whose output (four times its
+        input) is what the compiler's partitioner keeps while it recomputes the projections (HF ViT
+        at activation budget 0.3; at 0.1 it recomputes that one too)."""
         tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
         weights = [a for a in tensors if storage_key(a.untyped_storage()) in self.params]
         acts = [a for a in tensors if a.dim() >= 2 and all(a is not w for w in weights)]
         return (bool(weights) and len(acts) == 1 and isinstance(out, torch.Tensor)
-                and out.numel() <= acts[0].numel())
+                and (self.level >= 3 or out.numel() <= acts[0].numel()))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -149,7 +150,7 @@ class OpWatch(TorchDispatchMode):
                 self.written[storage_key(value.untyped_storage())] = self.seq
         if ok and func in _PRODUCTS and not _expands(args, out):
             ok = False
-        if not ok and self.projections and func in _WEIGHT_PRODUCTS and self._projects(args, out):
+        if not ok and self.level >= 2 and func in _WEIGHT_PRODUCTS and self._projects(args, out):
             ok = True
         if ok:
             recorded = None
