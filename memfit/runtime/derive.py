@@ -77,7 +77,7 @@ class Derive(PerThread):
     def __init__(self, unit: nn.Module, level: int = 0) -> None:
         super().__init__()
         self._unit = Weak(unit)
-        self.level = int(level)  # True: products
+        self.level = int(level)  # policy.Derive's level; True (as tests pass it) is derive:products
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
         self.plans: dict[Any, Plan | None] = {}  # None: watched on every forward
         self.misses: dict[Any, int] = {}

@@ -26,7 +26,7 @@ _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group
 # autograd keeps for the products anyway (Megatron's core-attention recompute, without a checkpoint)
 _ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
 _PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
-# the deepest level: products with a weight (a projection from a norm's output that is itself
+# levels 2 and 3: products with a weight (a projection from a norm's output that is itself
 # re-derived), what the compiler's partitioner recomputes at small budgets (q, k, v in a ViT block)
 _WEIGHT_PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 # what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
