@@ -138,14 +138,6 @@ class Derive:
         if self.level not in range(len(DERIVE_LEVELS)):
             raise PolicyError(f"derive has levels 0 to {len(DERIVE_LEVELS) - 1}, not {self.level!r}")
 
-    @property
-    def products(self) -> bool:
-        return self.level >= 1
-
-    @property
-    def projections(self) -> bool:
-        return self.level >= 2
-
     def __str__(self) -> str:
         return DERIVE_LEVELS[self.level]
 

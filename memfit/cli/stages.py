@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from memfit.cli import modelflags
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, MemfitWarning
 
 # the flags a pipeline plan does not take yet, and what they are
 _NOT_WITH_PP = {"profile": "--profile", "compile": "--compile", "seq_lens": "--seq-lens", "seq_hist": "--seq-hist",
@@ -68,10 +69,6 @@ def plan_pipeline(args: argparse.Namespace, budget_text: str) -> int:
     if layout is not None:
         _check_mesh(layout, modelflags.target_of(args, sc))
         if layout["kind"] == "fsdp-bf16":
-            import warnings
-
-            from memfit.errors import MemfitWarning
-
             warnings.warn(MemfitWarning(
                 "fsdp-bf16 stages are estimated, but on gloo CPU ranks they measured up to 7% above the estimate "
                 "(fsdp stages within 1.3%), for a reason not found yet: keep that margin, and check the plan on "
@@ -316,7 +313,6 @@ def _pipeline_rank(device: str, sc: Any, schedules: list[Any]) -> dict[str, Any]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, {"peak": peak, "grads": grads, "pp": rank})
     return {"ranks": out}
-
 
 
 def _plain_grads(sc: Any) -> dict[str, Any]:

@@ -103,8 +103,7 @@ class OpWatch(TorchDispatchMode):
 
     def __init__(self, level: int, params: set[int]) -> None:
         super().__init__()
-        self.products = level >= 1
-        self.level = level  # policy.Derive's: 2 attention's projections, 3 every product with a weight
+        self.level = level  # policy.Derive's: 1 products, 2 attention's projections, 3 every product with a weight
         self.params = params  # the unit's parameters' and buffers' storages
         self.made: dict[int, _Made] = {}
         self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
@@ -143,7 +142,7 @@ class OpWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.seq += 1
-        ok, writes = _kind(func, self.products)
+        ok, writes = _kind(func, self.level >= 1)
         for i, name in writes:
             value = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
