@@ -237,6 +237,41 @@ def test_derive_projections_and_all_re_derive_products_with_weights(build, token
         _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
 
 
+def test_derive_projections_re_derives_llamas_rotated_q_and_k():
+    """Hugging Face's Llama with its defaults (SDPA, grouped KV heads, rotary embeddings): SDPA
+    keeps the rotated q and k, made by RoPE's ``x * cos + cat(-x2, x1) * sin`` from the
+    projections' outputs; ``derive:projections`` re-derives them through the ``cat`` from the norm
+    output (and v), so the three projections run again (their FLOPs exactly) and their bytes go,
+    with the plain model's losses, gradients and buffers in a user's loop."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    pytest.importorskip("transformers")
+    from memfit import hf
+
+    batch_size, tokens, width, heads, kv = 2, 32, 64, 4, 2
+    model, batch = hf.llama(batch=batch_size, seq=tokens, n_layer=2, hidden=width, n_head=heads, kv_heads=kv,
+                            vocab=256)
+    names = find_units(model, "auto")
+    shed, flops = {}, {}
+    for option in ("derive:products", "derive:projections"):
+        d = Derive(model.get_submodule(names[0]), parse(option).level)
+        model(**batch).loss.backward()
+        d.remove()
+        shed[option] = d.derived_bytes
+        twin = copy.deepcopy(model)
+        set_policies(twin, dict.fromkeys(names, parse(option)))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            twin(**batch).loss.backward()
+        flops[option] = counter.get_total_flops()
+    rows, qkv = batch_size * tokens, width + 2 * kv * width // heads  # q's width, k's and v's
+    assert shed["derive:projections"] - shed["derive:products"] == rows * qkv * 4  # float32
+    assert flops["derive:projections"] - flops["derive:products"] == len(names) * 2 * rows * width * qkv
+    twin = copy.deepcopy(model)
+    set_policies(twin, dict.fromkeys(names, parse("derive:projections")))
+    _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
+
+
 def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_results():
     """SDPA with dropout on the CPU takes its math path (q.k^T, a causal mask from ones, tril and
     where, safe softmax, a random mask): the probabilities are re-derived, the random mask is kept,

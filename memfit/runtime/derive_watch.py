@@ -37,10 +37,11 @@ MAX_DEPTH = 8  # ops one re-derived tensor may chain back through
 
 def cheap(func: Any) -> bool:
     """Ops worth running again rather than keeping their output: deterministic, functional,
-    elementwise or a norm."""
+    elementwise, a norm, or a ``cat`` (a copy: RoPE's rotate-half between Llama's projections and
+    the q and k that SDPA keeps)."""
     if op_schema(func).is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
         return False
-    return torch.Tag.pointwise in func.tags or func in _NORMS
+    return torch.Tag.pointwise in func.tags or func in _NORMS or func is _aten.cat.default
 
 
 @dataclass(slots=True)
