@@ -125,8 +125,15 @@ def _nanogpt_of_two_heads() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return zoo.nanogpt(batch=2, seq=48, vocab=128, d_model=64, n_head=2, n_layer=3)
 
 
+def _nanogpt_of_one_head() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """One head: matmul's reshape of q is a view of the fused qkv output, not a copy, and autograd
+    hands bmm a shallow copy of the view the dispatcher made (a recipe must find it by storage)."""
+    return zoo.nanogpt(batch=2, seq=32, vocab=128, d_model=16, n_head=1, n_layer=3)
+
+
 @pytest.mark.parametrize(("build", "tokens", "heads"), [
-    (_tiny_nanogpt, 32, 4), (_tiny_vit, 17, 4), (_nanogpt_of_short_sequences, 16, 4), (_nanogpt_of_two_heads, 48, 2)])
+    (_tiny_nanogpt, 32, 4), (_tiny_vit, 17, 4), (_nanogpt_of_short_sequences, 16, 4), (_nanogpt_of_two_heads, 48, 2),
+    (_nanogpt_of_one_head, 32, 1)])
 def test_derive_products_re_derives_written_out_attention_probabilities(build, tokens, heads):
     """``derive:products`` also sheds the probabilities (batch x heads x T x T), re-derived from
     the q and k the first product keeps; P.v, which makes less than it takes, is not run again.
@@ -241,8 +248,9 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     """Hugging Face's Llama with its defaults (SDPA, grouped KV heads, rotary embeddings): SDPA
     keeps the rotated q and k, made by RoPE's ``x * cos + cat(-x2, x1) * sin`` from the
     projections' outputs; ``derive:projections`` re-derives them through the ``cat`` from the norm
-    output (and v), so the three projections run again (their FLOPs exactly) and their bytes go,
-    with the plain model's losses, gradients and buffers in a user's loop."""
+    output (and v, and the residual sum from the output projection), so the four projections run
+    again (their FLOPs exactly) and their bytes go, with the plain model's losses, gradients and
+    buffers in a user's loop."""
     from torch.utils.flop_counter import FlopCounterMode
 
     pytest.importorskip("transformers")
@@ -264,9 +272,10 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
         with counter:
             twin(**batch).loss.backward()
         flops[option] = counter.get_total_flops()
-    rows, qkv = batch_size * tokens, width + 2 * kv * width // heads  # q's width, k's and v's
-    assert shed["derive:projections"] - shed["derive:products"] == rows * qkv * 4  # float32
-    assert flops["derive:projections"] - flops["derive:products"] == len(names) * 2 * rows * width * qkv
+    # q's width, k's and v's, and the output projection's (the residual sum the second norm keeps)
+    rows, widths = batch_size * tokens, width + 2 * kv * width // heads + width
+    assert shed["derive:projections"] - shed["derive:products"] == rows * widths * 4  # float32
+    assert flops["derive:projections"] - flops["derive:products"] == len(names) * 2 * rows * width * widths
     twin = copy.deepcopy(model)
     set_policies(twin, dict.fromkeys(names, parse("derive:projections")))
     _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))

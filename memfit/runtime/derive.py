@@ -201,7 +201,7 @@ class _Learn(_Forward):
         self.where = [w for _, *w in tensors]
         self.param_of = {storage_key(t.untyped_storage()): (i, t) for i, t in enumerate(params)}
         self.watch = OpWatch(level, set(self.param_of))
-        self.kept: set[int] = set(self.param_of)
+        self.kept: dict[int, torch.Tensor] = {k: t for k, (_, t) in self.param_of.items()}  # a tensor a kept storage
         self.derived: set[int] = set()
         self.derived_bytes = 0
         self.record = record
@@ -214,6 +214,7 @@ class _Learn(_Forward):
         super().close()
         self.slot_of.clear()
         self.param_of.clear()
+        self.kept.clear()
 
     def plan(self) -> Plan:
         leaves = [leaf for step in self.steps if step.derive for leaf in _leaves(step.derive[0])]
@@ -241,7 +242,7 @@ class _Learn(_Forward):
                 self.steps.append(Step(layout, t.dtype, derive=(template, view, past)))
                 made_again.pending += 1
                 return Derived(made_again, view)
-        self.kept.add(key)
+        self.kept.setdefault(key, t)
         if key not in self.param_of and key not in self.slot_of:
             self.slot_of[key] = (len(self.steps), t)
             self.bind.slots[len(self.steps)] = t

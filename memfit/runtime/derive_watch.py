@@ -56,6 +56,8 @@ class _Arg:
     made: _Made | None
     geometry: tuple[tuple[int, ...], tuple[int, ...], int]
     version: int
+    storage: StorageWeakRef  # alive: the key is still this storage's
+    dtype: torch.dtype
 
 
 @dataclass(slots=True)
@@ -125,7 +127,8 @@ class OpWatch(TorchDispatchMode):
     def _arg(self, t: torch.Tensor) -> _Arg:
         key = storage_key(t.untyped_storage())
         pinned = t if key in self.params else None
-        return _Arg(weakref.ref(t), key, pinned, self.entry(key), _geometry(t), t._version)
+        return _Arg(weakref.ref(t), key, pinned, self.entry(key), _geometry(t), t._version,
+                    StorageWeakRef(t.untyped_storage()), t.dtype)
 
     def _projects(self, args: Any, out: Any) -> bool:
         """A product with a weight (a parameter or a buffer, or a view of one): at level 3 any, at
@@ -192,7 +195,7 @@ def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...]]
     return kind
 
 
-def resolve(made: _Made, watch: OpWatch, kept: set[int], depth: int) -> _Recipe | None:
+def resolve(made: _Made, watch: OpWatch, kept: dict[int, torch.Tensor], depth: int) -> _Recipe | None:
     """The recipe for ``made``'s storage, or None: every tensor input is kept by autograd (or a
     parameter or a buffer) and unchanged since, or is re-derivable itself (its storage made by a
     recorded op, never written in place, at most ``MAX_DEPTH`` ops back)."""
@@ -213,11 +216,18 @@ def resolve(made: _Made, watch: OpWatch, kept: set[int], depth: int) -> _Recipe 
     return made.recipe
 
 
-def _input(a: _Arg, made: _Made, watch: OpWatch, kept: set[int], depth: int) -> torch.Tensor | _Derived | None:
+def _input(a: _Arg, made: _Made, watch: OpWatch, kept: dict[int, torch.Tensor],
+           depth: int) -> torch.Tensor | _Derived | None:
     """An input of ``made``'s op as a recipe takes it: the tensor where autograd keeps it (or it
     is a parameter or a buffer) and nothing wrote into it since; else its own recipe. A scalar
-    tensor of the forward's own is neither: a later forward may hold another value there."""
+    tensor of the forward's own is neither: a later forward may hold another value there.
+    ``kept``: a tensor of each storage autograd keeps. A view the op took may have died while its
+    storage is kept: autograd gives a view op's caller a shallow copy of what the dispatcher made
+    when something else holds that (as_view; this watch does), so matmul's reshape of a one-head
+    q is not the tensor bmm saved; the input is then that view of the kept storage."""
     t = a.pinned if a.pinned is not None else a.ref()
+    if t is None and (whole := kept.get(a.key)) is not None and not a.storage.expired() and whole.dtype == a.dtype:
+        t = whole.detach().as_strided(*a.geometry)
     if t is not None and a.key in kept and watch.clean(a.key, made.seq):
         return t
     sub = a.made
