@@ -386,3 +386,30 @@ def test_copies_and_pickles_learn_their_own_plans():
         assert not d.plans
         twin(**batch)["loss"].backward()
         assert len(d.plans) == 1 and d.derived_bytes == _block_bytes()
+
+
+def test_a_recipe_dropped_on_a_miss_lets_go_of_the_input_it_shares():
+    """Two recipes take one re-derived input (q's and k's copies of a fused qkv): while one holds
+    it, it is made once and held; when the forward misses its plan at the other and keeps that
+    tensor, the input is let go once the first has used it, not held to the graph's end."""
+    from memfit.runtime.derive_plan import Bind, Derived, Leaf, SubRef, Template, _flatten
+
+    aten = torch.ops.aten
+    x = torch.randn(4, 6)
+    whole = ((4, 6), (6, 1), 0)
+    shared = Template(aten.mul.Tensor, _flatten((x, x), {})[1], [Leaf(False, 0, None)] * 2, whole, 0)
+    users = [Template(aten.neg.default, _flatten((x,), {})[1], [SubRef(shared, whole)], whole, 1) for _ in range(2)]
+    bind = Bind([])
+    bind.slots[0] = x
+    kept, missed = (bind.recipe(t) for t in users)
+    assert kept is not None and missed is not None
+    kept.pending += 1  # a saved view of the first holds it (runtime/derive.py's _Replay.pack)
+    held = Derived(kept, whole)
+    inner = bind.recipes[id(shared)]
+    assert inner.pending == 2
+    bind.release(users[1])  # the forward kept the second's tensor after all
+    assert inner.pending == 1 and id(users[1]) not in bind.recipes
+    bind.release(users[0])  # a recipe a saved view holds is not dropped
+    assert bind.recipes[id(users[0])] is kept and inner.pending == 1
+    assert torch.equal(held.unpack(), -(x * x))
+    assert inner.held is None and kept.held is None  # nothing held once the first was unpacked

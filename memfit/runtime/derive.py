@@ -291,6 +291,8 @@ class _Replay(_Forward):
         recipe = self.bind.recipe(template)
         if recipe is None or history(t, self.bind.leaves(template), template.depth) != past:
             self.missed = True
+            if recipe is not None:
+                self.bind.release(template)
             return t
         recipe.pending += 1
         return Derived(recipe, view)

@@ -193,6 +193,19 @@ class Bind:
         made = self.recipes[id(template)] = Recipe(template.func, (args, template.spec), template.out, versions)
         return made
 
+    def release(self, template: Template) -> None:
+        """Undo ``recipe(template)`` where the forward kept the tensor after all (its history was
+        not the plan's): a recipe no saved view holds is forgotten, and the sub-recipes it counted
+        on are let go, so a shared input (a fused qkv) is not held for it to the graph's end."""
+        made = self.recipes.get(id(template))
+        if made is None or made.pending > 0:
+            return
+        del self.recipes[id(template)]
+        for a, ref in zip(made.args[0], template.args, strict=True):
+            if isinstance(a, Derived):
+                a.recipe.unpacked()
+                self.release(ref.template)
+
     def leaves(self, template: Template) -> list[torch.Tensor]:
         """The bound tensors a template's tree takes, in a fixed order (for ``history``)."""
         out: list[torch.Tensor] = []
