@@ -4,6 +4,7 @@ between identical units, within the uncertainty the profile records."""
 import dataclasses
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from memfit import zoo
 from memfit.cli import main
 from memfit.formats.schedule import load_schedule
 from memfit.measure.timing import ratio_uncertainties, ratio_uncertainty
-from memfit.policy import FULL, KEEP, Option
+from memfit.policy import FULL, KEEP, Option, Segment
 from memfit.report import validation_report
 
 from .conftest import TINY, tiny_gpt
@@ -167,34 +168,61 @@ def test_scattered_times_of_identical_units_are_warned_of_and_a_steady_outlier_i
 
 
 def test_a_fine_gain_within_the_costs_uncertainty_is_said_and_still_taken():
+    """Where the module-level plan's costs are unsure (a busy machine), a fine plan cheaper by less
+    than that noise is still taken, and the report says the two cost the same within it."""
     from memfit.report import schedule_report
 
+    prof, _, differs = _fine_plans_that_win()
+    sure = {b: memfit.plan(prof, b, granularity="fine").policies for b in differs}
+    _unsure(prof, lambda name: 1.0 if name == FULL else 0.0)
+    for b in differs:  # the same plans, the lower prediction being the better bet; the doubt is said
+        sched = memfit.plan(prof, b, granularity="fine")  # identical blocks: any of the equal plans
+        assert sched.policies != memfit.plan(prof, b).policies
+        assert sched.predicted_recompute_s == pytest.approx(memfit.predict(prof, sure[b]).recompute_s)
+        assert "within the costs' noise" in sched.solver_status
+        assert "cost the same within the measurement's noise" in schedule_report(sched)
+    nothing = memfit.plan(prof, memfit.predict(prof, {}).peak_bytes)  # nothing to gain
+    assert "within the measurement's noise" not in schedule_report(nothing)
+
+
+def test_an_option_cheaper_by_less_than_its_noise_is_not_taken():
+    """The planner weighs a cost as its estimate plus one standard error (planning/roles.weighed):
+    the cheapest-looking of many noisy estimates tends to be one that came out low. Fine options
+    priced at a thousandth of ``full`` win where they are sure; known only to an uncertainty of
+    ten times ``full``'s cost, they are not taken: the fine solve itself lands on the module-level
+    plan. The plan's predicted recompute is the estimate itself."""
+    prof, _, differs = _fine_plans_that_win()
+    full_s = max(u.options[FULL].recompute_s for u in prof.units)
+    _unsure(prof, lambda name: 0.0 if name == FULL else 10 * full_s)
+    for b in differs:
+        sched = memfit.plan(prof, b, granularity="fine")
+        assert all(p in (KEEP, FULL) or isinstance(p, Segment) for p in sched.policies.values())
+        assert sched.predicted_recompute_s == pytest.approx(memfit.plan(prof, b).predicted_recompute_s)
+
+
+def _fine_plans_that_win() -> tuple[Any, list[int], list[int]]:
+    """A fine profile of a tiny GPT whose finer options are priced near free and sure, and the
+    budgets (of four across its range) where the fine plan differs from the module-level one."""
     model, inputs = tiny_gpt()
     prof = memfit.profile(model, inputs, repeat=3, granularity="fine")
     lo, hi = memfit.min_budget_bytes(prof, fine=True), memfit.predict(prof, {}).peak_bytes
     budgets = [int(lo + f * (hi - lo)) for f in (0.2, 0.4, 0.6, 0.8)]
     assert memfit.plan(prof, budgets[1], granularity="fine").predicted_uncertainty_s > 0
-
-    def unsure(seconds: float) -> None:  # every cost's uncertainty set, as a quiet or a very busy machine
-        for u in prof.units:
-            for o in u.options.values():
-                o.recompute_uncertainty_s = 0.0 if o is u.options[KEEP] else seconds
-
-    unsure(0.0)
+    _unsure(prof, lambda name: 0.0)
     for u in prof.units:  # fine options priced near free (measured, they may tie with the module plan: CI stop 32)
         for name, o in u.options.items():
             if name not in (KEEP, FULL):
                 o.recompute_s = 1e-3 * u.options[FULL].recompute_s
     differs = [b for b in budgets if memfit.plan(prof, b, granularity="fine").policies != memfit.plan(prof, b).policies]
     assert differs  # somewhere the fine options win, when the costs are taken as sure
-    sure = {b: memfit.plan(prof, b, granularity="fine").policies for b in differs}
-    unsure(1.0)
-    for b in differs:  # the same plans, the lower prediction being the better bet; the doubt is said
-        sched = memfit.plan(prof, b, granularity="fine")
-        assert sched.policies == sure[b] != memfit.plan(prof, b).policies
-        assert "within the costs' noise" in sched.solver_status
-        assert "cost the same within the measurement's noise" in schedule_report(sched)
-    assert "within the measurement's noise" not in schedule_report(memfit.plan(prof, hi))  # nothing to gain
+    return prof, budgets, differs
+
+
+def _unsure(prof: Any, seconds: Any) -> None:
+    """Every option's uncertainty but none's set by its name, as a quiet or a very busy machine."""
+    for u in prof.units:
+        for name, o in u.options.items():
+            o.recompute_uncertainty_s = 0.0 if name == KEEP else seconds(name)
 
 
 def test_cuda_marks_are_timed_by_events_read_once_after_the_step(monkeypatch):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from memfit.formats.profile import Profile, after_forwards
-from memfit.planning.roles import FULL, NONE, Role, segment_roles, unit_costs
+from memfit.planning.roles import FULL, NONE, Role, segment_roles, unit_costs, weighed
 from memfit.policy import COARSE
 
 RANGE = 2**30  # scaled bytes stay below this, far inside every solver's exact integer range
@@ -60,7 +60,7 @@ class IntModel:
     phases: list[IntPhase]
     roles: list[list[Role]]  # the roles each unit may take
     costs: dict[tuple[int, Role], IntCosts]
-    recompute_ns: dict[tuple[int, Role], int]
+    recompute_ns: dict[tuple[int, Role], int]  # the objective: roles.weighed, recompute plus one standard error
     net: list[int]  # each unit's largest level change over the whole step, over its roles
 
     @property
@@ -107,7 +107,7 @@ class IntModel:
                 costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end),
                                           up(c.later_bwd_peak), up(c.later_bwd_end), int(c.release // q),
                                           int(c.freed // q), int(c.later // q))
-                recompute[j, role] = round(c.recompute_s * 1e9)
+                recompute[j, role] = round(weighed(c.recompute_s, c.uncertainty_s) * 1e9)
         net = [max(costs[j, r].net for r in roles[j] if not r.is_segment) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)
 

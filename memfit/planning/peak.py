@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from memfit.devices import usable_bytes
 from memfit.formats.profile import Profile, after_forwards, dp_degree
-from memfit.planning.roles import NONE, member_input, roles_of, unit_costs
+from memfit.planning.roles import NONE, member_input, roles_of, unit_costs, weighed
 from memfit.policy import Policy, as_policies
 
 
@@ -26,6 +26,11 @@ class Prediction:
     levels: list[tuple[str, int, int]]  # (phase, level at its start, its peak), for timelines
     uncertainty_s: float = 0.0  # how sure recompute_s is: its options' uncertainties summed (they share rounds)
     overhead_uncertainty: float = 0.0  # the same as a share of the un-checkpointed step
+
+    @property
+    def weighed_s(self) -> float:
+        """What the planner minimises (roles.weighed): recompute plus one standard error."""
+        return weighed(self.recompute_s, self.uncertainty_s)
 
 
 def predict(profile: Profile, policies: Mapping[str, Policy | str]) -> Prediction:

@@ -18,7 +18,7 @@ from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
 from memfit.planning.options import PlanOptions, settle
 from memfit.planning.peak import device_cap_bytes, predict
-from memfit.planning.roles import policies_of
+from memfit.planning.roles import policies_of, weighed
 from memfit.policy import FULL, Policies
 from memfit.trainstep import StepRecord
 
@@ -242,8 +242,8 @@ def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
     figures = figures if figures is not None else baselines(profile, budget_bytes)
     best = _cheapest_fitting(figures)
     found = None if sol is None else policies_of(profile.unit_names, sol.roles)
-    if best is not None and (found is None or figures[best]["recompute_s"] + TIE_FRACTION * profile.step_s
-                             < predict(profile, found).recompute_s):
+    if best is not None and (found is None or _weighed(figures[best]) + TIE_FRACTION * profile.step_s
+                             < predict(profile, found).weighed_s):
         policies = STRATEGIES[best](profile, budget_bytes)
         assert policies is not None  # it fits: baselines() said so
         what = "found no schedule" if sol is None else "found a dearer one"
@@ -259,11 +259,11 @@ def _choose(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
 
 def _against_module(profile: Profile, budget_bytes: int, opts: PlanOptions, figures: dict[str, BaselineFigures],
                     policies: Policies, status: str) -> tuple[Policies, str]:
-    """The fine plan against the module-level one: the cheaper by its predicted cost (the module
-    plan where it is as cheap: a fine solve stops at its gap or time limit). A gain within the
-    uncertainty of the difference (the two plans' uncertainties in quadrature) is said, not
-    refused: measured, the fine plan was the faster in every row where the two differed
-    (docs/strategies.md, "fine or module"), so the lower prediction is the better bet."""
+    """The fine plan against the module-level one: the cheaper as the planner weighs costs
+    (roles.weighed; the module plan where it is as cheap: a fine solve stops at its gap or time
+    limit). A gain within the uncertainty of the difference (the two plans' uncertainties in
+    quadrature) is said, not refused: measured, the fine plan was the faster in every row where
+    the two differed (docs/strategies.md, "Fine or module")."""
     try:
         coarse = _choose(profile, budget_bytes, opts, False, figures)[0]
     except (InfeasibleBudgetError, SolverTimeout):
@@ -271,13 +271,13 @@ def _against_module(profile: Profile, budget_bytes: int, opts: PlanOptions, figu
     if coarse == policies:
         return policies, status
     f, m = predict(profile, policies), predict(profile, coarse)
-    if m.recompute_s <= f.recompute_s:
+    if m.weighed_s <= f.weighed_s:
         return coarse, f"{status}; the module-level plan is as cheap: used"
     noise = math.hypot(f.uncertainty_s, m.uncertainty_s)  # two standard errors of the difference
     if noise <= 0 or m.recompute_s - f.recompute_s > noise:
         return policies, status
-    return policies, (f"{status}; the fine plan saves {(m.recompute_s - f.recompute_s) * 1e3:.1f} ms over the "
-                      f"module-level plan, within the costs' noise of {noise * 1e3:.1f} ms")
+    return policies, (f"{status}; the fine plan's predicted recompute is {(f.recompute_s - m.recompute_s) * 1e3:+.1f} "
+                      f"ms against the module-level plan's, within the costs' noise of {noise * 1e3:.1f} ms")
 
 
 def _fallbacks(profile: Profile, peak: int, opts: PlanOptions, fine: bool) -> list[Fallback]:
@@ -331,7 +331,12 @@ def best_baseline(schedule: Schedule) -> str | None:
 
 def _cheapest_fitting(figures: dict[str, dict[str, Any]]) -> str | None:
     fitting = {k: v for k, v in figures.items() if v.get("fits")}
-    return min(fitting, key=lambda k: fitting[k]["recompute_s"], default=None)
+    return min(fitting, key=lambda k: _weighed(fitting[k]), default=None)
+
+
+def _weighed(figures: dict[str, Any]) -> float:
+    """A baseline's cost as the planner weighs it (roles.weighed)."""
+    return weighed(figures["recompute_s"], figures.get("uncertainty_s", 0.0))
 
 
 def strategy_min_budget(profile: Profile, strategy: str) -> int:

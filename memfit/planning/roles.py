@@ -22,6 +22,16 @@ from memfit.formats.profile import Profile
 from memfit.policy import COARSE, KEEP, SEGMENT_HELP, Option, Policy, Segment
 from memfit.policy import FULL as CHECKPOINT
 
+# The planner weighs a cost as its estimate plus one standard error (an uncertainty is two): the
+# cheapest-looking of many noisy estimates is, on average, one that came out low (the winner's
+# curse), so an option priced from thin evidence must win by more than its noise to be taken.
+RISK = 0.5
+
+
+def weighed(recompute_s: float, uncertainty_s: float) -> float:
+    """What the planner minimises for a cost of ``recompute_s`` known to ``uncertainty_s``."""
+    return recompute_s + RISK * uncertainty_s
+
 
 @dataclass(frozen=True, slots=True)
 class Role:

@@ -27,7 +27,7 @@ from memfit.planning.intmodel import IntModel
 from memfit.planning.options import PlanOptions, check_strategies, settle
 from memfit.planning.peak import Prediction, predict
 from memfit.planning.planner import check_granularity, min_budget_bytes
-from memfit.planning.roles import policies_of
+from memfit.planning.roles import policies_of, weighed
 from memfit.policy import KEEP, spelt
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def _ilp_rows(profile: Profile, sizes: list[int], opts: PlanOptions, fine: bool)
                 found[b] = plans[id(point)]
     share = (time.perf_counter() - start) / len(sizes)
     rows = [_row(b, "ilp", *found[b], share) for b in sizes]
-    _flag_violations(rows)
+    _flag_violations(rows, profile.step_s)
     return rows
 
 
@@ -186,12 +186,13 @@ def _walk_down(profile: Profile, model: IntModel, sizes: list[int],
     return found
 
 
-def _flag_violations(rows: list[dict[str, Any]]) -> None:
-    """Mark each budget whose ILP recompute exceeds that of a smaller budget: the optimum of a
-    larger budget can never be dearer, so such a row is a bug, shown rather than hidden."""
+def _flag_violations(rows: list[dict[str, Any]], step_s: float) -> None:
+    """Mark each budget whose ILP cost, as the planner weighs it (roles.weighed), exceeds that of
+    a smaller budget: the optimum of a larger budget can never be dearer, so such a row is a bug,
+    shown rather than hidden."""
     cheapest_below = math.inf
     for row in rows:  # rows by rising budget
-        cost = row["recompute_s"]
+        cost = weighed(row["recompute_s"], row["predicted_uncertainty"] * step_s)
         if math.isnan(cost):
             continue
         row["frontier_violation"] = cost > cheapest_below + 1e-12
