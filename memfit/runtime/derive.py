@@ -201,7 +201,8 @@ class _Learn(_Forward):
         self.where = [w for _, *w in tensors]
         self.param_of = {storage_key(t.untyped_storage()): (i, t) for i, t in enumerate(params)}
         self.watch = OpWatch(level, set(self.param_of))
-        self.kept: dict[int, torch.Tensor] = {k: t for k, (_, t) in self.param_of.items()}  # a tensor of each kept storage
+        # a tensor of each storage autograd keeps (runtime/derive_watch._input)
+        self.kept: dict[int, torch.Tensor] = {k: t for k, (_, t) in self.param_of.items()}
         self.derived: set[int] = set()
         self.derived_bytes = 0
         self.record = record
