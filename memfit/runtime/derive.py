@@ -201,8 +201,6 @@ class _Learn(_Forward):
         self.where = [w for _, *w in tensors]
         self.param_of = {storage_key(t.untyped_storage()): (i, t) for i, t in enumerate(params)}
         self.watch = OpWatch(level, set(self.param_of))
-        # a tensor of each storage autograd keeps (runtime/derive_watch._input)
-        self.kept: dict[int, torch.Tensor] = {k: t for k, (_, t) in self.param_of.items()}
         self.derived: set[int] = set()
         self.derived_bytes = 0
         self.record = record
@@ -215,7 +213,12 @@ class _Learn(_Forward):
         super().close()
         self.slot_of.clear()
         self.param_of.clear()
-        self.kept.clear()
+
+    def kept(self, key: int) -> torch.Tensor | None:
+        """A tensor of the storage where autograd keeps it (a parameter or buffer, or a tensor
+        packed as it is), else None."""
+        found = self.param_of.get(key) or self.slot_of.get(key)
+        return None if found is None else found[1]
 
     def plan(self) -> Plan:
         leaves = [leaf for step in self.steps if step.derive for leaf in _leaves(step.derive[0])]
@@ -229,7 +232,7 @@ class _Learn(_Forward):
         made = self.watch.entry(key)
         layout = (tuple(t.shape), t.stride())
         # an op's first output only: a norm's statistics are small, and its backward would run it again
-        if made is not None and key not in self.kept and self.watch.clean(key, made.seq + 1):
+        if made is not None and self.kept(key) is None and self.watch.clean(key, made.seq + 1):
             recipe = resolve(made, self.watch, self.kept, 0)
             template = recipe and template_of(recipe, self.templates, self.slot_of, self.param_of, _key)
             made_again = template and self.bind.recipe(template)
@@ -243,7 +246,6 @@ class _Learn(_Forward):
                 self.steps.append(Step(layout, t.dtype, derive=(template, view, past)))
                 made_again.pending += 1
                 return Derived(made_again, view)
-        self.kept.setdefault(key, t)
         if key not in self.param_of and key not in self.slot_of:
             self.slot_of[key] = (len(self.steps), t)
             self.bind.slots[len(self.steps)] = t

@@ -11,6 +11,7 @@ after its tensors died.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,7 +196,8 @@ def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...]]
     return kind
 
 
-def resolve(made: _Made, watch: OpWatch, kept: dict[int, torch.Tensor], depth: int) -> _Recipe | None:
+def resolve(made: _Made, watch: OpWatch, kept: Callable[[int], torch.Tensor | None],
+            depth: int) -> _Recipe | None:
     """The recipe for ``made``'s storage, or None: every tensor input is kept by autograd (or a
     parameter or a buffer) and unchanged since, or is re-derivable itself (its storage made by a
     recorded op, never written in place, at most ``MAX_DEPTH`` ops back)."""
@@ -216,19 +218,21 @@ def resolve(made: _Made, watch: OpWatch, kept: dict[int, torch.Tensor], depth: i
     return made.recipe
 
 
-def _input(a: _Arg, made: _Made, watch: OpWatch, kept: dict[int, torch.Tensor],
+def _input(a: _Arg, made: _Made, watch: OpWatch, kept: Callable[[int], torch.Tensor | None],
            depth: int) -> torch.Tensor | _Derived | None:
     """An input of ``made``'s op as a recipe takes it: the tensor where autograd keeps it (or it
     is a parameter or a buffer) and nothing wrote into it since; else its own recipe. A scalar
     tensor of the forward's own is neither: a later forward may hold another value there.
-    ``kept``: a tensor of each storage autograd keeps. A view the op took may have died while its
-    storage is kept: autograd gives a view op's caller a shallow copy of what the dispatcher made
-    when something else holds that (as_view; this watch does), so matmul's reshape of a one-head
-    q is not the tensor bmm saved; the input is then that view of the kept storage."""
+    ``kept(key)``: a tensor of that storage where autograd keeps it, else None. A view the op took
+    may have died while its storage is kept: autograd gives a view op's caller a shallow copy of
+    what the dispatcher made when something else holds that (as_view; this watch does), so
+    matmul's reshape of a one-head q is not the tensor bmm saved; the input is then that view of
+    the kept storage."""
     t = a.pinned if a.pinned is not None else a.ref()
-    if t is None and (whole := kept.get(a.key)) is not None and not a.storage.expired() and whole.dtype == a.dtype:
+    whole = kept(a.key)
+    if t is None and whole is not None and not a.storage.expired() and whole.dtype == a.dtype:
         t = whole.detach().as_strided(*a.geometry)
-    if t is not None and a.key in kept and watch.clean(a.key, made.seq):
+    if t is not None and whole is not None and watch.clean(a.key, made.seq):
         return t
     sub = a.made
     if sub is None or sub.seq >= made.seq or not watch.clean(sub.key, sub.seq + 1):
