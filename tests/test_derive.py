@@ -203,27 +203,10 @@ def test_derive_projections_and_all_re_derive_products_with_weights(build, token
     three per-head copies (their bytes, three widths; its product, three). Exactly those bytes and
     those products, predicted = measured, and the plain model's losses, gradients and buffers in a
     user's loop."""
-    from torch.utils.flop_counter import FlopCounterMode
 
     model, batch = build()
     names = find_units(model, "auto")
-
-    def loss(out: object) -> torch.Tensor:
-        return out if isinstance(out, torch.Tensor) else out.loss  # type: ignore[attr-defined]
-
-    shed, flops = {}, {}
-    for option in ("derive:products", "derive:projections", "derive:all"):
-        policy = parse(option)
-        d = Derive(model.get_submodule(names[0]), policy.level)
-        loss(model(**batch)).backward()
-        d.remove()
-        shed[option] = d.derived_bytes
-        twin = copy.deepcopy(model)
-        set_policies(twin, dict.fromkeys(names, policy))
-        counter = FlopCounterMode(display=False)
-        with counter:
-            loss(twin(**batch)).backward()
-        flops[option] = counter.get_total_flops()
+    shed, flops = _shed_and_flops(model, batch, names, ("derive:products", "derive:projections", "derive:all"))
     one = 2 * tokens * width * 4  # batch x tokens x width, float32
     assert shed["derive:projections"] - shed["derive:products"] == projections * one
     product = 2 * (2 * tokens) * width * width  # batch x tokens rows, width x width weight
@@ -251,7 +234,6 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     output (and v, and the residual sum from the output projection), so the four projections run
     again (their FLOPs exactly) and their bytes go, with the plain model's losses, gradients and
     buffers in a user's loop."""
-    from torch.utils.flop_counter import FlopCounterMode
 
     pytest.importorskip("transformers")
     from memfit import hf
@@ -260,18 +242,7 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     model, batch = hf.llama(batch=batch_size, seq=tokens, n_layer=2, hidden=width, n_head=heads, kv_heads=kv,
                             vocab=256)
     names = find_units(model, "auto")
-    shed, flops = {}, {}
-    for option in ("derive:products", "derive:projections"):
-        d = Derive(model.get_submodule(names[0]), parse(option).level)
-        model(**batch).loss.backward()
-        d.remove()
-        shed[option] = d.derived_bytes
-        twin = copy.deepcopy(model)
-        set_policies(twin, dict.fromkeys(names, parse(option)))
-        counter = FlopCounterMode(display=False)
-        with counter:
-            twin(**batch).loss.backward()
-        flops[option] = counter.get_total_flops()
+    shed, flops = _shed_and_flops(model, batch, names, ("derive:products", "derive:projections"))
     # q's width, k's and v's, and the output projection's (the residual sum the second norm keeps)
     rows, widths = batch_size * tokens, width + 2 * kv * width // heads + width
     assert shed["derive:projections"] - shed["derive:products"] == rows * widths * 4  # float32
@@ -279,6 +250,31 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     twin = copy.deepcopy(model)
     set_policies(twin, dict.fromkeys(names, parse("derive:projections")))
     _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
+
+
+def _shed_and_flops(model: nn.Module, batch: dict[str, torch.Tensor], names: list[str],
+                    options: tuple[str, ...]) -> tuple[dict[str, int], dict[str, int]]:
+    """Per derive option: the bytes the first unit sheds in one step, and the FLOPs of a step
+    (forward and backward) of a copy with every unit under it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def loss(out: object) -> torch.Tensor:
+        return out if isinstance(out, torch.Tensor) else out.loss  # type: ignore[attr-defined]
+
+    shed, flops = {}, {}
+    for option in options:
+        policy = parse(option)
+        d = Derive(model.get_submodule(names[0]), policy.level)
+        loss(model(**batch)).backward()
+        d.remove()
+        shed[option] = d.derived_bytes
+        twin = copy.deepcopy(model)
+        set_policies(twin, dict.fromkeys(names, policy))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            loss(twin(**batch)).backward()
+        flops[option] = counter.get_total_flops()
+    return shed, flops
 
 
 def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_results():
