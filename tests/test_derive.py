@@ -190,9 +190,9 @@ def test_derive_products_recomputes_one_product_per_block():
     assert flops["derive:products"] - flops["none"] == 3 * qk
 
 
-@pytest.mark.parametrize(("build", "tokens", "width", "projections", "rest"), [
-    (_tiny_vit, 17, 32, 4, 4), (_tiny_nanogpt, 32, 32, 1, 7)])
-def test_derive_projections_and_all_re_derive_products_with_weights(build, tokens, width, projections, rest):
+@pytest.mark.parametrize(("build", "tokens", "width", "projections", "rest", "tail"), [
+    (_tiny_vit, 17, 32, 4, 4, 4), (_tiny_nanogpt, 32, 32, 1, 7, 4)])
+def test_derive_projections_and_all_re_derive_products_with_weights(build, tokens, width, projections, rest, tail):
     """``derive:projections`` also runs products with a weight that make no more than they take:
     in Hugging Face's ViT q, k and v (their per-head copies for the products) and the output
     projection (for the residual the second norm saves), from the first norm's output that
@@ -202,7 +202,8 @@ def test_derive_projections_and_all_re_derive_products_with_weights(build, token
     MLP's up-projection (its output, four widths), and in nanoGPT the fused qkv too, once for its
     three per-head copies (their bytes, three widths; its product, three). Exactly those bytes and
     those products, predicted = measured, and the plain model's losses, gradients and buffers in a
-    user's loop."""
+    user's loop. The last block's tail (runtime/derive.py) re-derives the final norm's saved input,
+    the block's output, from its MLP's down-projection (four widths in: ``tail`` products)."""
 
     model, batch = build()
     names = find_units(model, "auto")
@@ -210,7 +211,7 @@ def test_derive_projections_and_all_re_derive_products_with_weights(build, token
     one = 2 * tokens * width * 4  # batch x tokens x width, float32
     assert shed["derive:projections"] - shed["derive:products"] == projections * one
     product = 2 * (2 * tokens) * width * width  # batch x tokens rows, width x width weight
-    assert flops["derive:projections"] - flops["derive:products"] == len(names) * projections * product
+    assert flops["derive:projections"] - flops["derive:products"] == (len(names) * projections + tail) * product
     assert shed["derive:all"] - shed["derive:projections"] == rest * one
     assert flops["derive:all"] - flops["derive:projections"] == len(names) * rest * product
     prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
@@ -233,7 +234,8 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     projections' outputs; ``derive:projections`` re-derives them through the ``cat`` from the norm
     output (and v, and the residual sum from the output projection), so the four projections run
     again (their FLOPs exactly) and their bytes go, with the plain model's losses, gradients and
-    buffers in a user's loop."""
+    buffers in a user's loop. The last block's output goes too, re-derived in the final norm's
+    backward (its tail)."""
 
     pytest.importorskip("transformers")
     from memfit import hf
@@ -246,7 +248,10 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     # q's width, k's and v's, and the output projection's (the residual sum the second norm keeps)
     rows, widths = batch_size * tokens, width + 2 * kv * width // heads + width
     assert shed["derive:projections"] - shed["derive:products"] == rows * widths * 4  # float32
-    assert flops["derive:projections"] - flops["derive:products"] == len(names) * 2 * rows * width * widths
+    # and the last block's tail: the final norm's saved input, the block's output, from the MLP's
+    # down-projection (8/3 widths in)
+    tail = 2 * rows * (width * 8 // 3) * width
+    assert flops["derive:projections"] - flops["derive:products"] == len(names) * 2 * rows * width * widths + tail
     twin = copy.deepcopy(model)
     set_policies(twin, dict.fromkeys(names, parse("derive:projections")))
     _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
@@ -317,7 +322,9 @@ def test_later_forwards_follow_the_learned_plan_without_a_dispatch_mode(monkeypa
     monkeypatch.setattr(derive_watch.OpWatch, "__torch_dispatch__", watched)
     later = measure_steps(learned, batch, optimizer="sgd", steps=1)
     assert later.peak_bytes == first.peak_bytes
-    assert all(d.derived_bytes == _block_bytes() and not d.misses for d in units)
+    assert all(not d.misses for d in units)
+    # the last block's tail also re-derives the final norm's output (batch x tokens x width, float32)
+    assert [d.derived_bytes for d in units] == [_block_bytes()] * (len(units) - 1) + [_block_bytes() + 4 * 32 * 64 * 4]
     _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(learned, batch, steps=3))
 
 

@@ -295,3 +295,32 @@ def test_every_solver_agrees_and_beats_every_baseline_at_every_budget(source):
         assert all(c <= min(fitting, default=float("inf")) + tie for c in costs.values()), (budget, costs, fitting)
         if budget >= memfit.predict(prof, {}).peak_bytes:
             assert all(c == 0 for c in costs.values())  # nothing to recompute where nothing needs to be
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_tail_that_lowers_the_heads_peak_optimum_equals_brute_force(seed):
+    """The last unit's finer options lower the peak of the head and the loss after it (its
+    ``derive`` re-derives the final norm's output: ``after_peak_bytes``): CP-SAT and CBC (and the
+    DP, on chains) hit the brute-force optimum, and some budget needs the lowered peak."""
+    chain = seed % 2 == 0
+    prof = random_profile(4 + seed % 3, seed, chain=chain, fine=2, frees=seed >= 3, tail=True)
+    assert all(o.after_peak_bytes <= 0 for o in prof.units[-1].options.values())
+    assert any(o.after_peak_bytes < 0 for o in prof.units[-1].options.values())
+    names = prof.unit_names
+    hi = memfit.predict(prof, {}).peak_bytes
+    plans = [{n: r.policy(names) for n, r in zip(names, roles, strict=True)}
+             for roles in fine_assignments(prof, 3 if chain else 1)]
+    predicted = [memfit.predict(prof, p) for p in plans]
+    best_peak = min(p.peak_bytes for p in predicted)
+    assert min_budget_bytes(prof, max_segment=3, fine=True) == best_peak
+    rng = random.Random(seed)
+    for budget in [best_peak, hi, *(rng.randint(best_peak, hi) for _ in range(3))]:
+        expected = min(p.recompute_s for p in predicted if p.peak_bytes <= budget)
+        for solver in ("cpsat", "cbc", "dp") if chain else ("cpsat", "cbc"):
+            sched = memfit.plan(prof, budget, solver=solver, max_segment=3, granularity="fine")
+            assert sched.predicted_peak_bytes <= budget
+            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+    for u in prof.units[-1].options.values():  # without the lowered peak the floor would be higher
+        u.after_peak_bytes = 0
+    floor = min(memfit.predict(prof, p).peak_bytes for p in plans)
+    assert floor > best_peak if seed > 0 else floor == best_peak  # seed 0: the head's is not the floor's peak

@@ -105,6 +105,10 @@ class OptionCost:
     # (an output the model's loop holds until the next block returns, as GPT-Neo's and BLOOM's
     # attention probabilities are; autograd would have kept it)
     freed_later_bytes: int = 0
+    # how much higher the remainder right after each forward of the unit peaks than when the unit
+    # is ``none`` (negative: lower); the last unit's ``derive`` re-derives the final norm's output,
+    # which the head keeps otherwise (runtime/derive.py's tail), so the loss runs beside less
+    after_peak_bytes: int = 0
 
     def backward(self, later: bool) -> tuple[int, int]:
         """(peak, end) of the backward: the first run's, or a later run's."""
@@ -245,7 +249,7 @@ class Profile:
             for o in u["options"].values():
                 for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0),
                                    ("recompute_uncertainty_s", 0.0), ("freed_after_bytes", 0),
-                                   ("freed_later_bytes", 0)):
+                                   ("freed_later_bytes", 0), ("after_peak_bytes", 0)):
                     if o[key] == unset:
                         del o[key]
         for p in data["phases"]:
@@ -384,6 +388,7 @@ def _unit(u: Fields) -> UnitProfile:
             o.float("recompute_uncertainty_s", minimum=0.0) if "recompute_uncertainty_s" in o.data else 0.0,
             o.int("freed_after_bytes", minimum=0) if "freed_after_bytes" in o.data else 0,
             o.int("freed_later_bytes", minimum=0) if "freed_later_bytes" in o.data else 0,
+            o.int("after_peak_bytes") if "after_peak_bytes" in o.data else 0,
         )
     return UnitProfile(
         u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),

@@ -95,7 +95,7 @@ class _Walk:
             w = max(w, self.level(lay.fwd[j], pf) + c.fwd_peak)
             pf += c.fwd_end
             for k, t in enumerate(lay.after_fwd[j]):  # the first frees them at its end
-                w = max(w, self.level(t, pf) + model.phases[t].peak)
+                w = max(w, self.level(t, pf) + model.phases[t].peak + (c.after_peak if k == 0 else 0))
                 pf -= c.freed if k == 0 else 0
         ub = self.netsuf[last + 1] + pf  # unit bytes as the block's backward begins
         for j in reversed(members):

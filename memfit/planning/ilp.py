@@ -110,7 +110,8 @@ def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: 
     level = b.expr([], model.baseline)
     for k, ph in enumerate(model.phases):
         if ph.unit is None:
-            peaks.append(level + ph.peak)
+            peaks.append(level + ph.peak + (b.expr([(model.costs[ph.after, r].after_peak, v)
+                                                    for r, v in x[ph.after].items()]) if ph.after is not None else 0))
             end_expr = level + ph.end + b.expr([(ph.ckpt_end - ph.end, any_ckpt)])
             if ph.releases:
                 end_expr = end_expr - b.expr([(model.costs[j, r].release, v) for j in range(model.n)
@@ -169,7 +170,8 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
     peaks = [at(t, model.phases[t].peak) for t in lay.pre]
     for j in range(n):
         peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, "fwd_peak"))
-        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + (unit(j, "freed") + late(j) if k == 0 else 0)
+        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + (unit(j, "freed") + late(j) + unit(j, "after_peak")
+                                                               if k == 0 else 0)
                   for k, t in enumerate(lay.after_fwd[j])]  # the first frees them only at its end
         # by unit j's backward every later unit's forward has run: its own later is gone too (the
         # units after it have theirs in their nets)

@@ -42,6 +42,7 @@ class IntCosts(NamedTuple):
     release: int = 0  # rounded down: the level may only be over-estimated
     freed: int = 0  # the same
     later: int = 0  # the same (freed after the next unit's forward)
+    after_peak: int = 0  # rounded up: added to the peak of the remainder after its forward
 
     @property
     def net(self) -> int:
@@ -106,7 +107,7 @@ class IntModel:
                 c = unit_costs(profile, j, role)
                 costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end),
                                           up(c.later_bwd_peak), up(c.later_bwd_end), int(c.release // q),
-                                          int(c.freed // q), int(c.later // q))
+                                          int(c.freed // q), int(c.later // q), up(c.after_peak))
                 recompute[j, role] = round(weighed(c.recompute_s, c.uncertainty_s) * 1e9)
         net = [max(costs[j, r].net for r in roles[j] if not r.is_segment) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)

@@ -49,6 +49,7 @@ def predict(profile: Profile, policies: Mapping[str, Policy | str]) -> Predictio
             p, e = phase.peak_bytes, phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
             e -= sum(c.release for c in costs) if phase.releases else 0
             if t in after:  # what the unit just run frees, and what the one before it frees a unit late
+                p += costs[after[t]].after_peak
                 e -= costs[after[t]].freed + (costs[after[t] - 1].later if after[t] > 0 else 0)
         elif phase.kind == "forward":
             p, e = costs[phase.unit].fwd_peak, costs[phase.unit].fwd_end

@@ -73,6 +73,8 @@ class Costs:
     # freed at the end of the remainder after the next unit's forward (profile.OptionCost.freed_later_bytes);
     # segment members never count it (cautious: kept until the step's end, as before it was measured)
     later: int | float = 0
+    # added to the peak of the remainder after its forward (profile.OptionCost.after_peak_bytes)
+    after_peak: int | float = 0
 
     def backward(self, later: bool) -> tuple[int | float, int | float]:
         return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
@@ -128,7 +130,7 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
         o = u.options[role.option]
         return Costs(o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.recompute_s,
                      *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s, o.freed_after_bytes,
-                     o.freed_later_bytes)
+                     o.freed_later_bytes, o.after_peak_bytes)
     full = u.options[CHECKPOINT]
     rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
     head = j == role.first

@@ -9,7 +9,7 @@ from memfit.policy import FULL, KEEP, Children
 
 
 def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0,
-                   frees: bool = False, late: bool = False) -> Profile:
+                   frees: bool = False, late: bool = False, tail: bool = False) -> Profile:
     """A synthetic chain profile with integer bytes (times ``scale``), for solver checks against
     brute force and for timing the solvers. As in a real step, each unit's net change (its
     gradients) is the same whether it is checkpointed. ``fine`` finer options per unit
@@ -18,7 +18,10 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
     (``freed_after_bytes``, as ``x = x + block(x)`` does), which its kept backward would free; in a
     chain only the last unit's output can go so (the others are the next units' inputs). ``late``:
     checkpointed, each unit but the last keeps one more output until the next unit's forward has
-    run (``freed_later_bytes``, as GPT-Neo's attention probabilities), which its kept backward saves."""
+    run (``freed_later_bytes``, as GPT-Neo's attention probabilities), which its kept backward
+    saves. ``tail``: the last unit's finer options lower the peak of the remainder right after its
+    forward, the head's and the loss's (``after_peak_bytes``, as its ``derive``'s tail does), and
+    no gap lies between them."""
     r = random.Random(seed)
     rr = random.Random(seed + 2 * 10**6)
     rf = random.Random(seed + 10**6)  # its own stream: profiles without finer options stay as they were
@@ -56,6 +59,12 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
         phases.append(Phase(f"forward u{i}", i, "forward"))
         phases.append(Phase(f"gap{i}", None, "remainder", r.randint(0, 5), 0, 0))
     phases.append(Phase("head", None, "remainder", r.randint(0, 80), r.randint(-10, 10), r.randint(-10, 10)))
+    if tail:
+        del phases[-2]
+        rt = random.Random(seed + 4 * 10**6)
+        for k, o in units[-1].options.items():
+            if k not in (KEEP, FULL):
+                o.after_peak_bytes = -rt.randint(0, phases[-1].peak_bytes)
     for i in reversed(range(n)):
         phases.append(Phase(f"backward u{i}", i, "backward"))
     phases.append(Phase("step", None, "remainder", r.randint(0, 80), 0, 0))

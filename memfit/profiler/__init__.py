@@ -31,7 +31,7 @@ from memfit.measure.step import (
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
-from memfit.policy import COARSE, FULL, KEEP, Children, Option, Policy
+from memfit.policy import COARSE, FULL, KEEP, Children, Derive, Option, Policy
 from memfit.profiler import costs
 from memfit.profiler import phases as timeline
 from memfit.profiler.options import fine_options
@@ -353,8 +353,16 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
     where = timeline.Runs.of(memory, len(prof.units))
     released = timeline.releases(plain_memory, memory, has, saved_casts)
 
+    last = len(prof.units) - 1
+    tail = isinstance(option, Derive) and has[last]  # the last unit's derive re-derives in the head too
+    if tail:  # priced on its own: the blocks like it do not run the head
+        groups = [*groups[:last], max(groups) + 1]
+
     def longer(j: int) -> list[float]:  # per round: this option's forward and backward less the plain ones
-        ks = (index[f"fwd:{j}"], index[f"bwd:{j}"])
+        ks = [index[f"fwd:{j}"], index[f"bwd:{j}"]]
+        if tail and j == last:
+            after, before = timeline.tail_phases(prof.phases, j)
+            ks += after[:1] + before[:1]
         return [sum(r[k].seconds for k in ks) - sum(p[k].seconds for k in ks) for r, p in zip(runs, plain, strict=True)]
 
     units = [j for j in range(len(prof.units)) if has[j]]
@@ -365,6 +373,8 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
         cost = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share[j], released[j],
                                     uncertainty_s * share[j])
         cost.freed_after_bytes = frees[j]
+        if tail and j == last:
+            timeline.add_tail(cost, memory, plain_memory, prof.phases, j)
         prof.units[j].options[option] = cost
     prof.measured_peak_bytes[option] = prof.baseline_bytes + max(0, max(s.peak for s in _cumulative(memory)))
 

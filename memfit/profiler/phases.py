@@ -199,6 +199,38 @@ def option_frees(memory: list[Stretch], plain: list[Stretch], steps: list[Phase]
     return [min(by_unit.get(j, [0])) for j in range(len(has))]
 
 
+def tail_phases(steps: list[Phase], j: int) -> tuple[list[int], list[int]]:
+    """Where unit ``j``'s tail runs (runtime/derive.py): the remainders right after each of its
+    forwards, and those right before each of its backwards (the loss's and the head's backward)."""
+    after = [t for t, u in after_forwards(steps).items() if u == j]
+    before = [t for t in range(len(steps) - 1) if steps[t].unit is None and steps[t + 1].unit == j
+              and steps[t + 1].kind == "backward"]
+    return after, before
+
+
+def add_tail(cost: OptionCost, memory: list[Stretch], plain: list[Stretch], steps: list[Phase], j: int) -> None:
+    """Book what the tail of unit ``j``'s option changes in the remainders around it (the figures
+    of ``memory``, the step with that option, against ``plain``'s): the peak right after its
+    forward (``after_peak_bytes``), and the head's backward, which re-makes the re-derived tensors
+    and so no longer frees them: folded into the unit's own backward, which follows it, so that
+    every solver takes it as it takes a unit's backward. The remainder's peak is the step's
+    constant (``Phase.peak_bytes``, at least the plain run's): the backward's peak is raised to
+    cover the remainder's with the option, counted from where the remainder began."""
+    after, before = tail_phases(steps, j)
+    if after:
+        cost.after_peak_bytes = max(memory[t].peak - plain[t].peak for t in after)
+    for n, t in enumerate(before[:2]):  # the first backward and a later one (every later one alike)
+        d_end = memory[t].end - plain[t].end
+        d_peak = memory[t].peak - plain[t].peak
+        cover = steps[t].peak_bytes + d_peak - steps[t].end_bytes  # the remainder's peak, from its end
+        if n == 0:
+            cost.bwd_peak_bytes = max(cost.bwd_peak_bytes + d_end, cover)
+            cost.bwd_end_bytes += d_end
+        elif cost.later_bwd_peak_bytes is not None and cost.later_bwd_end_bytes is not None:
+            cost.later_bwd_peak_bytes = max(cost.later_bwd_peak_bytes + d_end, cover)
+            cost.later_bwd_end_bytes += d_end
+
+
 def phases(memory: Memory, names: list[str], word: str) -> list[Phase]:
     """The step's phases: each unit's forwards and backwards, and the remainder between them;
     ``word`` names a unit's later runs (``micro-batch``, or ``run`` for a user's step)."""

@@ -175,8 +175,10 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
                     raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
                                                 ) from None
             _refuse_checkpointed(name, modules[name])
+    last = next(reversed(policies), None)  # the units run in the policies' order: the last one's derive takes the tail
     for name in derived:
-        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].level)
+        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].level,
+                                                          model if name == last else None)
     return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
             for members, op_set, chain, inner in plan]
 

@@ -72,19 +72,32 @@ class Derive(PerThread):
     cost per saved tensor, not per op. A forward that does not match its plan keeps what it cannot
     vouch for and the unit learns again; one whose forwards keep changing (``MAX_MISSES``) is
     watched on every forward, as correct and slower. The contexts a forward opens are this
-    thread's; copies and pickles take the hooks, not them, nor the plans."""
+    thread's; copies and pickles take the hooks, not them, nor the plans.
 
-    def __init__(self, unit: nn.Module, level: int = 0) -> None:
+    With ``root`` (the model, given for its last unit), the unit's hooks stay open over the rest
+    of the root's forward, the *tail* (final norm, head, a loss computed there), so that what the
+    head keeps is re-derived too: the final norm's output, which the head's product saves, from
+    the unit's output, which the norm keeps. The plans are then per input signature of the unit
+    and of the root."""
+
+    def __init__(self, unit: nn.Module, level: int = 0, root: nn.Module | None = None) -> None:
         super().__init__()
         self._unit = Weak(unit)
+        self._root = None if root is None else Weak(root)
         self.level = int(level)  # policy.Derive's level; True (as tests pass it) is derive:products
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
         self.plans: dict[Any, Plan | None] = {}  # None: watched on every forward
         self.misses: dict[Any, int] = {}
         self.handles: list[RemovableHandle] = [
             unit.register_forward_pre_hook(self._enter, with_kwargs=True),
-            unit.register_forward_hook(self._exit, always_call=True),
+            unit.register_forward_hook(self._unit_done, always_call=True),
         ]
+        if root is not None:  # the tail: what the root's forward runs after the unit, until it returns
+            self.handles += [root.register_forward_pre_hook(self._root_enter, with_kwargs=True),
+                             root.register_forward_hook(self._root_done, always_call=True)]
+            # or until a block like it runs (the unit was not the last of its kind: policies for some units only)
+            self.handles += [m.register_forward_pre_hook(self._sibling) for m in root.modules()
+                             if type(m) is type(unit) and m is not unit]
 
     def __getstate__(self) -> dict[str, Any]:
         state = PerThread.__getstate__(self)
@@ -102,16 +115,47 @@ class Derive(PerThread):
         for h in self.handles:
             h.remove()
 
+    def _root_enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._tls.root = _signature(module, args, kwargs)  # the tail's plan depends on the root's inputs too
+
+    def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._tls.root = None
+        tail, self._tls.tail = getattr(self._tls, "tail", None), None
+        if tail is not None:
+            self._exit(tail, None, output)  # learns nothing where the root's forward raised
+
+    def _sibling(self, module: nn.Module, args: Any) -> None:
+        tail, self._tls.tail = getattr(self._tls, "tail", None), None
+        if tail is not None:
+            self._exit(tail, None, True)
+
+    def _unit_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The unit's forward returned: its hooks close, or with a tail they stay open until the
+        root's forward returns (``_root_done``), so that what the head and the loss save is
+        re-derived too (the final norm's output, which the head's product keeps), by cheap ops
+        alone: the head's products and the loss's softmax make the largest tensors of the step,
+        which re-made in the backward would raise its peak."""
+        opened = getattr(self._tls, "fwd", None)
+        if opened is not None and getattr(self._tls, "root", None) is not None and not raising(output):
+            self._tls.tail = module
+            if isinstance(opened[1], _Learn):
+                opened[1].watch.level = 0
+            return
+        self._exit(module, args, output)
+
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._exit()
+        tail, self._tls.tail = getattr(self._tls, "tail", None), None
+        self._exit(tail, None, True)  # a tail still open ends where the unit runs again
         unit = self._unit()
         if (unit is None or recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
                 or saved_tensors_hooks_active()):
             return
-        key = _signature(unit, args, kwargs)
+        root = getattr(self._tls, "root", None)
+        key = (_signature(unit, args, kwargs), root)
         plan = self.plans.get(key, _LEARN)
+        owner = self._root() if root is not None and self._root is not None else unit
         fwd: _Forward = (_Replay(plan) if isinstance(plan, Plan)
-                         else _Learn(self.level, _tensors(unit), plan is _LEARN))
+                         else _Learn(self.level, _tensors(owner or unit), plan is _LEARN))
         self.derived_bytes = fwd.derived_bytes
         self._tls.fwd = (key, fwd)
         hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack)

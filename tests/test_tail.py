@@ -1,0 +1,101 @@
+"""The last unit's ``derive`` takes the tail: what the model's forward runs after it (final norm,
+head, loss) saves no tensor that cheap ops re-make (runtime/derive.py), and the memory model
+books it (profiler/phases.add_tail): predicted = measured, gradients = the plain model's."""
+
+import copy
+
+import pytest
+import torch
+
+import memfit
+from memfit import zoo
+from memfit.policy import FULL, parse
+from memfit.runtime.apply import set_policies
+from memfit.runtime.harness import measure_steps
+from memfit.torch_private import saved_tensors_hooks_active
+from memfit.trainstep import TrainStep
+from memfit.units import find_units
+
+from .test_apply import _assert_identical, _run
+
+BATCH, TOKENS, WIDTH = 2, 32, 64
+
+
+def _nano(dropout: float = 0.1):
+    """nanoGPT (final LayerNorm, tied head, the loss in its forward), dropout on; a vocabulary that
+    puts the step's peak at the loss, as in GPTs."""
+    return zoo.nanogpt(batch=BATCH, seq=TOKENS, vocab=2048, d_model=WIDTH, n_head=2, n_layer=3, dropout=dropout)
+
+
+def _no_tail(model, names):
+    """The last unit's derive as it was before the tail: its hooks on the root and siblings go."""
+    d = model.get_submodule(names[-1]).__dict__["_memfit_derive"]
+    for h in d.handles[2:]:
+        h.remove()
+    return model
+
+
+def test_the_last_blocks_derive_re_derives_the_final_norms_output():
+    """The final norm's output, kept by the head's product, is re-derived from the last block's
+    output (which the norm keeps): exactly its bytes leave the measured peak (nanoGPT's peak is at
+    the loss), and losses, outputs, gradients and buffers (dropout on) are the plain model's."""
+    model, batch = _nano()
+    names = find_units(model, "auto")
+    policies = dict.fromkeys(names, parse("derive"))
+    runs = {}
+    for tail in (True, False):
+        twin = copy.deepcopy(model)
+        set_policies(twin, policies)
+        runs[tail] = measure_steps(twin if tail else _no_tail(twin, names), batch)
+        derived = [twin.get_submodule(n).__dict__["_memfit_derive"].derived_bytes for n in names]
+        norm_out = BATCH * TOKENS * WIDTH * 4 if tail else 0  # float32
+        assert derived == [derived[0]] * (len(names) - 1) + [derived[0] + norm_out]
+    assert runs[False].peak_bytes - runs[True].peak_bytes == BATCH * TOKENS * WIDTH * 4
+    twin = copy.deepcopy(model)
+    set_policies(twin, policies)
+    _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(twin, batch, steps=3))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_tail_is_predicted_to_the_byte(accumulate):
+    """The head's backward re-makes what the tail re-derived and no longer frees it: folded into
+    the last unit's backward (a later micro-batch's too), with the loss's lower peak
+    (``after_peak_bytes``), every mix with the tail is predicted to the byte."""
+    model, batch = _nano(dropout=0.0)
+    step = TrainStep(accumulate=accumulate)
+    prof = memfit.profile(model, batch, step=step, repeat=1, granularity="fine")
+    names = prof.unit_names
+    last = prof.units[-1].options
+    levels = [o for o in last if str(o).startswith("derive")]
+    assert levels and all(last[o].after_peak_bytes < 0 for o in levels)
+    for level in levels:
+        for policies in (dict.fromkeys(names, level), {names[-1]: level},
+                         {**dict.fromkeys(names[:-1], FULL), names[-1]: level}):
+            twin = copy.deepcopy(model)
+            set_policies(twin, {n: policies.get(n, parse("none")) for n in names})
+            measured = measure_steps(twin, batch, step=step).peak_bytes
+            assert memfit.predict(prof, policies).peak_bytes == measured, (level, policies)
+
+
+def test_a_tail_closes_where_the_forward_raises_or_the_block_runs_alone():
+    """The tail's hooks are open only inside the model's forward: a block called on its own
+    closes them as it returns, and a head that raises leaves none open; the next step learns
+    and trains as the plain model."""
+    model, batch = _nano()
+    names = find_units(model, "auto")
+    set_policies(model, dict.fromkeys(names, parse("derive")))
+    last = model.get_submodule(names[-1])
+    last(torch.randn(BATCH, TOKENS, WIDTH, requires_grad=True)).sum().backward()
+    assert not saved_tensors_hooks_active()
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("head")
+
+    head = model.lm_head.forward
+    model.lm_head.forward = broken
+    with pytest.raises(RuntimeError, match="head"):
+        model(**batch)
+    assert not saved_tensors_hooks_active()
+    model.lm_head.forward = head
+    plain, _ = _nano()
+    _assert_identical(_run(plain, batch), _run(model, batch))
