@@ -99,3 +99,33 @@ def test_a_tail_closes_where_the_forward_raises_or_the_block_runs_alone():
     model.lm_head.forward = head
     plain, _ = _nano()
     _assert_identical(_run(plain, batch), _run(model, batch))
+
+
+def test_a_plan_switched_to_at_the_start_of_a_forward_takes_its_tail():
+    """A schedule for two lengths switches plans inside the model's forward pre-hooks (the drift
+    watch), after PyTorch took the list of hooks to call: the new last unit's tail still runs in
+    that very forward (its final norm's output re-derived), and training matches the plain model."""
+    import warnings
+
+    model, batch = _nano()
+    short = {k: v[:, : TOKENS // 2].contiguous() for k, v in batch.items()}
+    profiles = [memfit.profile(model, b, repeat=1) for b in (short, batch)]
+    schedule = memfit.plan(profiles, memfit.predict(profiles[1], {}).peak_bytes)
+    names = profiles[0].unit_names
+    for k, plan in enumerate(schedule.plans):  # other plans per length, so that each switch makes new hooks
+        plan.policies = dict.fromkeys(names, parse("derive" if k else "derive:products"))
+    plain = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", memfit.MemfitWarning)  # the policies were edited after planning
+        scheduled = memfit.apply(copy.deepcopy(model), schedule)
+    last = scheduled.get_submodule(names[-1])
+    for step, b in enumerate([short, batch, short, batch]):
+        for m in (plain, scheduled):
+            torch.manual_seed(step)
+            m.zero_grad(set_to_none=True)
+            m(**b).backward()
+        tokens = b["idx"].shape[1]
+        first = scheduled.get_submodule(names[0]).__dict__["_memfit_derive"].derived_bytes
+        assert last.__dict__["_memfit_derive"].derived_bytes - first == BATCH * tokens * WIDTH * 4
+        for p, q in zip(plain.parameters(), scheduled.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)

@@ -116,16 +116,20 @@ def use_shape(model: nn.Module, index: int) -> None:
     (no allocation), and only where the two plans differ."""
     applied: _Applied = model.__dict__["_memfit_applied"]
     if index != applied.shape:
-        _run(model, applied, index)
+        _run(model, applied, index, in_forward=True)
 
 
-def _run(model: nn.Module, applied: _Applied, index: int) -> None:
+def _run(model: nn.Module, applied: _Applied, index: int, in_forward: bool = False) -> None:
     plan = applied.schedule.plans[index]
     level = applied.levels.get(index, 0)
     policies = plan.fallbacks[level - 1]["policies"] if level else plan.policies
     if policies != applied.policies:
         _switch(model, policies)
         applied.policies = policies
+        if in_forward:  # the new tail's own hook on the model's forward comes after PyTorch took the list
+            for m in model.modules():
+                if (d := m.__dict__.get("_memfit_derive")) is not None:
+                    d.root_entered(model)
     applied.shape = index
 
 

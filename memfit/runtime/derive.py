@@ -115,8 +115,17 @@ class Derive(PerThread):
         for h in self.handles:
             h.remove()
 
-    def _root_enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._tls.root = _signature(module, args, kwargs)  # the tail's plan depends on the root's inputs too
+    def _root_enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+        # the tail's plan depends on the root's inputs too; no kwargs: removed by a switch of plans in an
+        # earlier pre-hook, PyTorch calls it all the same, from the list it took, as a hook without them
+        self._tls.root = _signature(module, args, kwargs or {})
+
+    def root_entered(self, root: nn.Module) -> None:
+        """The model's forward has begun without this object's pre-hook (made by a switch of plans
+        inside the model's pre-hooks, whose list PyTorch took before): its tail runs all the same,
+        under a plan of its own (a switched-to plan learns anew anyway)."""
+        if self._root is not None and self._root() is root:
+            self._tls.root = "switched"
 
     def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
         self._tls.root = None
