@@ -20,9 +20,11 @@ from .test_fine import compiled_steps
 
 
 def _block_bytes(batch: int = 4, seq: int = 32, d: int = 64, heads: int = 2) -> int:
-    """What a tiny GPT block sheds: both LayerNorm outputs, the GELU output and the attention
-    probabilities after dropout (softmax output times the mask, both kept for their own backward)."""
-    return 4 * (2 * batch * seq * d + batch * seq * 4 * d + batch * heads * seq * seq)
+    """What a tiny GPT block sheds: both LayerNorm outputs and their statistics (mean and inverse
+    deviation, one float a row each, made again by the run that makes the output), the GELU output
+    and the attention probabilities after dropout (softmax output times the mask, both kept for
+    their own backward)."""
+    return 4 * (2 * batch * seq * d + 2 * 2 * batch * seq + batch * seq * 4 * d + batch * heads * seq * seq)
 
 
 def test_derive_sheds_exactly_the_cheap_saved_tensors():
@@ -323,8 +325,9 @@ def test_later_forwards_follow_the_learned_plan_without_a_dispatch_mode(monkeypa
     later = measure_steps(learned, batch, optimizer="sgd", steps=1)
     assert later.peak_bytes == first.peak_bytes
     assert all(not d.misses for d in units)
-    # the last block's tail also re-derives the final norm's output (batch x tokens x width, float32)
-    assert [d.derived_bytes for d in units] == [_block_bytes()] * (len(units) - 1) + [_block_bytes() + 4 * 32 * 64 * 4]
+    # the last block's tail also re-derives the final norm's output and statistics (float32)
+    tail = 4 * 32 * (64 + 2) * 4
+    assert [d.derived_bytes for d in units] == [_block_bytes()] * (len(units) - 1) + [_block_bytes() + tail]
     _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(learned, batch, steps=3))
 
 
@@ -360,7 +363,7 @@ def test_a_forward_that_differs_from_its_plan_keeps_what_it_cannot_vouch_for():
     for path in (0, 0):  # learns, then follows
         assert step(twin, path).keys() == (want := step(model, path)).keys()
         assert all(torch.equal(g, want[n]) for n, g in step(twin, path).items())
-    assert d.derived_bytes == 4 * 8 * 4 and not d.misses  # the norm's output, from its own weights
+    assert d.derived_bytes == 4 * (8 + 2) * 4 and not d.misses  # the norm's output and statistics, from its own weights
     # the other path: its norm's output is not the plan's, so it is kept; the unit learns again
     got, want = step(twin, 1), step(model, 1)
     assert all(torch.equal(g, want[n]) for n, g in got.items())
@@ -374,7 +377,7 @@ def test_a_forward_that_differs_from_its_plan_keeps_what_it_cannot_vouch_for():
     for path in (0, 1, 0):
         got, want = step(twin, path), step(model, path)
         assert all(torch.equal(g, want[n]) for n, g in got.items())
-    assert d.derived_bytes == 4 * 8 * 4
+    assert d.derived_bytes == 4 * (8 + 2) * 4
 
 
 def test_copies_and_pickles_learn_their_own_plans():
@@ -406,7 +409,7 @@ def test_a_recipe_dropped_on_a_miss_lets_go_of_the_input_it_shares():
     bind.slots[0] = x
     kept, missed = (bind.recipe(t) for t in users)
     assert kept is not None and missed is not None
-    kept.pending += 1  # a saved view of the first holds it (runtime/derive.py's _Replay.pack)
+    kept.hold()  # a saved view of the first holds it (runtime/derive.py's _Replay.pack)
     held = Derived(kept, whole)
     inner = bind.recipes[id(shared)]
     assert inner.pending == 2
@@ -415,4 +418,4 @@ def test_a_recipe_dropped_on_a_miss_lets_go_of_the_input_it_shares():
     bind.release(users[0])  # a recipe a saved view holds is not dropped
     assert bind.recipes[id(users[0])] is kept and inner.pending == 1
     assert torch.equal(held.unpack(), -(x * x))
-    assert inner.held is None and kept.held is None  # nothing held once the first was unpacked
+    assert all(h is None for h in (*inner.held, *kept.held))  # nothing held once the first was unpacked

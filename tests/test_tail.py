@@ -37,8 +37,9 @@ def _no_tail(model, names):
 
 def test_the_last_blocks_derive_re_derives_the_final_norms_output():
     """The final norm's output, kept by the head's product, is re-derived from the last block's
-    output (which the norm keeps): exactly its bytes leave the measured peak (nanoGPT's peak is at
-    the loss), and losses, outputs, gradients and buffers (dropout on) are the plain model's."""
+    output (which the norm keeps), and its statistics by the same run: exactly their bytes leave
+    the measured peak (nanoGPT's peak is at the loss), and losses, outputs, gradients and buffers
+    (dropout on) are the plain model's."""
     model, batch = _nano()
     names = find_units(model, "auto")
     policies = dict.fromkeys(names, parse("derive"))
@@ -48,9 +49,9 @@ def test_the_last_blocks_derive_re_derives_the_final_norms_output():
         set_policies(twin, policies)
         runs[tail] = measure_steps(twin if tail else _no_tail(twin, names), batch)
         derived = [twin.get_submodule(n).__dict__["_memfit_derive"].derived_bytes for n in names]
-        norm_out = BATCH * TOKENS * WIDTH * 4 if tail else 0  # float32
+        norm_out = BATCH * TOKENS * (WIDTH + 2) * 4 if tail else 0  # its output and statistics, float32
         assert derived == [derived[0]] * (len(names) - 1) + [derived[0] + norm_out]
-    assert runs[False].peak_bytes - runs[True].peak_bytes == BATCH * TOKENS * WIDTH * 4
+    assert runs[False].peak_bytes - runs[True].peak_bytes == BATCH * TOKENS * (WIDTH + 2) * 4
     twin = copy.deepcopy(model)
     set_policies(twin, policies)
     _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(twin, batch, steps=3))
@@ -126,6 +127,6 @@ def test_a_plan_switched_to_at_the_start_of_a_forward_takes_its_tail():
             m(**b).backward()
         tokens = b["idx"].shape[1]
         first = scheduled.get_submodule(names[0]).__dict__["_memfit_derive"].derived_bytes
-        assert last.__dict__["_memfit_derive"].derived_bytes - first == BATCH * tokens * WIDTH * 4
+        assert last.__dict__["_memfit_derive"].derived_bytes - first == BATCH * tokens * (WIDTH + 2) * 4
         for p, q in zip(plain.parameters(), scheduled.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)

@@ -284,7 +284,7 @@ class _Learn(_Forward):
         key = storage_key(t.untyped_storage())
         made = self.watch.entry(key)
         layout = (tuple(t.shape), t.stride())
-        # an op's first output only: a norm's statistics are small, and its backward would run it again
+        # a norm's statistics too: the run that re-derives its output makes them (derive_watch.resolve)
         if made is not None and self.kept(key) is None and self.watch.clean(key, made.seq + 1):
             recipe = resolve(made, self.watch, self.kept, 0)
             template = recipe and template_of(recipe, self.templates, self.slot_of, self.param_of, _key)
@@ -296,9 +296,9 @@ class _Learn(_Forward):
                 view = (*layout, t.storage_offset() - made.geometry[2])
                 assert template is not None
                 past = history(t, self.bind.leaves(template), template.depth)
-                self.steps.append(Step(layout, t.dtype, derive=(template, view, past)))
-                made_again.pending += 1
-                return Derived(made_again, view)
+                self.steps.append(Step(layout, t.dtype, derive=(template, view, past, made.index)))
+                made_again.hold(made.index)
+                return Derived(made_again, view, made.index)
         if key not in self.param_of and key not in self.slot_of:
             self.slot_of[key] = (len(self.steps), t)
             self.bind.slots[len(self.steps)] = t
@@ -343,12 +343,12 @@ class _Replay(_Forward):
             if step.bind:
                 self.bind.slots[i] = t
             return t
-        template, view, past = step.derive
+        template, view, past, index = step.derive
         recipe = self.bind.recipe(template)
         if recipe is None or history(t, self.bind.leaves(template), template.depth) != past:
             self.missed = True
             if recipe is not None:
                 self.bind.release(template)
             return t
-        recipe.pending += 1
-        return Derived(recipe, view)
+        recipe.hold(index)
+        return Derived(recipe, view, index)

@@ -68,13 +68,13 @@ class Template:
 @dataclass(slots=True, frozen=True)
 class Step:
     """One packed tensor as learned: its layout and dtype; ``bind`` when a template names it;
-    ``derive`` (the template, the view of its output that was saved, the autograd history) when
-    it is re-derived."""
+    ``derive`` (the template, the view of its output that was saved, the autograd history, which
+    of its outputs) when it is re-derived."""
 
     layout: tuple[tuple[int, ...], tuple[int, ...]]
     dtype: torch.dtype
     bind: bool = False
-    derive: tuple[Template, Geometry, Any] | None = None
+    derive: tuple[Template, Geometry, Any, int] | None = None
 
 
 @dataclass(slots=True)
@@ -94,18 +94,31 @@ class Recipe:
     had when bound. Views of one storage saved by several nodes share the recomputed base: held
     from its first use until every saved view of it was unpacked (so the probabilities, saved by
     the softmax and by the product with V, are made once); an input that several recipes take is
-    held until each of them was made (a fused qkv product, run once for q, k and v's copies)."""
+    held until each of them was made (a fused qkv product, run once for q, k and v's copies). A
+    norm's statistics are its later outputs: one run makes them with the output, each held while
+    a saved view of it waits (``index``)."""
 
-    __slots__ = ("__weakref__", "args", "base", "func", "held", "out", "pending", "versions")
+    __slots__ = ("__weakref__", "args", "bases", "func", "held", "out", "versions", "waiting")
 
     def __init__(self, func: Any, args: Any, out: Geometry, versions: list[tuple[torch.Tensor, int]]) -> None:
         self.func, self.args, self.out, self.versions = func, args, out, versions
-        self.base: Any = None  # a weak reference to the made tensor, while someone holds it
-        self.held: torch.Tensor | None = None
-        self.pending = 0  # saved views not unpacked yet
+        self.bases: list[Any] = []  # weak references to the made outputs, while someone holds them
+        self.held: list[torch.Tensor | None] = []
+        self.waiting = [0]  # per output: saved views not unpacked yet
 
-    def make(self) -> torch.Tensor:
-        base = self.held if self.held is not None else self.base() if self.base is not None else None
+    @property
+    def pending(self) -> int:
+        return sum(self.waiting)
+
+    def hold(self, index: int = 0) -> None:
+        """One more saved view (or recipe) waits for output ``index``."""
+        self.waiting += [0] * (index + 1 - len(self.waiting))
+        self.waiting[index] += 1
+
+    def make(self, index: int = 0) -> torch.Tensor:
+        base = self.held[index] if index < len(self.held) else None
+        if base is None and index < len(self.bases) and self.bases[index] is not None:
+            base = self.bases[index]()
         if base is None:
             for t, v in self.versions:
                 if t._version != v:
@@ -114,33 +127,36 @@ class Recipe:
                         "after the forward used it; plan this unit without the derive option")
             args, kwargs = _rebuild([unpack(a) for a in self.args[0]], self.args[1])
             out = self.func(*args, **kwargs)
-            base = out[0] if isinstance(out, (tuple, list)) else out  # first outputs only
-            if (tuple(base.shape), base.stride()) != self.out[:2]:
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if (tuple(outs[0].shape), outs[0].stride()) != self.out[:2]:
                 raise MemfitError(f"{self.func} re-derived a tensor of another layout; plan without derive")
-            self.base = weakref.ref(base)
-        if self.pending > 0:
-            self.held = base
+            self.bases = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in outs]
+            self.held = [o if k < len(self.waiting) and self.waiting[k] > 0 else None for k, o in enumerate(outs)]
+            base = outs[index]
+        elif index < len(self.waiting) and self.waiting[index] > 0:
+            self.held += [None] * (index + 1 - len(self.held))
+            self.held[index] = base
         return base
 
-    def unpacked(self) -> None:
-        self.pending -= 1
-        if self.pending <= 0:
-            self.held = None
+    def unpacked(self, index: int = 0) -> None:
+        self.waiting[index] -= 1
+        if self.waiting[index] <= 0 and index < len(self.held):
+            self.held[index] = None
 
 
 class Derived:
-    """What autograd holds instead of a re-derived tensor (or an input of another recipe); each
-    counts once in its recipe's ``pending``."""
+    """What autograd holds instead of a re-derived tensor (or an input of another recipe): output
+    ``index`` of its recipe, seen through ``view``; each counts once in its recipe's waiting."""
 
-    __slots__ = ("recipe", "view")
+    __slots__ = ("index", "recipe", "view")
 
-    def __init__(self, recipe: Recipe, view: Geometry) -> None:
-        self.recipe, self.view = recipe, view
+    def __init__(self, recipe: Recipe, view: Geometry, index: int = 0) -> None:
+        self.recipe, self.view, self.index = recipe, view, index
 
     def unpack(self) -> torch.Tensor:
         size, stride, offset = self.view
-        out = self.recipe.make().as_strided(size, stride, offset)
-        self.recipe.unpacked()  # a saved view unpacked, or an input taken by the recipe that needed it
+        out = self.recipe.make(self.index).as_strided(size, stride, offset)
+        self.recipe.unpacked(self.index)  # a saved view unpacked, or an input taken by the recipe that needed it
         return out
 
 
@@ -188,7 +204,7 @@ class Bind:
                 if sub is None:
                     return None
                 a = Derived(sub, a.view)
-                sub.pending += 1  # until this recipe has made its tensor
+                sub.hold()  # until this recipe has made its tensor
             args.append(a)
         made = self.recipes[id(template)] = Recipe(template.func, (args, template.spec), template.out, versions)
         return made

@@ -74,6 +74,7 @@ class _Made:
     key: int
     geometry: tuple[tuple[int, ...], tuple[int, ...], int]
     recipe: _Recipe | bool | None = None  # resolved once: a recipe, or False where none can be made
+    first: _Made | None = None  # a later output's: the entry of the call's first output
 
 
 @dataclass(slots=True, eq=False)
@@ -157,7 +158,7 @@ class OpWatch(TorchDispatchMode):
         if not ok and self.level >= 2 and func in _WEIGHT_PRODUCTS and self._projects(args, out):
             ok = True
         if ok:
-            recorded = None
+            recorded, first = None, None
             for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
                 if not isinstance(t, torch.Tensor):
                     continue
@@ -166,8 +167,9 @@ class OpWatch(TorchDispatchMode):
                     if recorded is None:
                         recorded = tree_map(lambda x: self._arg(x) if isinstance(x, torch.Tensor) else x,
                                             (args, kwargs))
-                    self.made[key] = _Made(func, recorded, i, StorageWeakRef(t.untyped_storage()), self.seq, key,
-                                           _geometry(t))
+                    made = self.made[key] = _Made(func, recorded, i, StorageWeakRef(t.untyped_storage()), self.seq,
+                                                  key, _geometry(t), first=first)
+                    first = first or (made if i == 0 else None)
         return out
 
 
@@ -203,7 +205,11 @@ def resolve(made: _Made, watch: OpWatch, kept: Callable[[int], torch.Tensor | No
     recorded op, never written in place, at most ``MAX_DEPTH`` ops back)."""
     if made.recipe is not None:
         return made.recipe or None
-    if made.index != 0 or depth > MAX_DEPTH:
+    if made.index != 0:  # a norm's statistics: the run that makes its output again makes them too
+        made.recipe = (made.func in _NORMS and made.first is not None and resolve(made.first, watch, kept, depth)
+                       ) or False
+        return made.recipe or None
+    if depth > MAX_DEPTH:
         return None
     made.recipe = False  # no cycles while this one resolves
     leaves, spec = tree_flatten(made.args)
@@ -235,7 +241,7 @@ def _input(a: _Arg, made: _Made, watch: OpWatch, kept: Callable[[int], torch.Ten
     if t is not None and whole is not None and watch.clean(a.key, made.seq):
         return t
     sub = a.made
-    if sub is None or sub.seq >= made.seq or not watch.clean(sub.key, sub.seq + 1):
+    if sub is None or sub.index != 0 or sub.seq >= made.seq or not watch.clean(sub.key, sub.seq + 1):
         return None
     recipe = resolve(sub, watch, kept, depth + 1)
     if recipe is None:
