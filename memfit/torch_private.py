@@ -89,7 +89,8 @@ __all__ = ["MODULE_HOOKS", "BatchNorm", "FakeTensorMode", "ProfiledAllocation", 
            "TorchDispatchMode", "allow_in_compiled_graph",
            "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "destroy_library", "fake_store",
            "grad_scaler_tensors",
-           "inner_tensors", "is_fake", "op_schema", "saved_tensors_hooks_active", "schedule_ops", "stages_per_rank",
+           "inner_tensors", "is_fake", "on_top", "op_schema", "saved_tensors_hooks_active", "schedule_ops",
+           "stages_per_rank",
            "tree_flatten",
            "tree_map", "tree_unflatten", "unset_fake_temporarily", "without_autocast_cpu"]
 
@@ -121,6 +122,17 @@ def destroy_library(lib: Any) -> None:
     """Remove a ``torch.library.Library``'s registrations now (``Library._destroy``, what its own
     teardown calls; since torch 2.0), the kernels it replaced in force again."""
     lib._destroy()
+
+
+def on_top(pack: Any, mode: Any) -> bool:
+    """Whether ``pack`` is the saved-tensor pack hook in force and ``mode`` (None: any) the
+    innermost dispatch mode: nothing was opened inside them since.
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` and
+    ``torch.utils._python_dispatch._get_current_dispatch_mode``. Since torch 2.0."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and top[0] == pack and (mode is None or _get_current_dispatch_mode() is mode)
 
 
 def saved_tensors_hooks_active() -> bool:

@@ -325,9 +325,10 @@ def test_later_forwards_follow_the_learned_plan_without_a_dispatch_mode(monkeypa
     later = measure_steps(learned, batch, optimizer="sgd", steps=1)
     assert later.peak_bytes == first.peak_bytes
     assert all(not d.misses for d in units)
-    # the last block's tail also re-derives the final norm's output and statistics (float32)
-    tail = 4 * 32 * (64 + 2) * 4
-    assert [d.derived_bytes for d in units] == [_block_bytes()] * (len(units) - 1) + [_block_bytes() + tail]
+    # the first block's head also re-derives its input (the embeddings' sum times dropout's mask), the
+    # last block's tail the final norm's output and statistics (float32)
+    head, tail = 4 * 32 * 64 * 4, 4 * 32 * (64 + 2) * 4
+    assert [d.derived_bytes - _block_bytes() for d in units] == [head] + [0] * (len(units) - 2) + [tail]
     _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(learned, batch, steps=3))
 
 
@@ -391,7 +392,7 @@ def test_copies_and_pickles_learn_their_own_plans():
         d = twin.h[0].__dict__["_memfit_derive"]
         assert not d.plans
         twin(**batch)["loss"].backward()
-        assert len(d.plans) == 1 and d.derived_bytes == _block_bytes()
+        assert len(d.plans) == 1 and d.derived_bytes == _block_bytes() + 4 * 32 * 64 * 4  # and its input (the head)
 
 
 def test_a_recipe_dropped_on_a_miss_lets_go_of_the_input_it_shares():

@@ -1,6 +1,7 @@
-"""The last unit's ``derive`` takes the tail: what the model's forward runs after it (final norm,
-head, loss) saves no tensor that cheap ops re-make (runtime/derive.py), and the memory model
-books it (profiler/phases.add_tail): predicted = measured, gradients = the plain model's."""
+"""The first unit's ``derive`` takes the head (the embeddings before it), the last unit's the tail
+(final norm, head, loss after it): what the model's forward runs there saves no tensor that cheap
+ops re-make (runtime/derive.py), and the memory model books it (profiler/phases.add_tail):
+predicted = measured, gradients = the plain model's."""
 
 import copy
 
@@ -27,31 +28,35 @@ def _nano(dropout: float = 0.1):
     return zoo.nanogpt(batch=BATCH, seq=TOKENS, vocab=2048, d_model=WIDTH, n_head=2, n_layer=3, dropout=dropout)
 
 
-def _no_tail(model, names):
-    """The last unit's derive as it was before the tail: its hooks on the root and siblings go."""
-    d = model.get_submodule(names[-1]).__dict__["_memfit_derive"]
-    for h in d.handles[2:]:
-        h.remove()
+def _unit_only(model, names):
+    """Derive as it was before the head and the tail: the first and last units' hooks on the root
+    and on the blocks like them go."""
+    for name in (names[0], names[-1]):
+        d = model.get_submodule(name).__dict__["_memfit_derive"]
+        for h in d.handles[2:]:
+            h.remove()
     return model
 
 
-def test_the_last_blocks_derive_re_derives_the_final_norms_output():
-    """The final norm's output, kept by the head's product, is re-derived from the last block's
-    output (which the norm keeps), and its statistics by the same run: exactly their bytes leave
-    the measured peak (nanoGPT's peak is at the loss), and losses, outputs, gradients and buffers
-    (dropout on) are the plain model's."""
+def test_the_first_and_last_blocks_derive_re_derive_the_embeddings_and_final_norms_outputs():
+    """The first block's input (the embeddings' sum times dropout's mask), which its first norm
+    keeps, is re-derived from the token ids and the mask (the head); the final norm's output, kept
+    by the head's product, from the last block's output, and its statistics by the same run (the
+    tail): exactly their bytes leave the measured peak (nanoGPT's peak is at the loss), and
+    losses, outputs, gradients and buffers (dropout on) are the plain model's."""
     model, batch = _nano()
     names = find_units(model, "auto")
     policies = dict.fromkeys(names, parse("derive"))
     runs = {}
-    for tail in (True, False):
+    head, tail = BATCH * TOKENS * WIDTH * 4, BATCH * TOKENS * (WIDTH + 2) * 4  # float32
+    for on in (True, False):
         twin = copy.deepcopy(model)
         set_policies(twin, policies)
-        runs[tail] = measure_steps(twin if tail else _no_tail(twin, names), batch)
+        runs[on] = measure_steps(twin if on else _unit_only(twin, names), batch)
         derived = [twin.get_submodule(n).__dict__["_memfit_derive"].derived_bytes for n in names]
-        norm_out = BATCH * TOKENS * (WIDTH + 2) * 4 if tail else 0  # its output and statistics, float32
-        assert derived == [derived[0]] * (len(names) - 1) + [derived[0] + norm_out]
-    assert runs[False].peak_bytes - runs[True].peak_bytes == BATCH * TOKENS * (WIDTH + 2) * 4
+        block = derived[1]
+        assert [d - block for d in derived] == ([head, 0, tail] if on else [0, 0, 0])
+    assert runs[False].peak_bytes - runs[True].peak_bytes == head + tail
     twin = copy.deepcopy(model)
     set_policies(twin, policies)
     _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(twin, batch, steps=3))
@@ -61,8 +66,10 @@ def test_the_last_blocks_derive_re_derives_the_final_norms_output():
 def test_a_tail_is_predicted_to_the_byte(accumulate):
     """The head's backward re-makes what the tail re-derived and no longer frees it: folded into
     the last unit's backward (a later micro-batch's too), with the loss's lower peak
-    (``after_peak_bytes``), every mix with the tail is predicted to the byte."""
-    model, batch = _nano(dropout=0.0)
+    (``after_peak_bytes``); the first block's input goes when the model's loop drops it, after
+    the block (``freed_after_bytes``): every mix with a head or a tail is predicted to the byte
+    (dropout on: the same masks in the profile's steps and the measured ones)."""
+    model, batch = _nano()
     step = TrainStep(accumulate=accumulate)
     prof = memfit.profile(model, batch, step=step, repeat=1, granularity="fine")
     names = prof.unit_names
@@ -70,8 +77,9 @@ def test_a_tail_is_predicted_to_the_byte(accumulate):
     levels = [o for o in last if str(o).startswith("derive")]
     assert levels and all(last[o].after_peak_bytes < 0 for o in levels)
     for level in levels:
-        for policies in (dict.fromkeys(names, level), {names[-1]: level},
-                         {**dict.fromkeys(names[:-1], FULL), names[-1]: level}):
+        for policies in (dict.fromkeys(names, level), {names[-1]: level}, {names[0]: level},
+                         {**dict.fromkeys(names[:-1], FULL), names[-1]: level},
+                         {names[0]: level, **dict.fromkeys(names[1:], FULL)}):
             twin = copy.deepcopy(model)
             set_policies(twin, {n: policies.get(n, parse("none")) for n in names})
             measured = measure_steps(twin, batch, step=step).peak_bytes
@@ -104,8 +112,9 @@ def test_a_tail_closes_where_the_forward_raises_or_the_block_runs_alone():
 
 def test_a_plan_switched_to_at_the_start_of_a_forward_takes_its_tail():
     """A schedule for two lengths switches plans inside the model's forward pre-hooks (the drift
-    watch), after PyTorch took the list of hooks to call: the new last unit's tail still runs in
-    that very forward (its final norm's output re-derived), and training matches the plain model."""
+    watch), after PyTorch took the list of hooks to call: the new first unit's head and last
+    unit's tail still run in that very forward (its input and the final norm's output
+    re-derived), and training matches the plain model."""
     import warnings
 
     model, batch = _nano()
@@ -126,7 +135,32 @@ def test_a_plan_switched_to_at_the_start_of_a_forward_takes_its_tail():
             m.zero_grad(set_to_none=True)
             m(**b).backward()
         tokens = b["idx"].shape[1]
-        first = scheduled.get_submodule(names[0]).__dict__["_memfit_derive"].derived_bytes
-        assert last.__dict__["_memfit_derive"].derived_bytes - first == BATCH * tokens * (WIDTH + 2) * 4
+        first, block = (scheduled.get_submodule(n).__dict__["_memfit_derive"].derived_bytes for n in names[:2])
+        assert first - block == BATCH * tokens * WIDTH * 4  # the head: the first block's input
+        assert last.__dict__["_memfit_derive"].derived_bytes - block == BATCH * tokens * (WIDTH + 2) * 4
         for p, q in zip(plain.parameters(), scheduled.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
+
+
+def test_a_head_re_derives_nothing_the_models_own_code_still_holds():
+    """Hugging Face's Llama holds ``inputs_embeds`` to the end of its forward: re-deriving the
+    first block's input there frees nothing where the block's option is measured, so once learned
+    the plan keeps it (the first block sheds what the next sheds), every step predicted to the byte
+    or above, and the plain model's losses and gradients."""
+    pytest.importorskip("transformers")
+    from memfit import hf
+
+    model, batch = hf.llama(batch=2, seq=32, n_layer=3, hidden=64, n_head=4, kv_heads=2, vocab=256)
+    names = find_units(model, "auto")
+    prof = memfit.profile(model, batch, repeat=1, granularity="fine")
+    twin = copy.deepcopy(model)
+    policies = dict.fromkeys(names, parse("derive"))
+    set_policies(twin, policies)
+    run = measure_steps(twin, batch)
+    derived = [twin.get_submodule(n).__dict__["_memfit_derive"].derived_bytes for n in names]
+    assert derived[0] == derived[1] < derived[2]  # no head; the tail's final norm
+    predicted = memfit.predict(prof, policies).peak_bytes
+    assert 0 <= predicted - run.peak_bytes <= 0.001 * run.peak_bytes
+    twin = copy.deepcopy(model)
+    set_policies(twin, policies)
+    _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))

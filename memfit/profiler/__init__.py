@@ -355,8 +355,8 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
 
     last = len(prof.units) - 1
     tail = isinstance(option, Derive) and has[last]  # the last unit's derive re-derives in the head too
-    if tail:  # priced on its own: the blocks like it do not run the head
-        groups = [*groups[:last], max(groups) + 1]
+    if isinstance(option, Derive):  # the first and last units priced on their own: the blocks like them run
+        groups = [max(groups) + 1 + j if j in (0, last) else g for j, g in enumerate(groups)]  # no head, no tail
 
     def longer(j: int) -> list[float]:  # per round: this option's forward and backward less the plain ones
         ks = [index[f"fwd:{j}"], index[f"bwd:{j}"]]

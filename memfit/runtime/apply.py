@@ -126,7 +126,7 @@ def _run(model: nn.Module, applied: _Applied, index: int, in_forward: bool = Fal
     if policies != applied.policies:
         _switch(model, policies)
         applied.policies = policies
-        if in_forward:  # the new tail's own hook on the model's forward comes after PyTorch took the list
+        if in_forward:  # the new head's and tail's hooks on the model's forward come after PyTorch took the list
             for m in model.modules():
                 if (d := m.__dict__.get("_memfit_derive")) is not None:
                     d.root_entered(model)
@@ -179,10 +179,11 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
                     raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
                                                 ) from None
             _refuse_checkpointed(name, modules[name])
-    last = next(reversed(policies), None)  # the units run in the policies' order: the last one's derive takes the tail
+    # the units run in the policies' order: the first one's derive takes the head, the last one's the tail
+    first, last = next(iter(policies), None), next(reversed(policies), None)
     for name in derived:
-        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].level,
-                                                          model if name == last else None)
+        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].level, model,
+                                                          head=name == first, tail=name == last)
     return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
             for members, op_set, chain, inner in plan]
 

@@ -57,7 +57,7 @@ from memfit.measure.step import packed, storage_key
 from memfit.runtime.derive_plan import Bind, Derived, Leaf, Plan, Step, SubRef, Template, history, template_of, unpack
 from memfit.runtime.derive_watch import OpWatch, resolve
 from memfit.runtime.threads import PerThread, Weak, raising, recomputing
-from memfit.torch_private import saved_tensors_hooks_active
+from memfit.torch_private import StorageWeakRef, on_top, saved_tensors_hooks_active
 
 
 class Derive(PerThread):
@@ -74,16 +74,21 @@ class Derive(PerThread):
     watched on every forward, as correct and slower. The contexts a forward opens are this
     thread's; copies and pickles take the hooks, not them, nor the plans.
 
-    With ``root`` (the model, given for its last unit), the unit's hooks stay open over the rest
-    of the root's forward, the *tail* (final norm, head, a loss computed there), so that what the
-    head keeps is re-derived too: the final norm's output, which the head's product saves, from
-    the unit's output, which the norm keeps. The plans are then per input signature of the unit
-    and of the root."""
+    With ``root`` (the model), given for its last unit (``tail``), the unit's hooks stay open over
+    the rest of the root's forward, the *tail* (final norm, head, a loss computed there), so that
+    what the head keeps is re-derived too: the final norm's output, which the head's product
+    saves, from the unit's output, which the norm keeps. Given for its first unit (``head``), they
+    open with the root's forward, so that the unit's input, which its first norm keeps, is
+    re-derived from the embeddings' gathers and sum. Outside the unit only cheap ops are re-run (the
+    head's products and the loss's softmax make the largest tensors of the step, which re-made in
+    the backward would raise its peak), and its plans are per input signature of the root too."""
 
-    def __init__(self, unit: nn.Module, level: int = 0, root: nn.Module | None = None) -> None:
+    def __init__(self, unit: nn.Module, level: int = 0, root: nn.Module | None = None, *, head: bool = False,
+                 tail: bool = False) -> None:
         super().__init__()
         self._unit = Weak(unit)
         self._root = None if root is None else Weak(root)
+        self.head, self.tail = root is not None and head, root is not None and tail
         self.level = int(level)  # policy.Derive's level; True (as tests pass it) is derive:products
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
         self.plans: dict[Any, Plan | None] = {}  # None: watched on every forward
@@ -92,10 +97,10 @@ class Derive(PerThread):
             unit.register_forward_pre_hook(self._enter, with_kwargs=True),
             unit.register_forward_hook(self._unit_done, always_call=True),
         ]
-        if root is not None:  # the tail: what the root's forward runs after the unit, until it returns
+        if root is not None and (self.head or self.tail):
             self.handles += [root.register_forward_pre_hook(self._root_enter, with_kwargs=True),
                              root.register_forward_hook(self._root_done, always_call=True)]
-            # or until a block like it runs (the unit was not the last of its kind: policies for some units only)
+        if root is not None and (self.head or self.tail):  # where a block like the unit runs (_sibling)
             self.handles += [m.register_forward_pre_hook(self._sibling) for m in root.modules()
                              if type(m) is type(unit) and m is not unit]
 
@@ -112,40 +117,63 @@ class Derive(PerThread):
 
     def remove(self) -> None:
         self._exit()
+        self._root = None  # a pre-hook of the root's that PyTorch's list still holds opens nothing now
         for h in self.handles:
             h.remove()
 
     def _root_enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
-        # the tail's plan depends on the root's inputs too; no kwargs: removed by a switch of plans in an
-        # earlier pre-hook, PyTorch calls it all the same, from the list it took, as a hook without them
-        self._tls.root = _signature(module, args, kwargs or {})
+        # no kwargs: removed by a switch of plans in an earlier pre-hook, PyTorch calls it all the
+        # same, from the list it took, as a hook without them
+        self.root_entered(module, _signature(module, args, kwargs or {}))
 
-    def root_entered(self, root: nn.Module) -> None:
-        """The model's forward has begun without this object's pre-hook (made by a switch of plans
-        inside the model's pre-hooks, whose list PyTorch took before): its tail runs all the same,
-        under a plan of its own (a switched-to plan learns anew anyway)."""
-        if self._root is not None and self._root() is root:
-            self._tls.root = "switched"
+    def root_entered(self, root: nn.Module, signature: Any = "switched") -> None:
+        """The model's forward begins (from its pre-hook, or from a switch of plans inside the
+        model's pre-hooks, which PyTorch took the list of before this object's was made: the plan
+        switched to learns anew anyway)."""
+        if self._root is None or self._root() is not root:
+            return
+        self._tls.root, self._tls.head = signature, False
+        if self.head and self._open_forward(("head", signature), root):
+            self._tls.head = True
 
     def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._tls.root = None
+        self._tls.root, self._tls.head = None, False
         tail, self._tls.tail = getattr(self._tls, "tail", None), None
-        if tail is not None:
-            self._exit(tail, None, output)  # learns nothing where the root's forward raised
+        self._exit(tail, None, output)  # learns nothing where the root raised, or a head whose unit never ran
+        self._keep_held(every=True)
 
     def _sibling(self, module: nn.Module, args: Any) -> None:
+        self._keep_held()
         tail, self._tls.tail = getattr(self._tls, "tail", None), None
         if tail is not None:
             self._exit(tail, None, True)
 
+    def _keep_held(self, every: bool = False) -> None:
+        """After a head's learning forward, once the next block begins (or the root's forward
+        ends: ``every``): a tensor the head made and the plan re-derives that is still alive is
+        held by the model's own code (Hugging Face's ``inputs_embeds``, to the end of its forward),
+        so re-deriving it frees nothing where the unit's option is measured: later forwards keep it."""
+        pending, self._tls.check = getattr(self._tls, "check", None), None
+        if pending is None:
+            return
+        key, fwd = pending
+        plan = self.plans.get(key)
+        held = [(n, at) for seq, ref, n, at in fwd.derived_at.values()
+                if fwd.entered is not None and seq < fwd.entered and (every or not ref.expired())]
+        if isinstance(plan, Plan) and held:
+            steps = list(plan.steps)
+            for _, at in held:
+                for i in at:
+                    steps[i] = replace(steps[i], derive=None)
+            self.plans[key] = replace(plan, steps=steps, derived_bytes=plan.derived_bytes - sum(n for n, _ in held))
+
     def _unit_done(self, module: nn.Module, args: Any, output: Any) -> None:
         """The unit's forward returned: its hooks close, or with a tail they stay open until the
-        root's forward returns (``_root_done``), so that what the head and the loss save is
-        re-derived too (the final norm's output, which the head's product keeps), by cheap ops
-        alone: the head's products and the loss's softmax make the largest tensors of the step,
-        which re-made in the backward would raise its peak."""
+        root's forward returns (``_root_done``), re-deriving by cheap ops alone."""
         opened = getattr(self._tls, "fwd", None)
-        if opened is not None and getattr(self._tls, "root", None) is not None and not raising(output):
+        if opened is not None and opened[1].aside:
+            return  # closed with the root's forward, under what was opened inside it
+        if self.tail and opened is not None and getattr(self._tls, "root", None) is not None and not raising(output):
             self._tls.tail = module
             if isinstance(opened[1], _Learn):
                 opened[1].watch.level = 0
@@ -153,26 +181,43 @@ class Derive(PerThread):
         self._exit(module, args, output)
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if getattr(self._tls, "head", False):  # the head's forward goes on into the unit
+            self._tls.head = False
+            fwd = self._tls.fwd[1]
+            if on_top(fwd.packer, fwd.watch if isinstance(fwd, _Learn) else None):
+                if isinstance(fwd, _Learn):
+                    fwd.watch.level, fwd.entered = self.level, fwd.watch.seq
+                return
+            fwd.aside = True  # something opened inside the head's hooks: they close with the root's forward
+            return
         tail, self._tls.tail = getattr(self._tls, "tail", None), None
         self._exit(tail, None, True)  # a tail still open ends where the unit runs again
         unit = self._unit()
-        if (unit is None or recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+        if unit is not None:
+            root = getattr(self._tls, "root", None) if self.tail else None
+            self._open_forward((_signature(unit, args, kwargs), root), unit)
+
+    def _open_forward(self, key: Any, where: nn.Module) -> bool:
+        """Open a forward of the unit's (its hooks, and the watch while it learns) for ``key``'s
+        plan, with the parameters of ``where`` (the unit, or the root for a head or a tail)."""
+        if (recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
                 or saved_tensors_hooks_active()):
-            return
-        root = getattr(self._tls, "root", None)
-        key = (_signature(unit, args, kwargs), root)
+            return False
         plan = self.plans.get(key, _LEARN)
-        owner = self._root() if root is not None and self._root is not None else unit
+        root = self._root() if self._root is not None else None
         fwd: _Forward = (_Replay(plan) if isinstance(plan, Plan)
-                         else _Learn(self.level, _tensors(owner or unit), plan is _LEARN))
+                         else _Learn(self.level, _tensors(root if root is not None and (self.head or self.tail)
+                                                          else where), plan is _LEARN))
         self.derived_bytes = fwd.derived_bytes
         self._tls.fwd = (key, fwd)
         hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack)
         hooks.__enter__()
         self._open.append(hooks)
         if isinstance(fwd, _Learn):
+            fwd.watch.level = 0 if key[0] == "head" else self.level
             fwd.watch.__enter__()
             self._open.append(fwd.watch)
+        return True
 
     def _exit(self, module: nn.Module | None = None, args: Any = None, output: Any = None) -> None:
         while self._open:
@@ -188,6 +233,7 @@ class Derive(PerThread):
         if isinstance(fwd, _Learn):
             if fwd.record:
                 self.plans[key] = fwd.plan()
+                self._tls.check = (key, fwd) if fwd.entered is not None else None
         elif fwd.missed or fwd.n != len(fwd.plan.steps):
             self.misses[key] = misses = self.misses.get(key, 0) + 1
             if misses >= MAX_MISSES:
@@ -231,13 +277,14 @@ def _signature(unit: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 class _Forward:
     derived_bytes: int
     bind: Bind
+    aside = False  # packs nothing of its own (runtime/derive.py's head, when something opened inside it)
 
     def pack(self, t: torch.Tensor) -> Any:
         raise NotImplementedError
 
     def packer(self, t: torch.Tensor) -> Any:
         """The pack hook: ``pack``'s answer, a tensor it keeps as ``packed`` keeps it."""
-        out = self.pack(t)
+        out = t if self.aside else self.pack(t)
         return packed(out) if isinstance(out, torch.Tensor) else out
 
     def close(self) -> None:
@@ -261,6 +308,9 @@ class _Learn(_Forward):
         self.slot_of: dict[int, tuple[int, torch.Tensor]] = {}
         self.templates: dict[int, Template] = {}
         self.bind = Bind(params)
+        self.entered: int | None = None  # a head's: the watch's count of ops when the unit began
+        # each re-derived storage: when it was made, whether it lives, its bytes, the steps that save it
+        self.derived_at: dict[int, tuple[int, StorageWeakRef, int, list[int]]] = {}
 
     def close(self) -> None:
         super().close()
@@ -293,6 +343,9 @@ class _Learn(_Forward):
                 if key not in self.derived:
                     self.derived.add(key)
                     self.derived_bytes += t.untyped_storage().nbytes()
+                    self.derived_at[key] = (made.seq, StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes(),
+                                            [])
+                self.derived_at[key][3].append(len(self.steps))
                 view = (*layout, t.storage_offset() - made.geometry[2])
                 assert template is not None
                 past = history(t, self.bind.leaves(template), template.depth)

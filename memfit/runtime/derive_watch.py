@@ -33,16 +33,18 @@ _WEIGHT_PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _a
 # what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
 _MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
           _aten.tril.default, _aten.triu.default}
+_COPIES = {_aten.cat.default, _aten.embedding.default}
 MAX_DEPTH = 8  # ops one re-derived tensor may chain back through
 
 
 def cheap(func: Any) -> bool:
     """Ops worth running again rather than keeping their output: deterministic, functional,
-    elementwise, a norm, or a ``cat`` (a copy: RoPE's rotate-half between Llama's projections and
-    the q and k that SDPA keeps)."""
+    elementwise, a norm, a ``cat`` (a copy: RoPE's rotate-half between Llama's projections and
+    the q and k that SDPA keeps) or an embedding's gather (the first block's input, from the
+    token ids and positions the embeddings' backward keeps)."""
     if op_schema(func).is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
         return False
-    return torch.Tag.pointwise in func.tags or func in _NORMS or func is _aten.cat.default
+    return torch.Tag.pointwise in func.tags or func in _NORMS or func in _COPIES
 
 
 @dataclass(slots=True)
