@@ -20,26 +20,20 @@ a checkpoint region or a selective-checkpoint dispatch mode around the unit). A 
 that several nodes saved (the probabilities: the softmax's backward and the product with V) is
 made once and held until each of them has used it.
 
-Two pieces of PyTorch's own machinery: a ``TorchDispatchMode`` watches the unit's forward below
-autograd (which op made which storage, which ops wrote into one in place), and
-``torch.autograd.graph.saved_tensors_hooks`` sees what autograd saves. Random ops and in-place
-ops are never re-derived, products only under ``derive:products``; inputs are checked for
-in-place changes at unpack.
+PyTorch's own machinery: a ``TorchDispatchMode`` watches the unit's forward below autograd
+(which op made which storage, which ops wrote into one in place), and
+``torch.autograd.graph.saved_tensors_hooks`` sees what autograd saves. Random and in-place ops are
+never re-derived; inputs are checked for in-place changes at unpack. The watch runs once: the
+unit's first training forward for each input signature learns a plan (runtime/derive_plan.py),
+and later forwards follow it with the hooks alone, checking each re-derived tensor's autograd
+history against the learned one: a few microseconds per saved tensor, not tens per op
+(benchmarks/launch_bound.py), which is what a GPU, where kernels take microseconds, feels.
 
-The watch runs once: the unit's first training forward for each input signature learns a plan
-(runtime/derive_plan.py), and every later forward follows it with the saved-tensor hooks alone,
-checking each re-derived tensor's autograd history against the learned one. A Python dispatch
-mode costs tens of microseconds per op on every op of the forward; the hooks cost a few per saved
-tensor (benchmarks/launch_bound.py), which is what a GPU, where kernels take microseconds, feels.
-
-The unit's forward runs under the hooks for its whole call (forward hooks, ``always_call``), so a
-checkpoint region that runs inside the unit (a nested module checkpointed on its own) packs its
-own tensors as usual (its hooks are inner). The option steps aside under ``torch.compile`` (the partitioner makes these
-choices itself), during memfit's recomputation and inside another saved-tensor context.
-
-Private API: ``torch._C._autograd._top_saved_tensors_default_hooks`` (is another saved-tensor
-context active?), which ``torch.utils.checkpoint`` itself uses for the same question; the watch's
-own are named in runtime/derive_watch.py.
+The hooks cover the unit's whole call (forward hooks, ``always_call``), so a checkpoint region
+inside the unit packs its own tensors as usual (its hooks are inner). The option steps aside
+under ``torch.compile`` (the partitioner makes these choices itself), during memfit's
+recomputation and inside another saved-tensor context (``torch_private``, with the private API
+it takes for that; the watch's own are named in runtime/derive_watch.py).
 """
 
 from __future__ import annotations
@@ -97,12 +91,11 @@ class Derive(PerThread):
             unit.register_forward_pre_hook(self._enter, with_kwargs=True),
             unit.register_forward_hook(self._unit_done, always_call=True),
         ]
-        if root is not None and (self.head or self.tail):
+        if root is not None and (self.head or self.tail):  # and where a block like the unit runs (_sibling)
             self.handles += [root.register_forward_pre_hook(self._root_enter, with_kwargs=True),
-                             root.register_forward_hook(self._root_done, always_call=True)]
-        if root is not None and (self.head or self.tail):  # where a block like the unit runs (_sibling)
-            self.handles += [m.register_forward_pre_hook(self._sibling) for m in root.modules()
-                             if type(m) is type(unit) and m is not unit]
+                             root.register_forward_hook(self._root_done, always_call=True),
+                             *(m.register_forward_pre_hook(self._sibling) for m in root.modules()
+                               if type(m) is type(unit) and m is not unit)]
 
     def __getstate__(self) -> dict[str, Any]:
         state = PerThread.__getstate__(self)
@@ -133,7 +126,7 @@ class Derive(PerThread):
         if self._root is None or self._root() is not root:
             return
         self._tls.root, self._tls.head = signature, False
-        if self.head and self._open_forward(("head", signature), root):
+        if self.head and self._open_forward(("head", signature)):
             self._tls.head = True
 
     def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -192,22 +185,19 @@ class Derive(PerThread):
             return
         tail, self._tls.tail = getattr(self._tls, "tail", None), None
         self._exit(tail, None, True)  # a tail still open ends where the unit runs again
-        unit = self._unit()
-        if unit is not None:
-            root = getattr(self._tls, "root", None) if self.tail else None
-            self._open_forward((_signature(unit, args, kwargs), root), unit)
+        root = getattr(self._tls, "root", None) if self.tail else None
+        self._open_forward((_signature(module, args, kwargs), root))
 
-    def _open_forward(self, key: Any, where: nn.Module) -> bool:
+    def _open_forward(self, key: Any) -> bool:
         """Open a forward of the unit's (its hooks, and the watch while it learns) for ``key``'s
-        plan, with the parameters of ``where`` (the unit, or the root for a head or a tail)."""
-        if (recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
+        plan; one that runs in the root's forward too (a head, a tail) takes the root's parameters."""
+        unit, root = self._unit(), self._root() if self._root is not None else None
+        if (unit is None or recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
                 or saved_tensors_hooks_active()):
             return False
         plan = self.plans.get(key, _LEARN)
-        root = self._root() if self._root is not None else None
-        fwd: _Forward = (_Replay(plan) if isinstance(plan, Plan)
-                         else _Learn(self.level, _tensors(root if root is not None and (self.head or self.tail)
-                                                          else where), plan is _LEARN))
+        owner = root if root is not None and (self.head or self.tail) else unit
+        fwd: _Forward = _Replay(plan) if isinstance(plan, Plan) else _Learn(self.level, _tensors(owner), plan is _LEARN)
         self.derived_bytes = fwd.derived_bytes
         self._tls.fwd = (key, fwd)
         hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack)
