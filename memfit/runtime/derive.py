@@ -204,7 +204,8 @@ class Derive(PerThread):
         hooks.__enter__()
         self._open.append(hooks)
         if isinstance(fwd, _Learn):
-            fwd.watch.level = 0 if key[0] == "head" else self.level
+            fwd.head = key[0] == "head"
+            fwd.watch.level = 0 if fwd.head else self.level
             fwd.watch.__enter__()
             self._open.append(fwd.watch)
         return True
@@ -298,6 +299,7 @@ class _Learn(_Forward):
         self.slot_of: dict[int, tuple[int, torch.Tensor]] = {}
         self.templates: dict[int, Template] = {}
         self.bind = Bind(params)
+        self.head = False  # opened with the root's forward: nothing is re-derived before the unit begins
         self.entered: int | None = None  # a head's: the watch's count of ops when the unit began
         # each re-derived storage: when it was made, whether it lives, its bytes, the steps that save it
         self.derived_at: dict[int, tuple[int, StorageWeakRef, int, list[int]]] = {}
@@ -324,8 +326,11 @@ class _Learn(_Forward):
         key = storage_key(t.untyped_storage())
         made = self.watch.entry(key)
         layout = (tuple(t.shape), t.stride())
-        # a norm's statistics too: the run that re-derives its output makes them (derive_watch.resolve)
-        if made is not None and self.kept(key) is None and self.watch.clean(key, made.seq + 1):
+        # a norm's statistics too: the run that re-derives its output makes them (derive_watch.resolve);
+        # a head's own saved tensors are kept: re-made in its backward, after the unit's, they would
+        # move the step's remainders, which the unit's option is not measured by
+        if (made is not None and self.kept(key) is None and self.watch.clean(key, made.seq + 1)
+                and (not self.head or self.entered is not None)):
             recipe = resolve(made, self.watch, self.kept, 0)
             template = recipe and template_of(recipe, self.templates, self.slot_of, self.param_of, _key)
             made_again = template and self.bind.recipe(template)
