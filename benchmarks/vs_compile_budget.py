@@ -82,7 +82,7 @@ def main() -> None:
         # backend is the same object, so it finds this compilation)
         run = measure_steps(m, raw_inputs, optimizer=sc.step_optimizer, compile=backend)
         cfg.peak, cfg.grads = run.peak_bytes, run.grads
-        print(f"{label}: {format_bytes(cfg.peak)}", flush=True)
+        print(f"{label}: {format_bytes(cfg.peak)} ({cfg.peak:,} bytes)", flush=True)  # a plan fits to the byte
         return cfg
 
     configs = [config("plain eager"), config("plain eager (A/A control)")]
