@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Iterator
@@ -354,9 +355,7 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
     released = timeline.releases(plain_memory, memory, has, saved_casts)
 
     last = len(prof.units) - 1
-    tail = isinstance(option, Derive) and has[last]  # the last unit's derive re-derives in the head too
-    if isinstance(option, Derive):  # the first and last units priced on their own: the blocks like them run
-        groups = [max(groups) + 1 + j if j in (0, last) else g for j, g in enumerate(groups)]  # no head, no tail
+    tail = isinstance(option, Derive) and has[last]  # the last unit's derive re-derives after it too
 
     def longer(j: int) -> list[float]:  # per round: this option's forward and backward less the plain ones
         ks = [index[f"fwd:{j}"], index[f"bwd:{j}"]]
@@ -366,16 +365,23 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
         return [sum(r[k].seconds for k in ks) - sum(p[k].seconds for k in ks) for r, p in zip(runs, plain, strict=True)]
 
     units = [j for j in range(len(prof.units)) if has[j]]
-    share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
     frees = timeline.option_frees(memory, plain_memory, prof.phases, has,
                                   [u.options[FULL].freed_later_bytes for u in prof.units])
+    made = {}
     for j in units:
-        cost = timeline.option_cost(memory, where, j, prof.units[j].name, extra * share[j], released[j],
-                                    uncertainty_s * share[j])
-        cost.freed_after_bytes = frees[j]
+        made[j] = timeline.option_cost(memory, where, j, prof.units[j].name, 0.0, released[j])
+        made[j].freed_after_bytes = frees[j]
         if tail and j == last:
-            timeline.add_tail(cost, memory, plain_memory, prof.phases, j)
-        prof.units[j].options[option] = cost
+            timeline.add_tail(made[j], memory, plain_memory, prof.phases, j)
+    # a unit that ran the option otherwise than the others of its structure (the first with the head,
+    # the last with the tail) is priced on its own
+    figures = {j: dataclasses.astuple(made[j]) for j in units}
+    own = {(groups[j], figures[j]): k for k, j in enumerate(units)}
+    split = [len(groups) + own[groups[j], figures[j]] if j in made else g for j, g in enumerate(groups)]
+    share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, split)
+    for j in units:
+        made[j].recompute_s, made[j].recompute_uncertainty_s = extra * share[j], uncertainty_s * share[j]
+        prof.units[j].options[option] = made[j]
     prof.measured_peak_bytes[option] = prof.baseline_bytes + max(0, max(s.peak for s in _cumulative(memory)))
 
 
