@@ -124,15 +124,17 @@ def destroy_library(lib: Any) -> None:
     lib._destroy()
 
 
+# The innermost dispatch mode in force: whether derive's head still has its watch on top (on_top).
+# Since torch 2.0.
+_current_dispatch_mode = _private("torch.utils._python_dispatch", "_get_current_dispatch_mode", "2.0")
+
+
 def on_top(pack: Any, mode: Any) -> bool:
     """Whether ``pack`` is the saved-tensor pack hook in force and ``mode`` (None: any) the
     innermost dispatch mode: nothing was opened inside them since.
-    ``torch._C._autograd._top_saved_tensors_default_hooks`` and
-    ``torch.utils._python_dispatch._get_current_dispatch_mode``. Since torch 2.0."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` and ``_current_dispatch_mode``."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and top[0] == pack and (mode is None or _get_current_dispatch_mode() is mode)
+    return top is not None and top[0] == pack and (mode is None or _current_dispatch_mode() is mode)
 
 
 def saved_tensors_hooks_active() -> bool:

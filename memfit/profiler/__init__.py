@@ -367,18 +367,18 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
     units = [j for j in range(len(prof.units)) if has[j]]
     frees = timeline.option_frees(memory, plain_memory, prof.phases, has,
                                   [u.options[FULL].freed_later_bytes for u in prof.units])
-    made = {}
+    made: dict[int, OptionCost] = {}
     for j in units:
         made[j] = timeline.option_cost(memory, where, j, prof.units[j].name, 0.0, released[j])
         made[j].freed_after_bytes = frees[j]
         if tail and j == last:
             timeline.add_tail(made[j], memory, plain_memory, prof.phases, j)
-    # a unit that ran the option otherwise than the others of its structure (the first with the head,
-    # the last with the tail) is priced on its own
-    figures = {j: dataclasses.astuple(made[j]) for j in units}
-    own = {(groups[j], figures[j]): k for k, j in enumerate(units)}
-    split = [len(groups) + own[groups[j], figures[j]] if j in made else g for j, g in enumerate(groups)]
-    share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, split)
+    if isinstance(option, Derive):  # a derive unit that ran otherwise than the others of its structure (the
+        # first with the head, the last with the tail: more work outside it) is priced on its own
+        figures = {j: dataclasses.astuple(made[j]) for j in units}
+        own = {(groups[j], figures[j]): k for k, j in enumerate(units)}
+        groups = [len(groups) + own[groups[j], figures[j]] if j in made else g for j, g in enumerate(groups)]
+    share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
     for j in units:
         made[j].recompute_s, made[j].recompute_uncertainty_s = extra * share[j], uncertainty_s * share[j]
         prof.units[j].options[option] = made[j]

@@ -126,7 +126,7 @@ class Derive(PerThread):
         if self._root is None or self._root() is not root:
             return
         self._tls.root, self._tls.head = signature, False
-        if self.head and self._open_forward(("head", signature)):
+        if self.head and self._open_forward(("head", signature), head=True):
             self._tls.head = True
 
     def _root_done(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -188,9 +188,10 @@ class Derive(PerThread):
         root = getattr(self._tls, "root", None) if self.tail else None
         self._open_forward((_signature(module, args, kwargs), root))
 
-    def _open_forward(self, key: Any) -> bool:
+    def _open_forward(self, key: Any, head: bool = False) -> bool:
         """Open a forward of the unit's (its hooks, and the watch while it learns) for ``key``'s
-        plan; one that runs in the root's forward too (a head, a tail) takes the root's parameters."""
+        plan, from the root's forward pre-hook for a ``head``; one that runs in the root's forward
+        too (a head, a tail) takes the root's parameters."""
         unit, root = self._unit(), self._root() if self._root is not None else None
         if (unit is None or recomputing() or torch.compiler.is_compiling() or not torch.is_grad_enabled()
                 or saved_tensors_hooks_active()):
@@ -204,8 +205,8 @@ class Derive(PerThread):
         hooks.__enter__()
         self._open.append(hooks)
         if isinstance(fwd, _Learn):
-            fwd.head = key[0] == "head"
-            fwd.watch.level = 0 if fwd.head else self.level
+            fwd.head = head
+            fwd.watch.level = 0 if head else self.level
             fwd.watch.__enter__()
             self._open.append(fwd.watch)
         return True
