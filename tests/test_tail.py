@@ -164,3 +164,25 @@ def test_a_head_re_derives_nothing_the_models_own_code_still_holds():
     twin = copy.deepcopy(model)
     set_policies(twin, policies)
     _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))
+
+
+def test_a_torchvision_style_resnet_with_derive_on_every_block_trains_as_the_plain_model():
+    """A model memfit was not shaped around, with its head and tail under derive: torchvision's
+    stem (conv, BatchNorm, in-place ReLU, max pool) before the first block, average pool and the
+    classifier after the last, in-place residual ReLUs. Nothing there is cheap to re-derive (the
+    profile offers no derive option on these blocks), but the hooks around the stem and the head
+    learn once, follow their plans, leave none open, and a user's SGD loop gives the plain model's
+    losses, gradients and BatchNorm statistics."""
+    from .models import resnet18ish
+    from .test_real_models import BLOCKS, train_and_compare
+
+    plain, x = resnet18ish()
+    names = BLOCKS["resnet18"][1]
+    scheduled = copy.deepcopy(plain)
+    set_policies(scheduled, dict.fromkeys(names, parse("derive")))
+    train_and_compare(copy.deepcopy(plain), scheduled, x)
+    assert not saved_tensors_hooks_active()
+    for name in (names[0], names[-1]):
+        d = scheduled.get_submodule(name).__dict__["_memfit_derive"]
+        assert (d.head, d.tail) == (name == names[0], name == names[-1])
+        assert len(d.plans) == 1 and not d.misses
