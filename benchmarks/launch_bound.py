@@ -9,8 +9,9 @@ Each model (float32, CPU, one thread), every unit (``units.find_units``) under o
 time: plain (twice: the second is the A/A control, the noise of the series), ``torch.utils.checkpoint``
 (``use_reentrant=False``) around every unit (PyTorch's own, the reference for ``full``), and
 memfit's options set with ``set_policies``: ``full``, ``derive``, ``derive:products``,
-``selective:gemm``, ``selective:weights`` and the ``child:`` and ``nested:`` options the profiler offers for the
-unit's class (``profiler.options.fine_options``; on the units that offer it, ``units`` column).
+``selective:gemm``, ``selective:weights`` and the options on children the profiler offers for the
+unit's class (``child:``, ``nested:``, ``derive@<child>`` with the gemm op set on that child beside it,
+``selective:weights@<child>``: ``profiler.options.fine_options``; on the units that offer it, ``units`` column).
 An option that fails on a model is skipped and said so. Every configuration is a deep copy of the
 model, built at once and timed in one interleaved series (``measure.timing.alternate``: each timed
 step after an untimed step of its own, order reversed every round, GC held off) by the thread's
@@ -51,7 +52,7 @@ from memfit import zoo
 from memfit.jsonio import write_json_atomic
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, ratio_uncertainty
-from memfit.policy import Children, Nested, parse
+from memfit.policy import Children, Derive, Nested, Selective, parse
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts
 from memfit.report import table
@@ -106,13 +107,21 @@ def _checkpointed(model: nn.Module, names: list[str]) -> nn.Module:
 
 
 def _child_options(model: nn.Module, names: list[str], inputs: Inputs) -> list[tuple[str, list[str]]]:
-    """The ``child:`` and ``nested:`` options the profiler offers (``fine_options``), each with
-    the units that offer it, in the profiler's order."""
+    """The options on a unit's children that the profiler offers (``fine_options``: ``child:``,
+    ``nested:``, ``derive@<child>``, ``selective:<op set>@<child>``), each with the units that
+    offer it, in the profiler's order; beside each ``derive@<child>``, the gemm op set on that
+    child, which it replaces in the profiler's offer (the same choice at SAC's cost)."""
     probe = copy.deepcopy(model)
     facts = unit_facts(probe, names, inputs, default_loss)
     fine = fine_options(probe, names, inputs, default_loss, facts.saved)
-    order = list(dict.fromkeys(o for n in names for o in fine[n] if isinstance(o, Children | Nested)))
-    return [(str(o), [n for n in names if o in fine[n]]) for o in order]
+    out: dict[str, list[str]] = {}
+    for n in names:
+        for o in fine[n]:
+            if isinstance(o, Children | Nested) or (isinstance(o, Derive | Selective) and o.child):
+                out.setdefault(str(o), []).append(n)
+                if isinstance(o, Derive) and o.level == 0:
+                    out.setdefault(str(Selective("gemm", o.child)), []).append(n)
+    return list(out.items())
 
 
 def _timed(model: nn.Module, inputs: Inputs, state: StepState) -> tuple[float, float]:

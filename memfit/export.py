@@ -298,6 +298,10 @@ def _sac(policies: dict[str, Policy]) -> Exported:
             plan.append((unit, None, why))
             notes.setdefault(_nested_note(policy, "has a chain of modules, which needs memfit's regions", "unit"),
                              []).append(unit)
+        elif isinstance(policy, Derive) and policy.child:
+            plan.append((f"{unit}.{policy.child}", None, why))
+            notes.setdefault(f"{policy}: re-deriving saved tensors has no torch.utils.checkpoint form; the child "
+                             "is checkpointed instead (no more memory, more recompute)", []).append(unit)
         elif not isinstance(policy, Keep):
             plan.append((unit, None, why))
             if isinstance(policy, Segment):

@@ -13,6 +13,7 @@ Text is parsed once, where it enters (the file loaders, the command line, ``as_p
 public API); inside memfit policies travel as these values.
 
     none  full  derive  derive:products  derive:projections  derive:all
+    derive[:<level>]@<child>          derive on that child of the unit only
     child:<region>[+<region>...]      a region is a module, or a chain a>b (a feeds b), by relative name
     selective:<op set>[@<child>]      the unit, or only that child of it, under the op set
     nested:<region>[+<region>...]     the whole unit, and inside it those regions again
@@ -29,7 +30,7 @@ from memfit.errors import PolicyError
 
 SEGMENT_HELP = "segment:<first>..<last>"
 KINDS_HELP = (f"none, full, child:<children>, nested:<children>, selective:<op set>, derive, derive:products, "
-              f"derive:projections, derive:all or "
+              f"derive:projections, derive:all, derive[:<level>]@<child> or "
               f"{SEGMENT_HELP}")
 
 
@@ -130,19 +131,23 @@ class Derive:
     with a weight that make no more than they take (attention's q, k, v and output projections
     from the norm's output, itself re-derived from the block's input); 3 (``all``) every product
     with a weight (an MLP's up-projection too), so a block keeps little more than its input and
-    attention's context, what torch.compile's partitioner keeps at budget 0.1."""
+    attention's context, what torch.compile's partitioner keeps at budget 0.1. With ``child``,
+    only what that module of the unit saves (``derive@mlp``: its activation's output from the
+    product's it keeps; ``selective:gemm@mlp``'s choice at the hooks' cost, without SAC's
+    dispatch mode over every op)."""
 
     level: int = 0
+    child: str = ""
 
     def __post_init__(self) -> None:
         if self.level not in range(len(DERIVE_LEVELS)):
             raise PolicyError(f"derive has levels 0 to {len(DERIVE_LEVELS) - 1}, not {self.level!r}")
 
     def __str__(self) -> str:
-        return DERIVE_LEVELS[self.level]
+        return DERIVE_LEVELS[self.level] + (f"@{self.child}" if self.child else "")
 
     def describe(self) -> str:
-        return _DERIVE_SAYS[self.level]
+        return f"{self.child}: {_DERIVE_SAYS[self.level]}" if self.child else _DERIVE_SAYS[self.level]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +190,9 @@ def parse(text: str) -> Policy:
         ops, _, child = rest.partition("@")
         if ops and (child or "@" not in rest):
             return Selective(ops, child)
+    level, at, child = text.partition("@")
+    if at and child and level in DERIVE_LEVELS:
+        return Derive(DERIVE_LEVELS.index(level), child)
     if sep and kind == "segment":
         first, dots, last = rest.partition("..")
         if first and dots and last:

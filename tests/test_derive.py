@@ -420,3 +420,44 @@ def test_a_recipe_dropped_on_a_miss_lets_go_of_the_input_it_shares():
     assert bind.recipes[id(users[0])] is kept and inner.pending == 1
     assert torch.equal(held.unpack(), -(x * x))
     assert all(h is None for h in (*inner.held, *kept.held))  # nothing held once the first was unpacked
+
+
+def test_derive_on_a_child_keeps_no_more_than_the_gemm_op_set_there_at_the_hooks_cost(monkeypatch):
+    """``derive@mlp`` re-derives the MLP's GELU output from the product's input it keeps: exactly
+    those bytes in every block (a child's derive takes no head or tail), less than
+    ``selective:gemm@mlp`` keeps (its region also holds its input and RNG state), predicted to the
+    byte by a fine profile, the plain results, and later steps with no dispatch mode at all: neither
+    derive's watch nor SAC's."""
+    import torch.utils.checkpoint as ckpt
+
+    from memfit.runtime import derive_watch
+
+    model, batch = tiny_gpt()
+    names = find_units(model, "auto")
+    gelu = 4 * 32 * 4 * 64 * 4  # batch x seq x 4d floats, per block
+    child = parse("derive@mlp")
+    twin = copy.deepcopy(model)
+    set_policies(twin, dict.fromkeys(names, child))
+    twin(**batch)["loss"].backward()  # learns, once per block
+    twin.zero_grad(set_to_none=True)
+    units = [twin.get_submodule(f"{n}.mlp").__dict__["_memfit_derive"] for n in names]
+    assert [d.derived_bytes for d in units] == [gelu] * len(names)
+    sac = copy.deepcopy(model)
+    set_policies(sac, dict.fromkeys(names, parse("selective:gemm@mlp")))
+    plain = measure_steps(copy.deepcopy(model), batch).peak_bytes
+    op_set = measure_steps(sac, batch).peak_bytes
+
+    def never(*_: object, **__: object) -> None:
+        raise AssertionError("a dispatch mode ran after the plan was learned")
+
+    monkeypatch.setattr(derive_watch.OpWatch, "__torch_dispatch__", never)
+    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", never)
+    derived = measure_steps(twin, batch).peak_bytes
+    assert derived <= op_set < plain
+    monkeypatch.undo()
+    prof = memfit.profile(model, batch, repeat=1, granularity="fine")
+    assert all(child in u.options for u in prof.units)
+    assert memfit.predict(prof, dict.fromkeys(names, child)).peak_bytes == derived
+    fresh = copy.deepcopy(model)
+    set_policies(fresh, dict.fromkeys(names, child))
+    _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(fresh, batch, steps=3))

@@ -122,14 +122,15 @@ def test_sac_export_gives_memfits_peak_and_the_plain_gradients(kind):
 
 
 def test_sac_export_of_what_it_cannot_say_uses_no_more_memory():
-    """derive and a chain become whole-unit checkpoints (measured below memfit's peak); a segment
-    becomes one checkpoint per member, and the export says the peak differs."""
+    """derive and a chain become whole-unit checkpoints, derive on a child that child's (measured
+    below memfit's peak); a segment becomes one checkpoint per member, and the export says the
+    peak differs."""
     model, batch = tiny_gpt()
     schedule = _schedule(model, as_policies({"h.0": "derive", "h.1": "child:ln_2>mlp.0", "h.2": "derive:products",
-                                             "h.3": "none"}))
+                                             "h.3": "derive@mlp"}))
     made = export(schedule, "sac")
-    assert made.checkpointed == ["h.0", "h.1", "h.2"]
-    assert [x.split(":")[0] for x in made.lost] == ["h.0", "h.1", "h.2"]
+    assert made.checkpointed == ["h.0", "h.1", "h.2", "h.3.mlp"]
+    assert [x.split(":")[0] for x in made.lost] == ["h.0", "h.1", "h.2", "h.3"]
     ours = _trained(memfit.apply(copy.deepcopy(model), schedule), batch)
     exported = _trained(_plan_file(schedule, "sac")["apply_memfit_plan"](copy.deepcopy(model)), batch)
     assert exported[1] <= ours[1]

@@ -355,7 +355,8 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
     released = timeline.releases(plain_memory, memory, has, saved_casts)
 
     last = len(prof.units) - 1
-    tail = isinstance(option, Derive) and has[last]  # the last unit's derive re-derives after it too
+    # the last unit's derive re-derives after it too (a whole unit's: a child's has no tail)
+    tail = isinstance(option, Derive) and not option.child and has[last]
 
     def longer(j: int) -> list[float]:  # per round: this option's forward and backward less the plain ones
         ks = [index[f"fwd:{j}"], index[f"bwd:{j}"]]

@@ -1,6 +1,8 @@
 """Which finer options to measure for each unit: its children worth checkpointing alone, cheap
-chains, op sets on the whole unit and on each of those children, and ``derive`` (cheap
-saved tensors re-derived in the backward, runtime/derive.py) where it frees ``MIN_SHARE``.
+chains, op sets, and ``derive`` (cheap saved tensors re-derived in the backward,
+runtime/derive.py) on the whole unit where it frees ``MIN_SHARE`` and on each of those children
+(``derive@<child>``, where the gemm op set was offered before: it keeps no more, at the hooks'
+cost).
 
 A **chain** is a cheap producer (a module with no weight matrix: a norm, an activation) whose
 output only the next product saves (``ln_2>mlp.0``, ``mlp.1>mlp.2``): checkpointed as one region
@@ -17,6 +19,7 @@ the choice, made once on the first of them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +28,7 @@ from torch import nn
 from memfit import policy
 from memfit.errors import MemfitError, PolicyError
 from memfit.measure.step import Inputs, LossFn, packed, storage_key
-from memfit.policy import DERIVES, Children, Nested, Option, Selective
+from memfit.policy import DERIVE, DERIVE_PRODUCTS, DERIVES, Children, Nested, Option, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
 from memfit.runtime.op_sets import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
@@ -34,13 +37,15 @@ from memfit.torch_private import TorchDispatchMode
 MIN_SHARE = 0.1  # of the unit's saved bytes
 MIN_MORE = 0.01  # of the unit's saved bytes, beyond an option offered already
 MAX_CHILDREN = 3  # child options per unit class, the largest savers first
+CHILD_DERIVES = (DERIVE, DERIVE_PRODUCTS)  # the levels tried on a child (deeper ones: on the whole unit)
 
 
 def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: LossFn,
                  unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[Option]]:
     """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
-    ``nested:<the child options' regions that do not overlap>``, ``selective:gemm[@<name>]``,
-    ``derive``, ``derive:products``, ``derive:projections``, ``derive:all``), in a fixed order.
+    ``nested:<the child options' regions that do not overlap>``, ``derive[:products]@<name>``,
+    ``selective:gemm`` (where no child stands out), ``selective:weights[@<name>]``, ``derive``,
+    ``derive:products``, ``derive:projections``, ``derive:all``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
     out: dict[str, list[Option]] = {}
@@ -65,11 +70,16 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             nested = _nested(unit, [o for o in chosen[key] if isinstance(o, Children)])
             if nested is not None:
                 chosen[key].append(nested)
-            # the op set inside each chosen child (measured cheaper than on the whole unit, whose
-            # child options beat it: GPT block 30 MiB kept for 25 ms, attention alone 26 MiB for 23 ms);
-            # on the whole unit only where no child stands out
+            # inside each chosen child, its cheap ops re-derived (and written-out attention's core):
+            # what the gemm op set keeps there (measured cheaper than on the whole unit, whose child
+            # options beat it), at the hooks' cost instead of SAC's dispatch mode over every op, and
+            # keeping no more (gpt-small's MLP: 8,388,608 bytes shed against the op set's
+            # 8,383,552); the op set on the whole unit only where no child stands out
             inner = [c for c in kids if _children_of(c) == Children(((c,),))]  # one module each
-            chosen[key] += [Selective(GEMM, c) for c in inner if _has_products(unit.get_submodule(c))]
+            for c in inner:
+                if _has_products(unit.get_submodule(c)):
+                    chosen[key] += [replace(o, child=c) for o in _derive_options(
+                        model, f"{name}.{c}", inputs, loss_fn, unit_saved[j], CHILD_DERIVES, MIN_MORE)]
             if not inner and _has_products(unit):
                 chosen[key].append(Selective(GEMM))
             # written-out attention: its activation products' inputs and outputs recomputed, the
@@ -144,7 +154,8 @@ def _activation_products(model: nn.Module, name: str, inputs: Inputs) -> set[str
     return found
 
 
-def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, saved: int) -> list[policy.Derive]:
+def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn, saved: int,
+                    levels: tuple[policy.Derive, ...] = DERIVES, bar: float = MIN_SHARE) -> list[policy.Derive]:
     """``derive`` where it sheds ``MIN_SHARE`` of the unit's saved bytes, ``derive:products``
     where going through products and softmax sheds more again (written-out attention's
     probabilities), ``derive:projections`` where going through attention's projections too sheds
@@ -153,14 +164,15 @@ def _derive_options(model: nn.Module, name: str, inputs: Inputs, loss_fn: LossFn
     on every unit that has it, so a unit that has it costs the profile nothing, and the planner
     weighs what it frees against what it costs: two heads' probabilities at 128 tokens are 8% of a
     block's saved bytes, and the compiler's partitioner recomputes them first
-    (benchmarks/uneven-gpt.toml at budget 0.6)."""
+    (benchmarks/uneven-gpt.toml at budget 0.6). ``name`` may be a child of the unit whose saved
+    bytes are ``saved``: ``levels`` are then those tried there and ``bar`` the share the first must shed."""
     if saved <= 0:
         return []
     out: list[policy.Derive] = []
     shed = 0
-    for option in DERIVES:
+    for option in levels:
         more = _derivable(model, name, inputs, loss_fn, option)
-        if more - shed >= (MIN_MORE if out else MIN_SHARE) * saved:
+        if more - shed >= (MIN_MORE if out else bar) * saved:
             out.append(option)
             shed = more
     return out

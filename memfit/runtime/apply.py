@@ -168,7 +168,14 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
     _refuse_shared(modules)
     plan = _region_plan(policies)
     derived = {n: p for n, p in policies.items() if isinstance(p, DerivePolicy)}
-    for name in derived:
+    for name, p in derived.items():
+        if p.child:  # derive on that child of the unit only
+            name = f"{name}.{p.child}"
+            try:
+                modules[name] = model.get_submodule(name)
+            except AttributeError:
+                raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
+                                            ) from None
         _refuse_checkpointed(name, modules[name])
     for members, _, _, _ in plan:
         for name in members:
@@ -179,11 +186,14 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
                     raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
                                                 ) from None
             _refuse_checkpointed(name, modules[name])
-    # the units run in the policies' order: the first one's derive takes the head, the last one's the tail
+    # the units run in the policies' order: the first one's derive takes the head, the last one's the
+    # tail (a whole unit's: a child's has neither)
     first, last = next(iter(policies), None), next(reversed(policies), None)
-    for name in derived:
-        modules[name].__dict__["_memfit_derive"] = Derive(modules[name], derived[name].level, model,
-                                                          head=name == first, tail=name == last)
+    for name, p in derived.items():
+        module = modules[f"{name}.{p.child}" if p.child else name]
+        whole = not p.child
+        module.__dict__["_memfit_derive"] = Derive(module, p.level, model, head=whole and name == first,
+                                                   tail=whole and name == last)
     return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
             for members, op_set, chain, inner in plan]
 
