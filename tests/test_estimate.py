@@ -255,7 +255,7 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     h100 = device_spec("h100")
 
     def build():
-        return zoo.gpt(batch=8, seq=128, vocab=512, d_model=64, n_head=4, n_layer=6, dropout=0.0)
+        return zoo.gpt(batch=8, seq=128, vocab=512, d_model=64, n_head=4, n_layer=4, dropout=0.0)
 
     bare_device = dataclasses.replace(h100, launch_s=0.0, hook_s=0.0)
     assert bare_device.seconds(1e3, 1e3, torch.float32) < 1e-8  # a tiny op, kernels only
