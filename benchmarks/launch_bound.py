@@ -32,7 +32,8 @@ per unit under the option, per op of the plain step and per re-run op. ``grads``
 gradients after one step against the plain model's: ``equal`` (bit for bit), else the largest
 absolute difference, ``NO`` where ``torch.testing.assert_close`` fails. Below the table: memfit's
 ``full`` against ``torch.utils.checkpoint`` round by round (the ratio of the two in each round,
-whose median the plain step's own scatter does not blur), and what that is per unit.
+whose median the plain step's own scatter does not blur), and what that is per unit; the same for
+each ``derive@<child>`` against the gemm op set on that child.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from memfit import zoo
 from memfit.jsonio import write_json_atomic
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, ratio_uncertainty
-from memfit.policy import Children, Derive, Nested, Selective, parse
+from memfit.policy import Children, Derive, Nested, Selective, parse, read
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts
 from memfit.report import table
@@ -234,6 +235,17 @@ def bench(label: str, build: Build, rounds: int, only: list[str] | None = None) 
         extra_us = (vs - 1) * out["torch checkpoint"]["step_ms"] * 1e3 / len(names)
         print(f"memfit full vs torch checkpoint: {_pct(vs, vs_pm)} ({extra_us:+.0f} µs a unit)")
         out["full"]["vs_checkpoint"], out["full"]["vs_checkpoint_pm"] = vs, vs_pm
+    # derive on a child against the gemm op set on that child, which it replaces in the profiler's
+    # offer, round by round as well
+    for key in keys:
+        option = read(key)
+        twin = str(Selective("gemm", option.child)) if isinstance(option, Derive) and option.child else ""
+        if twin in keys:
+            sac, ours = thread[keys.index(twin)], thread[keys.index(key)]
+            vs, vs_pm = median_ratio(sac, ours), ratio_uncertainty(sac, ours)
+            less_us = (1 - vs) * out[twin]["step_ms"] * 1e3 / len(configs[key][1])
+            print(f"{key} vs {twin}: {_pct(vs, vs_pm)} ({less_us:.0f} µs a unit less)")
+            out[key]["vs_op_set"], out[key]["vs_op_set_pm"] = vs, vs_pm
     return {"units": names, "plain_ms": plain_s * 1e3, "plain_ops": ops["plain"], "per_op_us": per_op * 1e6,
             "skipped": skipped, "configs": out}
 
