@@ -10,7 +10,7 @@ import torch
 
 import memfit
 from memfit import zoo
-from memfit.policy import FULL, parse
+from memfit.policy import FULL, Derive, parse
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
 from memfit.torch_private import saved_tensors_hooks_active
@@ -74,8 +74,9 @@ def test_a_tail_is_predicted_to_the_byte(accumulate):
     prof = memfit.profile(model, batch, step=step, repeat=1, granularity="fine")
     names = prof.unit_names
     last = prof.units[-1].options
-    levels = [o for o in last if str(o).startswith("derive")]
-    assert levels and all(last[o].after_peak_bytes < 0 for o in levels)
+    levels = [o for o in last if isinstance(o, Derive)]  # on a child too, which takes no tail
+    assert levels and all(last[o].after_peak_bytes < 0 for o in levels if not o.child)
+    assert all(last[o].after_peak_bytes == 0 for o in levels if o.child)
     for level in levels:
         for policies in (dict.fromkeys(names, level), {names[-1]: level}, {names[0]: level},
                          {**dict.fromkeys(names[:-1], FULL), names[-1]: level},
