@@ -83,6 +83,7 @@ def test_bad_segment_policies():
         {"h.0": parse("segment:h.0..h.2"), "h.1": parse("segment:h.0..h.2"), "h.2": KEEP},
         {"h.0": parse("segment:h.1..h.2"), "h.1": parse("segment:h.1..h.2"), "h.2": parse("segment:h.1..h.2")},
         {"h.0": parse("selective:sometimes")},  # no such op set
+        {"h.0": parse("derive@nowhere")},  # no such child
     ):
         with pytest.raises(memfit.MemfitError):
             set_policies(model, policies)

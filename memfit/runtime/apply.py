@@ -171,20 +171,12 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
     for name, p in derived.items():
         if p.child:  # derive on that child of the unit only
             name = f"{name}.{p.child}"
-            try:
-                modules[name] = model.get_submodule(name)
-            except AttributeError:
-                raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
-                                            ) from None
+            modules[name] = _child(model, name)
         _refuse_checkpointed(name, modules[name])
     for members, _, _, _ in plan:
         for name in members:
             if name not in modules:
-                try:
-                    modules[name] = model.get_submodule(name)
-                except AttributeError:
-                    raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)"
-                                                ) from None
+                modules[name] = _child(model, name)
             _refuse_checkpointed(name, modules[name])
     # the units run in the policies' order: the first one's derive takes the head, the last one's the
     # tail (a whole unit's: a child's has neither)
@@ -196,6 +188,13 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
                                                    tail=whole and name == last)
     return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
             for members, op_set, chain, inner in plan]
+
+
+def _child(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ScheduleMismatchError(f"the model has no module {name!r} (a child named by the schedule)") from None
 
 
 def _region_plan(policies: Policies) -> list[tuple[list[str], str, bool, bool]]:
