@@ -15,6 +15,7 @@ from memfit.policy import (
     KEEP,
     KINDS_HELP,
     Children,
+    Derive,
     PolicyError,
     Segment,
     Selective,
@@ -34,6 +35,9 @@ RELEASE = Path(__file__).parent / "fixtures" / "release"
     ("derive:products", DERIVE_PRODUCTS),
     ("derive:projections", DERIVE_PROJECTIONS),
     ("derive:all", DERIVE_ALL),
+    ("derive@mlp", Derive(0, "mlp")),
+    ("derive:products@attn", Derive(1, "attn")),
+    ("derive:all@mlp.0", Derive(3, "mlp.0")),
     ("child:mlp", Children((("mlp",),))),
     ("child:ln_2>mlp+ln_1>attn.qkv", Children((("ln_2", "mlp"), ("ln_1", "attn.qkv")))),
     ("child:a+b>c>d", Children((("a",), ("b", "c", "d")))),
@@ -51,7 +55,8 @@ def test_each_spelling_parses_to_one_variant_and_back(text, policy):
 
 @pytest.mark.parametrize("text", ["", "keep", "Full", "child:", "child:a+", "child:a>>b", "selective:",
                                   "selective:@attn", "selective:gemm@", "segment:h.0", "segment:..h.1",
-                                  "segment:h.0..", "derive:x", "full:h.0"])
+                                  "segment:h.0..", "derive:x", "full:h.0", "derive@", "derive:x@mlp",
+                                  "none@mlp"])
 def test_what_is_no_policy_is_refused(text):
     with pytest.raises(PolicyError, match=r"expected none, full|empty module"):
         parse(text)
@@ -92,7 +97,7 @@ def test_predict_takes_policies_as_values_or_as_a_schedule_file_spells_them():
 
 
 def test_the_kinds_help_names_every_variant():
-    for kind in ("none", "full", "child:", "selective:", "derive", "segment:"):
+    for kind in ("none", "full", "child:", "selective:", "derive", "derive[:<level>]@<child>", "segment:"):
         assert kind in KINDS_HELP
 
 
