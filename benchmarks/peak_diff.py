@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 from peer_tools import budget_backend
-from torch._C._profiler import _ExtraFields_Allocation
 
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.policy import as_policies
 from memfit.runtime.apply import set_policies
 from memfit.scenarios import load_scenario
+from memfit.torch_private import ProfiledAllocation
 from memfit.units import find_units
 
 Live = collections.Counter[tuple[int, str]]
@@ -46,7 +46,7 @@ def live_at_peak(runner: Any, inputs: Inputs, state: StepState, stack: bool) -> 
     while todo:
         e, maker = todo.pop()
         f = e.extra_fields
-        if isinstance(f, _ExtraFields_Allocation):
+        if isinstance(f, ProfiledAllocation):
             if f.device.type == "cpu":
                 events.append((e.start_time_ns, f.alloc_size, f.ptr, maker))
         else:
