@@ -168,11 +168,11 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
     _refuse_shared(modules)
     plan = _region_plan(policies)
     derived = {n: p for n, p in policies.items() if isinstance(p, DerivePolicy)}
+    hooked: dict[str, nn.Module] = {}  # unit -> the module its derive hooks: the unit, or its child
     for name, p in derived.items():
-        if p.child:  # derive on that child of the unit only
-            name = f"{name}.{p.child}"
-            modules[name] = _child(model, name)
-        _refuse_checkpointed(name, modules[name])
+        path = f"{name}.{p.child}" if p.child else name
+        hooked[name] = modules[name] if path == name else _child(model, path)
+        _refuse_checkpointed(path, hooked[name])
     for members, _, _, _ in plan:
         for name in members:
             if name not in modules:
@@ -182,10 +182,9 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
     # tail (a whole unit's: a child's has neither)
     first, last = next(iter(policies), None), next(reversed(policies), None)
     for name, p in derived.items():
-        module = modules[f"{name}.{p.child}" if p.child else name]
         whole = not p.child
-        module.__dict__["_memfit_derive"] = Derive(module, p.level, model, head=whole and name == first,
-                                                   tail=whole and name == last)
+        hooked[name].__dict__["_memfit_derive"] = Derive(hooked[name], p.level, model, head=whole and name == first,
+                                                         tail=whole and name == last)
     return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
             for members, op_set, chain, inner in plan]
 
