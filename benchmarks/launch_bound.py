@@ -10,8 +10,9 @@ time: plain (twice: the second is the A/A control, the noise of the series), ``t
 (``use_reentrant=False``) around every unit (PyTorch's own, the reference for ``full``), and
 memfit's options set with ``set_policies``: ``full``, ``derive``, ``derive:products``,
 ``selective:gemm``, ``selective:weights`` and the options on children the profiler offers for the
-unit's class (``child:``, ``nested:``, ``derive@<child>`` with the gemm op set on that child beside it,
-``selective:weights@<child>``: ``profiler.options.fine_options``; on the units that offer it, ``units`` column).
+unit's class (``child:``, ``nested:``, ``derive[:products]@<child>`` with the op set it replaces on
+that child beside it, gemm or weights: ``profiler.options.fine_options``; on the units that offer it,
+``units`` column).
 An option that fails on a model is skipped and said so. Every configuration is a deep copy of the
 model, built at once and timed in one interleaved series (``measure.timing.alternate``: each timed
 step after an untimed step of its own, order reversed every round, GC held off) by the thread's
@@ -33,7 +34,7 @@ gradients after one step against the plain model's: ``equal`` (bit for bit), els
 absolute difference, ``NO`` where ``torch.testing.assert_close`` fails. Below the table: memfit's
 ``full`` against ``torch.utils.checkpoint`` round by round (the ratio of the two in each round,
 whose median the plain step's own scatter does not blur), and what that is per unit; the same for
-each ``derive@<child>`` against the gemm op set on that child.
+each ``derive[:products]@<child>`` against the op set it replaces on that child.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def _checkpointed(model: nn.Module, names: list[str]) -> nn.Module:
 def _child_options(model: nn.Module, names: list[str], inputs: Inputs) -> list[tuple[str, list[str]]]:
     """The options on a unit's children that the profiler offers (``fine_options``: ``child:``,
     ``nested:``, ``derive@<child>``, ``selective:<op set>@<child>``), each with the units that
-    offer it, in the profiler's order; beside each ``derive@<child>``, the gemm op set on that
-    child, which it replaces in the profiler's offer (the same choice at SAC's cost)."""
+    offer it, in the profiler's order; beside each ``derive[:level]@<child>``, the op set on that
+    child that it replaces in the profiler's offer (``_op_set_twin``: the same choice at SAC's cost)."""
     probe = copy.deepcopy(model)
     facts = unit_facts(probe, names, inputs, default_loss)
     fine = fine_options(probe, names, inputs, default_loss, facts.saved)
@@ -120,9 +121,15 @@ def _child_options(model: nn.Module, names: list[str], inputs: Inputs) -> list[t
         for o in fine[n]:
             if isinstance(o, Children | Nested) or (isinstance(o, Derive | Selective) and o.child):
                 out.setdefault(str(o), []).append(n)
-                if isinstance(o, Derive) and o.level == 0:
-                    out.setdefault(str(Selective("gemm", o.child)), []).append(n)
+                if isinstance(o, Derive) and o.child:
+                    out.setdefault(str(_op_set_twin(o)), []).append(n)
     return list(out.items())
+
+
+def _op_set_twin(option: Derive) -> Selective:
+    """The op set a ``derive`` level on a child replaces in the profiler's offer: gemm for
+    ``derive@<child>``, weights (recomputing dropout under its RNG state too) for deeper ones."""
+    return Selective("gemm" if option.level == 0 else "weights", option.child)
 
 
 def _timed(model: nn.Module, inputs: Inputs, state: StepState) -> tuple[float, float]:
@@ -239,7 +246,7 @@ def bench(label: str, build: Build, rounds: int, only: list[str] | None = None) 
     # offer, round by round as well
     for key in keys:
         option = read(key)
-        twin = str(Selective("gemm", option.child)) if isinstance(option, Derive) and option.child else ""
+        twin = str(_op_set_twin(option)) if isinstance(option, Derive) and option.child else ""
         if twin in keys:
             sac, ours = thread[keys.index(twin)], thread[keys.index(key)]
             vs, vs_pm = median_ratio(sac, ours), ratio_uncertainty(sac, ours)

@@ -117,9 +117,9 @@ class Selective:
 
 DERIVE_LEVELS = ("derive", "derive:products", "derive:projections", "derive:all")
 _DERIVE_SAYS = ("cheap ops whose saved outputs it re-derives (norms, activations, dropout)",
-                "cheap ops and attention's q.k^T, softmax: their saved outputs re-derived",
-                "cheap ops, attention's projections, q.k^T and softmax: their saved outputs re-derived",
-                "everything but random ops and P.v (products with weights too): saved outputs re-derived")
+                "cheap ops, attention's q.k^T, softmax and dropout's draws: their saved outputs re-derived",
+                "cheap ops, attention's projections, q.k^T, softmax, dropout's draws: saved outputs re-derived",
+                "everything but P.v (products with weights, dropout's draws too): saved outputs re-derived")
 
 
 @dataclass(frozen=True, slots=True)

@@ -286,8 +286,9 @@ def _shed_and_flops(model: nn.Module, batch: dict[str, torch.Tensor], names: lis
 
 def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_results():
     """SDPA with dropout on the CPU takes its math path (q.k^T, a causal mask from ones, tril and
-    where, safe softmax, a random mask): the probabilities are re-derived, the random mask is kept,
-    and loss, gradients and buffers equal the plain model's."""
+    where, safe softmax, a random mask): the probabilities are re-derived, and so are dropout's
+    noises (made again from the generator's state before each draw), and loss, gradients and
+    buffers equal the plain model's."""
     model, batch = zoo.gpt(batch=2, seq=64, vocab=128, d_model=32, n_head=4, n_layer=2, dropout=0.1)
     shed = {}
     for products in (False, True):
@@ -295,7 +296,9 @@ def test_derive_products_through_sdpa_math_path_with_dropout_gives_the_plain_res
         model(**batch)["loss"].backward()
         d.remove()
         shed[products] = d.derived_bytes
-    assert shed[True] - shed[False] == 4 * 2 * 4 * 64 * 64  # the softmax output, float32
+    probabilities, residual = 4 * 2 * 4 * 64 * 64, 4 * 2 * 64 * 32  # float32
+    # the softmax output and the attention's noise, and the noises of both residual dropouts
+    assert shed[True] - shed[False] == 2 * probabilities + 2 * residual
     twin = copy.deepcopy(model)
     expected = _run(model, batch)
     set_policies(twin, {"h.0": parse("derive:products"), "h.1": parse("derive:products")})

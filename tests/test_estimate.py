@@ -10,7 +10,8 @@ import torch
 import memfit
 from memfit.devices import DEVICES, device_spec
 from memfit.measure.step import Inputs
-from memfit.policy import FULL, KEEP, Derive, Selective, parse
+from memfit.policy import DERIVE, FULL, KEEP, Derive, Selective, parse
+from memfit.profiler import options
 from memfit.profiler.estimate import estimate
 from memfit.runtime.harness import measure_steps
 
@@ -240,7 +241,7 @@ def test_cuda_targets_take_the_foreach_kernels():
     assert step >= cuda.param_bytes > cpu_step
 
 
-def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
+def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path, monkeypatch):
     """A GPT of small hidden size on an H100: its kernels take a microsecond or two, so what its
     options cost is the host's time per op, per hooked op and per op through a dispatch mode.
     Priced without them, the plan takes options that look free; priced with them it takes
@@ -287,7 +288,7 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     assert any(isinstance(k, Derive) and k.child for u in priced.units for k in u.options)
     # an op set's two Python dispatch modes (SAC's) cost the host per op they see, and are priced
     # so; no other option opens one (written-out attention, whose core the weights op set recomputes,
-    # dropout included: the op set the profiler still offers); priced, no plan takes one (on the
+    # dropout included: offered where derive:products is not); priced, no plan takes one (on the
     # GPT above, before derive@<child> replaced the gemm op set on a child, the unpriced plans took
     # that op set on the MLP at some budgets)
     assert h100.seconds(1e3, 1e3, torch.float32, dispatched=True) == h100.launch_s + h100.dispatch_s
@@ -295,6 +296,8 @@ def test_host_costs_change_an_overhead_bound_plan_for_an_h100(tmp_path):
     def written_out():
         return zoo.nanogpt(batch=8, seq=128, vocab=512, d_model=64, n_head=4, n_layer=2, dropout=0.1)
 
+    # the op set is offered on a module where derive:products is not (here: not tried on a child)
+    monkeypatch.setattr(options, "CHILD_DERIVES", (DERIVE,))
     priced = estimate(written_out, target=h100, granularity="fine")
     undispatched = estimate(written_out, target=dataclasses.replace(h100, dispatch_s=0.0), granularity="fine")
     sac = [k for k in priced.units[0].options if isinstance(k, Selective)]

@@ -68,8 +68,8 @@ def test_children_and_policies_are_found_and_measured(fine):
                             "derive", "nested:ln_1>attn+ln_2>mlp.c_fc+mlp.act>mlp.c_proj"},
                 "hf-llama": {"child:self_attn", "child:mlp", "derive", "nested:self_attn+mlp+input_layernorm"},
                 "cnn": set(),
-                # written-out attention: its core (q.k^T, mask, softmax, .v) recomputed, the linears kept
-                "nano": {"selective:weights@attn", "derive",
+                # written-out attention: its core (q.k^T, mask, softmax) re-derived, the linears kept
+                "nano": {"derive:products@attn", "derive",
                          "nested:ln_1>attn+ln_2>mlp.c_fc+mlp.gelu>mlp.c_proj"}}[name]
     # what is offered is fixed by the model; what survives pruning depends on measured times (an
     # option is dropped where another keeps no more and ran no slower), so check the offer
@@ -80,6 +80,11 @@ def test_children_and_policies_are_found_and_measured(fine):
     if name != "cnn":  # derive inside a child, where the gemm op set was offered before (at SAC's cost)
         assert any(isinstance(o, Derive) and o.child for o in offered)
         assert not any(isinstance(o, Selective) and o.ops == "gemm" and o.child for o in offered)
+    # the op sets (SAC's dispatch mode over every op) only where derive:products is not offered on
+    # that module: it keeps the products and re-runs the rest, dropout's draws included
+    for unit in offers.values():
+        deep = {o.child for o in unit if isinstance(o, Derive) and o.level >= 1}
+        assert not any(isinstance(o, Selective) and o.child in deep for o in unit)
     for option in options:
         has = [u.name for u in prof.units if option in u.options]
         if len(has) < len(prof.units):
@@ -233,7 +238,8 @@ def test_named_children_replace_the_automatic_choice():
     model, batch = tiny_gpt()
     prof = memfit.profile(model, batch, repeat=1, granularity="fine", children=["mlp.0", "attn+mlp"])
     assert set(map(str, prof.units[0].options)) <= {"none", "full", "child:mlp.0", "child:attn+mlp",
-                                                    "selective:gemm@mlp.0", "derive", "derive:projections",
+                                                    "selective:gemm@mlp.0", "derive", "derive:products",
+                                                    "derive:projections",
                                                     "derive:all", "nested:attn+mlp"}
     assert parse("child:attn+mlp") in prof.units[0].options  # frees both children's tensors: never dominated
     with pytest.raises(memfit.MemfitError, match=r"no unit has the child 'nope'.*ln_1, attn, ln_2, mlp"):

@@ -1,8 +1,9 @@
 """Which finer options to measure for each unit: its children worth checkpointing alone, cheap
-chains, op sets, and ``derive`` (cheap saved tensors re-derived in the backward,
-runtime/derive.py) on the whole unit where it frees ``MIN_SHARE`` and on each of those children
-(``derive@<child>``, where the gemm op set was offered before: it keeps no more, at the hooks'
-cost).
+chains, ``derive`` (cheap saved tensors re-derived in the backward, runtime/derive.py) on the
+whole unit where it frees ``MIN_SHARE`` and on each of those children (``derive@<child>``, where
+the gemm op set was offered before: it keeps no more, at the hooks' cost), and the op sets only
+where no ``derive`` level past cheap ops is offered on the same module (``derive:products`` keeps
+the products and re-runs the rest, dropout's draws included, as ``selective:weights`` does).
 
 A **chain** is a cheap producer (a module with no weight matrix: a norm, an activation) whose
 output only the next product saves (``ln_2>mlp.0``, ``mlp.1>mlp.2``): checkpointed as one region
@@ -44,8 +45,9 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
                  unit_saved: list[int], children: list[str] | None = None) -> dict[str, list[Option]]:
     """Unit name -> its finer options (``child:<chains>``, ``child:<name>[+<chains>]``,
     ``nested:<the child options' regions that do not overlap>``, ``derive[:products]@<name>``,
-    ``selective:gemm`` (where no child stands out), ``selective:weights[@<name>]``, ``derive``,
-    ``derive:products``, ``derive:projections``, ``derive:all``), in a fixed order.
+    ``selective:gemm`` (where no child stands out), ``selective:weights[@<name>]`` (both where
+    ``derive:products`` is not offered on that module), ``derive``, ``derive:products``,
+    ``derive:projections``, ``derive:all``), in a fixed order.
     ``children`` (relative module names, ``a+b`` for several at once) replaces the automatic
     choice of children; a unit without one of them is not offered it."""
     out: dict[str, list[Option]] = {}
@@ -76,17 +78,26 @@ def fine_options(model: nn.Module, names: list[str], inputs: Inputs, loss_fn: Lo
             # keeping no more (gpt-small's MLP: 8,388,608 bytes shed against the op set's
             # 8,383,552); the op set on the whole unit only where no child stands out
             inner = [c for c in kids if _children_of(c) == Children(((c,),))]  # one module each
+            derives = {"": _derive_options(model, name, inputs, loss_fn, unit_saved[j])}
             for c in inner:
                 if _has_products(unit.get_submodule(c)):
-                    chosen[key] += [replace(o, child=c) for o in _derive_options(
+                    derives[c] = [replace(o, child=c) for o in _derive_options(
                         model, f"{name}.{c}", inputs, loss_fn, unit_saved[j], CHILD_DERIVES, MIN_MORE)]
-            if not inner and _has_products(unit):
+                    chosen[key] += derives[c]
+            # the op sets (PyTorch's SAC: a dispatch mode over every op of the region, forward and
+            # recompute) only where no derive level past cheap ops is offered on that module:
+            # ``derive:products`` keeps the products and re-runs the rest, dropout's draws included
+            # (gpt-small's attention: 27,252,864 bytes shed against ``selective:weights``'
+            # 27,257,920, one generator state apart; the whole block: 44,057,792 against gemm's
+            # 31,550,528), at the hooks' cost
+            deep = {c for c, options in derives.items() if any(o.level >= DERIVE_PRODUCTS.level for o in options)}
+            if not inner and _has_products(unit) and "" not in deep:
                 chosen[key].append(Selective(GEMM))
             # written-out attention: its activation products' inputs and outputs recomputed, the
             # weight products kept (Megatron's core attention); where none runs this is gemm's twin
             between = _activation_products(model, name, inputs)
-            chosen[key] += [Selective(WEIGHTS, c) for c in (inner or [""]) if c in between]
-            chosen[key] += _derive_options(model, name, inputs, loss_fn, unit_saved[j])
+            chosen[key] += [Selective(WEIGHTS, c) for c in (inner or [""]) if c in between and c not in deep]
+            chosen[key] += derives[""]
         out[name] = list(chosen[key])
     return out
 

@@ -22,8 +22,10 @@ made once and held until each of them has used it.
 
 PyTorch's own machinery: a ``TorchDispatchMode`` watches the unit's forward below autograd
 (which op made which storage, which ops wrote into one in place), and
-``torch.autograd.graph.saved_tensors_hooks`` sees what autograd saves. Random and in-place ops are
-never re-derived; inputs are checked for in-place changes at unpack. The watch runs once: the
+``torch.autograd.graph.saved_tensors_hooks`` sees what autograd saves. In-place ops are never
+re-derived, random ones only as dropout's draws at level 1 and deeper (derive_plan.Fill: the noise
+made again under the generator's state the pack hook took before the draw, the state set back
+after); inputs are checked for in-place changes at unpack. The watch runs once: the
 unit's first training forward for each input signature learns a plan (runtime/derive_plan.py),
 and later forwards follow it with the hooks alone, checking each re-derived tensor's autograd
 history against the learned one: a few microseconds per saved tensor, not tens per op
@@ -48,7 +50,21 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitWarning
 from memfit.measure.step import packed, storage_key
-from memfit.runtime.derive_plan import Bind, Derived, Leaf, Plan, Step, SubRef, Template, history, template_of, unpack
+from memfit.runtime.derive_plan import (
+    Bind,
+    Derived,
+    Fill,
+    Leaf,
+    Plan,
+    RngAt,
+    Step,
+    SubRef,
+    Template,
+    history,
+    rng_state,
+    template_of,
+    unpack,
+)
 from memfit.runtime.derive_watch import OpWatch, resolve
 from memfit.runtime.threads import PerThread, Weak, raising, recomputing
 from memfit.torch_private import StorageWeakRef, on_top, saved_tensors_hooks_active
@@ -299,7 +315,7 @@ class _Learn(_Forward):
         self.steps: list[Step] = []
         self.slot_of: dict[int, tuple[int, torch.Tensor]] = {}
         self.templates: dict[int, Template] = {}
-        self.bind = Bind(params)
+        self.bind = Bind(params, rng=self.watch.rng)
         self.head = False  # opened with the root's forward: nothing is re-derived before the unit begins
         self.entered: int | None = None  # a head's: the watch's count of ops when the unit began
         # each re-derived storage: when it was made, whether it lives, its bytes, the steps that save it
@@ -321,9 +337,16 @@ class _Learn(_Forward):
         bound = {leaf.index for leaf in leaves if not leaf.param}
         steps = [replace(s, bind=i in bound) for i, s in enumerate(self.steps)]
         params = {leaf.index: tuple(self.where[leaf.index]) for leaf in leaves if leaf.param}
-        return Plan(steps, self.derived_bytes, len(self.where), params)
+        rng_at = {a.packs: t.func.device for step in self.steps if step.derive for t in _templates(step.derive[0])
+                  if isinstance(t.func, Fill) for a in t.args if isinstance(a, RngAt)}
+        return Plan(steps, self.derived_bytes, len(self.where), params, rng_at)
 
     def pack(self, t: torch.Tensor) -> Any:
+        out = self._pack(t)
+        self.watch.packed(len(self.steps))
+        return out
+
+    def _pack(self, t: torch.Tensor) -> Any:
         key = storage_key(t.untyped_storage())
         made = self.watch.entry(key)
         layout = (tuple(t.shape), t.stride())
@@ -356,8 +379,12 @@ class _Learn(_Forward):
 
 
 def _leaves(template: Template) -> list[Leaf]:
-    return [leaf for a in template.args
-            for leaf in ((a,) if isinstance(a, Leaf) else _leaves(a.template) if isinstance(a, SubRef) else ())]
+    return [a for t in _templates(template) for a in t.args if isinstance(a, Leaf)]
+
+
+def _templates(template: Template) -> list[Template]:
+    """The template and those its inputs come from, however deep."""
+    return [template, *(t for a in template.args if isinstance(a, SubRef) for t in _templates(a.template))]
 
 
 def _key(t: torch.Tensor) -> int:
@@ -376,10 +403,15 @@ class _Replay(_Forward):
         self.n = 0
         self.missed = False
         self.derived_bytes = plan.derived_bytes
+        if 0 in plan.rng_at:
+            self.bind.rng[0] = rng_state(plan.rng_at[0])
 
     def pack(self, t: torch.Tensor) -> Any:
         i = self.n
         self.n += 1
+        device = self.plan.rng_at.get(self.n)
+        if device is not None:  # a fill draws next (nothing here draws)
+            self.bind.rng[self.n] = rng_state(device)
         steps = self.plan.steps
         if self.missed or i >= len(steps):
             self.missed = True

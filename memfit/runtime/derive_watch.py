@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from memfit.measure.step import storage_key
+from memfit.runtime.derive_plan import Fill, RngAt, rng_state
 from memfit.torch_private import StorageWeakRef, TorchDispatchMode, op_schema, tree_flatten, tree_map, tree_unflatten
 
 _aten = torch.ops.aten
@@ -34,6 +35,12 @@ _WEIGHT_PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _a
 _MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
           _aten.tril.default, _aten.triu.default}
 _COPIES = {_aten.cat.default, _aten.embedding.default}
+# a dropout's noise (the CPU's composite: empty_like, bernoulli_, div_) or mask (a GPU's fused
+# native_dropout), re-made from the generator's state (derive_plan.Fill) at level 1 and deeper
+_EMPTY = {_aten.empty_like.default, _aten.empty.memory_format, _aten.empty_strided.default}
+_SCALES = {_aten.div_.Scalar, _aten.mul_.Scalar}
+_DRAWS = {_aten.bernoulli_.float, _aten.native_dropout.default}
+_CPU_STATE = torch.get_rng_state().numel()  # bytes (5,056); a CUDA generator's state is 16 bytes on the host
 MAX_DEPTH = 8  # ops one re-derived tensor may chain back through
 
 
@@ -115,10 +122,22 @@ class OpWatch(TorchDispatchMode):
         self.made: dict[int, _Made] = {}
         self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
         self.seq = 0
+        # the fills: storages an empty op made (when, which), the generator's states they take
+        # (RngAt.packs -> state), tensors packed so far, whether a seeded op ran since the last
+        self.fresh: dict[int, tuple[int, StorageWeakRef]] = {}
+        self.rng: dict[int, torch.Tensor] = {}
+        self.packs = 0
+        self.seeded = False
+
+    def packed(self, packs: int) -> None:
+        """The forward's pack hook packed its ``packs``-th tensor: the generator's state now is
+        the one the next fill draws from, if no seeded op runs before it."""
+        self.packs, self.seeded = packs, False
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self.made.clear()  # the recipes hold what they need; the entries' pinned scalars go now
+        self.fresh.clear()
 
     def clean(self, key: int, since: int) -> bool:
         """Nothing wrote into the storage in place at or after op number ``since``."""
@@ -146,11 +165,60 @@ class OpWatch(TorchDispatchMode):
         return (bool(weights) and len(acts) == 1 and isinstance(out, torch.Tensor)
                 and (self.level >= 3 or out.numel() <= acts[0].numel()))
 
+    def _fillable(self, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+        """A dropout's draw whose noise can be made again: ``bernoulli_`` into a whole storage
+        that an empty op made and nothing wrote into yet, or a fused ``native_dropout`` in
+        training (on CPU or CUDA: another device's generator is not taken), with the default
+        generator, and no seeded op since the last packed tensor (whose hook then took the state
+        this draw starts from). On the CPU the state is held where the noise would be: a noise no
+        larger is kept."""
+        if (func not in _DRAWS or self.level < 1 or self.seeded or kwargs.get("generator") is not None
+                or args[0].device.type not in ("cpu", "cuda")):
+            return False
+        t = args[0]
+        if func is _aten.native_dropout.default:
+            p, train = (*args[1:], *kwargs.values())[:2]
+            return bool(train) and 0 < p < 1 and (t.device.type == "cuda" or t.numel() > _CPU_STATE)
+        if t.numel() * t.element_size() <= _CPU_STATE and t.device.type == "cpu":
+            return False
+        key = storage_key(t.untyped_storage())
+        fresh = self.fresh.get(key)
+        return (fresh is not None and not fresh[1].expired() and self.written.get(key, -1) < fresh[0]
+                and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+    def _fill(self, func: Any, args: Any, out: Any, state: torch.Tensor | None) -> None:
+        """Record a fill's draw (``state``: the generator's before it) or an in-place scaling of
+        a fill just made, before ``written`` takes this op."""
+        t = args[0]
+        if state is not None:
+            self.rng[self.packs] = state
+            if func is _aten.native_dropout.default:
+                fill = Fill(tuple(t.shape), t.stride(), t.dtype, t.device, fused=args[1], offset=t.storage_offset())
+                t = out[1]
+            else:
+                fill = Fill(tuple(t.shape), t.stride(), t.dtype, t.device, ((func, tuple(args[1:])),))
+            key = storage_key(t.untyped_storage())
+            self.made[key] = _Made(fill, ((RngAt(self.packs),), {}), 0, StorageWeakRef(t.untyped_storage()),
+                                   self.seq, key, _geometry(t))
+            return
+        key = storage_key(t.untyped_storage())
+        made = self.entry(key)
+        if (made is not None and isinstance(made.func, Fill) and made.func.fused is None
+                and self.written.get(key) == made.seq and len(args) == 2 and isinstance(args[1], (int, float))):
+            made.func = replace(made.func, ops=(*made.func.ops, (func, (args[1],))))
+            made.seq = self.seq
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        state = rng_state(args[0].device) if self._fillable(func, args, kwargs) else None  # before the draw
         out = func(*args, **kwargs)
         self.seq += 1
+        if state is not None or (func in _SCALES and self.level >= 1):
+            self._fill(func, args, out, state)
+        if self.level >= 1 and func in _EMPTY and isinstance(out, torch.Tensor):
+            self.fresh[storage_key(out.untyped_storage())] = (self.seq, StorageWeakRef(out.untyped_storage()))
         ok, writes = _kind(func, self.level >= 1)
+        self.seeded = self.seeded or torch.Tag.nondeterministic_seeded in func.tags
         for i, name in writes:
             value = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
