@@ -133,9 +133,22 @@ def _nanogpt_of_one_head() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return zoo.nanogpt(batch=2, seq=32, vocab=128, d_model=16, n_head=1, n_layer=3)
 
 
+def _nanogpt_of_heads_as_long_as_the_sequence() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Heads of 16 at 16 tokens (the launch-bound benchmark's nanoGPT): q.k^T makes no more than it
+    takes, and is run again only for the probabilities; P.v, the same size, is not."""
+    return zoo.nanogpt(batch=2, seq=16, vocab=128, d_model=32, n_head=2, n_layer=3)
+
+
+def _nanogpt_of_heads_longer_than_the_sequence() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Heads of 32 at 8 tokens: the scores are smaller than q and k (a batch of 64, for the blocks to
+    hold the step's peak)."""
+    return zoo.nanogpt(batch=64, seq=8, vocab=128, d_model=64, n_head=2, n_layer=3)
+
+
 @pytest.mark.parametrize(("build", "tokens", "heads"), [
     (_tiny_nanogpt, 32, 4), (_tiny_vit, 17, 4), (_nanogpt_of_short_sequences, 16, 4), (_nanogpt_of_two_heads, 48, 2),
-    (_nanogpt_of_one_head, 32, 1)])
+    (_nanogpt_of_one_head, 32, 1), (_nanogpt_of_heads_as_long_as_the_sequence, 16, 2),
+    (_nanogpt_of_heads_longer_than_the_sequence, 8, 2)])
 def test_derive_products_re_derives_written_out_attention_probabilities(build, tokens, heads):
     """``derive:products`` also sheds the probabilities (batch x heads x T x T), re-derived from
     the q and k the first product keeps; P.v, which makes less than it takes, is not run again.
@@ -153,7 +166,8 @@ def test_derive_products_re_derives_written_out_attention_probabilities(build, t
         loss(model(**batch)).backward()
         d.remove()
         shed[products] = d.derived_bytes
-    assert shed[True] - shed[False] == heads * 2 * 4 * tokens * tokens  # the probabilities, float32
+    rows = next(iter(batch.values())).shape[0]
+    assert shed[True] - shed[False] == heads * rows * 4 * tokens * tokens  # the probabilities, float32
     prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
     assert parse("derive:products") in prof.units[0].options
     none, deep = prof.units[0].options[KEEP], prof.units[0].options[parse("derive:products")]
@@ -179,17 +193,20 @@ def test_derive_products_recomputes_one_product_per_block():
     the softmax's backward and the product with V), and nothing else that multiplies matrices."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model, batch = _tiny_nanogpt()
-    flops = {}
-    for policy in ("none", "derive:products"):
-        twin = copy.deepcopy(model)
-        set_policies(twin, {f"transformer.h.{i}": parse(policy) for i in range(3)})
-        counter = FlopCounterMode(display=False)
-        with counter:
-            twin(**batch).backward()
-        flops[policy] = counter.get_total_flops()
-    qk = 2 * (2 * 4) * 32 * 32 * 8  # batch x heads, T x T scores, head dim 8
-    assert flops["derive:products"] - flops["none"] == 3 * qk
+    for build, heads, tokens, head in ((_tiny_nanogpt, 4, 32, 8),
+                                       (_nanogpt_of_heads_as_long_as_the_sequence, 2, 16, 16),
+                                       (_nanogpt_of_heads_longer_than_the_sequence, 2, 8, 32)):
+        model, batch = build()
+        flops = {}
+        for policy in ("none", "derive:products"):
+            twin = copy.deepcopy(model)
+            set_policies(twin, {f"transformer.h.{i}": parse(policy) for i in range(3)})
+            counter = FlopCounterMode(display=False)
+            with counter:
+                twin(**batch).backward()
+            flops[policy] = counter.get_total_flops()
+        qk = 2 * (batch["idx"].shape[0] * heads) * tokens * tokens * head  # batch x heads, T x T scores, head dim
+        assert flops["derive:products"] - flops["none"] == 3 * qk
 
 
 @pytest.mark.parametrize(("build", "tokens", "width", "projections", "rest", "tail"), [

@@ -84,6 +84,8 @@ class _Made:
     geometry: tuple[tuple[int, ...], tuple[int, ...], int]
     recipe: _Recipe | bool | None = None  # resolved once: a recipe, or False where none can be made
     first: _Made | None = None  # a later output's: the entry of the call's first output
+    bounded: bool = False  # a product no larger than its inputs: re-run only beneath a row-wise op
+    blocked: bool = False  # its recipe was refused for a bounded product outside a row-wise op
 
 
 @dataclass(slots=True, eq=False)
@@ -223,10 +225,14 @@ class OpWatch(TorchDispatchMode):
             value = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
                 self.written[storage_key(value.untyped_storage())] = self.seq
-        if ok and func in _PRODUCTS and not _expands(args, out):
-            ok = False
+        # a product of two activations that makes no more than it takes is re-run only on the way
+        # to a row-wise op's output (the scores of heads no shorter than the sequence), never for
+        # its own output (P.v)
+        bounded = ok and func in _PRODUCTS and not _expands(args, out)
         if not ok and self.level >= 2 and func in _WEIGHT_PRODUCTS and self._projects(args, out):
             ok = True
+        if bounded and self.level >= 2 and self._projects(args, out):
+            bounded = False
         if ok:
             recorded, first = None, None
             for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
@@ -238,7 +244,7 @@ class OpWatch(TorchDispatchMode):
                         recorded = tree_map(lambda x: self._arg(x) if isinstance(x, torch.Tensor) else x,
                                             (args, kwargs))
                     made = self.made[key] = _Made(func, recorded, i, StorageWeakRef(t.untyped_storage()), self.seq,
-                                                  key, _geometry(t), first=first)
+                                                  key, _geometry(t), first=first, bounded=bounded)
                     first = first or (made if i == 0 else None)
         return out
 
@@ -269,33 +275,41 @@ def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...]]
 
 
 def resolve(made: _Made, watch: OpWatch, kept: Callable[[int], torch.Tensor | None],
-            depth: int) -> _Recipe | None:
+            depth: int, rowwise: bool = False) -> _Recipe | None:
     """The recipe for ``made``'s storage, or None: every tensor input is kept by autograd (or a
     parameter or a buffer) and unchanged since, or is re-derivable itself (its storage made by a
-    recorded op, never written in place, at most ``MAX_DEPTH`` ops back)."""
-    if made.recipe is not None:
+    recorded op, never written in place, at most ``MAX_DEPTH`` ops back). A bounded product only
+    beneath a row-wise op (``rowwise``: one is above it in this resolution); an entry refused for
+    one (``blocked``) is tried again from beneath one."""
+    if made.bounded and not rowwise:
+        made.blocked = True
+        return None
+    if made.recipe is not None and not (made.recipe is False and made.blocked and rowwise):
         return made.recipe or None
     if made.index != 0:  # a norm's statistics: the run that makes its output again makes them too
-        made.recipe = (made.func in _NORMS and made.first is not None and resolve(made.first, watch, kept, depth)
-                       ) or False
+        made.recipe = (made.func in _NORMS and made.first is not None
+                       and resolve(made.first, watch, kept, depth, rowwise)) or False
         return made.recipe or None
     if depth > MAX_DEPTH:
         return None
-    made.recipe = False  # no cycles while this one resolves
+    rowwise = rowwise or made.func in _ROWWISE
+    made.recipe, made.blocked = False, False  # no cycles while this one resolves
     leaves, spec = tree_flatten(made.args)
     args = []
     for a in leaves:
         if isinstance(a, _Arg):
-            a = _input(a, made, watch, kept, depth)
-            if a is None:
+            found = _input(a, made, watch, kept, depth, rowwise)
+            if found is None:
+                made.blocked = a.made is not None and a.made.blocked
                 return None
+            a = found
         args.append(a)
     made.recipe = _Recipe(made.func, tree_unflatten(args, spec), made.geometry)
     return made.recipe
 
 
 def _input(a: _Arg, made: _Made, watch: OpWatch, kept: Callable[[int], torch.Tensor | None],
-           depth: int) -> torch.Tensor | _Derived | None:
+           depth: int, rowwise: bool) -> torch.Tensor | _Derived | None:
     """An input of ``made``'s op as a recipe takes it: the tensor where autograd keeps it (or it
     is a parameter or a buffer) and nothing wrote into it since; else its own recipe. A scalar
     tensor of the forward's own is neither: a later forward may hold another value there.
@@ -313,7 +327,7 @@ def _input(a: _Arg, made: _Made, watch: OpWatch, kept: Callable[[int], torch.Ten
     sub = a.made
     if sub is None or sub.index != 0 or sub.seq >= made.seq or not watch.clean(sub.key, sub.seq + 1):
         return None
-    recipe = resolve(sub, watch, kept, depth + 1)
+    recipe = resolve(sub, watch, kept, depth + 1, rowwise)
     if recipe is None:
         return None
     size, stride, offset = a.geometry
