@@ -14,7 +14,8 @@ would not save. What the compilers' partitioners do for cheap ops, done in eager
 
 ``derive:products`` goes one step further, where attention is written out (``q @ k.T``, mask,
 softmax, ``@ v``): row-wise softmax and products of two activations whose output is larger than
-each of their inputs may be run again too, so the T x T probabilities are re-derived from the q and k
+each of their inputs (or, beneath a softmax, any: the scores where heads are no shorter than the
+sequence) may be run again too, so the T x T probabilities are re-derived from the q and k
 that the first product keeps for its own backward (Megatron's core-attention recompute, without
 a checkpoint region or a selective-checkpoint dispatch mode around the unit). A recomputed tensor
 that several nodes saved (the probabilities: the softmax's backward and the product with V) is

@@ -252,7 +252,8 @@ class OpWatch(TorchDispatchMode):
 def _expands(args: Any, out: Any) -> bool:
     """A product is worth running again only where its output is larger than each of its inputs
     (q.k^T: T x T scores from two T x d inputs, where T > d), so that it re-derives more than either
-    input it needs; probabilities.v makes less than the probabilities and is kept. (Its inputs are
+    input it needs; probabilities.v makes less than the probabilities and is kept. One that does not
+    is recorded as bounded, run again only beneath a row-wise op (``resolve``). (Its inputs are
     kept by autograd anyway: the bytes freed are the output's, whatever the inputs' sum; the sum
     as the bar kept heads of 64 at 128 tokens, where the compiler's partitioner recomputes them.)"""
     ins = max((a.numel() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), default=0)
