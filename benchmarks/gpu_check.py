@@ -57,6 +57,7 @@ def main() -> None:
     add_run_flags(parser, "scenario")
     args = parser.parse_args()
     target = args.target or target_for(args.device)
+    print(fill_check(args.device), flush=True)
     rows: list[list[str]] = []
     began = time.perf_counter()
     for name in args.scenarios or sorted((n for n in builtin_names() if n not in SKIP), key=_size_order):
@@ -124,6 +125,52 @@ def _check(sc: Any, step: Any, label: str, target: str, args: argparse.Namespace
         if v.measured_peak_bytes > v.predicted_peak_bytes or args.phases:
             print("  where measured exceeds predicted:", phase_gaps(model, inputs, sched), flush=True)
     return rows
+
+
+def fill_check(device: str) -> str:
+    """``derive:products`` re-makes dropout's masks from the generator's state (runtime/derive_plan.Fill):
+    on CUDA through the fused ``native_dropout``, which the CPU tests run only by calling it directly.
+    A nanoGPT with dropout, every block under it, three SGD steps against a plain copy: the bytes the
+    first block sheds beyond ``derive`` (its masks and probabilities) and whether losses and
+    gradients are bit-equal."""
+    import copy
+
+    from memfit import zoo
+    from memfit.policy import parse
+    from memfit.runtime.apply import set_policies
+    from memfit.runtime.derive import Derive
+    from memfit.units import find_units
+
+    model, batch = zoo.nanogpt(batch=4, seq=64, vocab=256, d_model=64, n_head=4, n_layer=3, dropout=0.1)
+    model, batch = model.to(device), {k: v.to(device) for k, v in batch.items()}
+    names = find_units(model, "auto")
+    shed = []
+    for level in (0, 1):
+        d = Derive(model.get_submodule(names[0]), level)
+        model(**batch).backward()
+        d.remove()
+        shed.append(d.derived_bytes)
+    model.zero_grad(set_to_none=True)
+    twin = copy.deepcopy(model)
+    set_policies(twin, dict.fromkeys(names, parse("derive:products")))
+    results = []
+    for m in (model, twin):
+        torch.manual_seed(0)
+        if device.startswith("cuda"):
+            torch.cuda.manual_seed(0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = m(**batch)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        results.append((losses, [p.grad for p in m.parameters()]))
+    same = all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0], strict=True)) and all(
+        torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    return (f"dropout re-made on {device}: derive:products sheds {shed[1] - shed[0]:,} bytes a block beyond "
+            f"derive; 3 steps {'bit-equal' if same else 'DIFFER'} to the plain copy")
 
 
 def phase_gaps(model: Any, inputs: Any, sched: Any, loss_fn: Any = None, top: int = 4) -> str:
