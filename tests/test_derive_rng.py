@@ -151,3 +151,33 @@ def test_derive_products_on_attention_keeps_what_the_weights_op_set_keeps():
         peaks[option] = run.peak_bytes
     assert plain.peak_bytes - peaks["derive:products@attn"] > 4 * 2 * 4 * 64 * 64  # at least the probabilities
     assert peaks["derive:products@attn"] <= peaks["selective:weights@attn"] + CPU_STATE
+
+
+class _SometimesJitters(nn.Module):
+    """A forward that draws between its product's saved tensors and its dropout only when asked
+    (a random augmentation some steps take): nothing autograd packs shows it, so the learned plan
+    is followed, and the state its hook took is not the one the dropout drew from."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.jitter = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.jitter:
+            h = h + 0 * torch.rand_like(h)
+        return x + F.dropout(h, 0.25)
+
+
+def test_a_draw_the_plan_did_not_see_stops_the_backward_instead_of_a_wrong_mask():
+    torch.manual_seed(0)
+    model = _Stack(_SometimesJitters)
+    batch = {"x": torch.randn(8, 32, 16)}
+    set_policies(model, {f"blocks.{i}": parse("derive:products") for i in range(3)})
+    model(**batch).backward()  # learns: no draw between the product and the dropout
+    model(**batch).backward()  # follows the plan, the masks made again and checked
+    for blk in model.blocks:
+        blk.jitter = True
+    with pytest.raises(memfit.MemfitError, match="drew from the random generator"):
+        model(**batch).backward()

@@ -25,8 +25,9 @@ PyTorch's own machinery: a ``TorchDispatchMode`` watches the unit's forward belo
 (which op made which storage, which ops wrote into one in place), and
 ``torch.autograd.graph.saved_tensors_hooks`` sees what autograd saves. In-place ops are never
 re-derived, random ones only as dropout's draws at level 1 and deeper (derive_plan.Fill: the noise
-made again under the generator's state the pack hook took before the draw, the state set back
-after); inputs are checked for in-place changes at unpack. The watch runs once: the
+made again under the generator's state the pack hook took before the draw, checked against the
+state when the noise was packed, the generator set back after); inputs are checked for in-place
+changes at unpack. The watch runs once: the
 unit's first training forward for each input signature learns a plan (runtime/derive_plan.py),
 and later forwards follow it with the hooks alone, checking each re-derived tensor's autograd
 history against the learned one: a few microseconds per saved tensor, not tens per op
@@ -358,6 +359,8 @@ class _Learn(_Forward):
                 and (not self.head or self.entered is not None)):
             recipe = resolve(made, self.watch, self.kept, 0)
             template = recipe and template_of(recipe, self.templates, self.slot_of, self.param_of, _key)
+            if template:
+                self.bind.drew(template)
             made_again = template and self.bind.recipe(template)
             if made_again is not None:
                 if key not in self.derived:
@@ -426,6 +429,7 @@ class _Replay(_Forward):
                 self.bind.slots[i] = t
             return t
         template, view, past, index = step.derive
+        self.bind.drew(template)
         recipe = self.bind.recipe(template)
         if recipe is None or history(t, self.bind.leaves(template), template.depth) != past:
             self.missed = True

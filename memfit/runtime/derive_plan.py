@@ -17,6 +17,7 @@ what it cannot vouch for, and the unit learns again.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +71,11 @@ class Fill:
     a GPU runs, whose mask its backward saves: run again on a buffer of the input's layout and
     alignment (the kernel's vector width follows the pointers), whose values the mask does not
     depend on. The same layout and draws under that state give the same bits; the generator is
-    set back afterwards, so the backward's own draws are not moved."""
+    set back afterwards, so the backward's own draws are not moved. ``after``: the digest of the
+    state the forward's pack hook found when the noise was packed, right after its draw; a draw
+    made again that ends elsewhere started from another state (something drew in between, in a
+    forward that took another path than the learned one, or another thread), and is refused rather
+    than given to the backward."""
 
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -80,7 +85,7 @@ class Fill:
     fused: float | None = None
     offset: int = 0  # the fused dropout's input's, in elements
 
-    def __call__(self, state: torch.Tensor) -> torch.Tensor:
+    def __call__(self, state: torch.Tensor, after: int | None = None) -> torch.Tensor:
         now = rng_state(self.device)
         set_rng_state(self.device, state)
         try:
@@ -88,10 +93,16 @@ class Fill:
                 t = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
                 for op, args in self.ops:
                     op(t, *args)
-                return t
-            span = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
-            buf = torch.empty(self.offset + span, dtype=self.dtype, device=self.device)
-            return torch.native_dropout(buf.as_strided(self.size, self.stride, self.offset), self.fused, True)[1]
+            else:
+                span = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+                buf = torch.empty(self.offset + span, dtype=self.dtype, device=self.device)
+                t = torch.native_dropout(buf.as_strided(self.size, self.stride, self.offset), self.fused, True)[1]
+            if after is not None and digest(self.device) != after:
+                raise MemfitError(
+                    "a dropout mask that memfit re-makes in the backward would differ from the forward's: something "
+                    "drew from the random generator between the last saved tensor and the dropout (a random op in "
+                    "only some forwards, or another thread); plan this unit with derive, not derive:products or deeper")
+            return t
         finally:
             set_rng_state(self.device, now)
 
@@ -99,6 +110,11 @@ class Fill:
 def rng_state(device: torch.device) -> torch.Tensor:
     """The default generator's state for ``device`` (the CPU's: 5,056 bytes; CUDA's: 16)."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def digest(device: torch.device) -> int:
+    """The generator's state now, as a number to compare (no tensor kept for it)."""
+    return hash(rng_state(device).numpy().tobytes())
 
 
 def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
@@ -240,6 +256,7 @@ class Bind:
     slots: dict[int, torch.Tensor] = field(default_factory=dict)
     recipes: dict[int, Recipe] = field(default_factory=dict)  # id(template) -> its recipe
     rng: dict[int, torch.Tensor] = field(default_factory=dict)  # RngAt.packs -> the state taken then
+    after: dict[int, int] = field(default_factory=dict)  # id(a Fill's template) -> digest at its noise's pack
 
     def recipe(self, template: Template) -> Recipe | None:
         """The template's recipe in this forward (made once), or None when a slot it names was
@@ -268,8 +285,16 @@ class Bind:
                 if a is None:
                     return None
             args.append(a)
-        made = self.recipes[id(template)] = Recipe(template.func, (args, template.spec), template.out, versions)
+        func = template.func
+        if isinstance(func, Fill):
+            func = functools.partial(func, after=self.after.get(id(template)))
+        made = self.recipes[id(template)] = Recipe(func, (args, template.spec), template.out, versions)
         return made
+
+    def drew(self, template: Template) -> None:
+        """At the pack of a fill's noise, right after its draw: the state to check its re-draw by."""
+        if isinstance(template.func, Fill):
+            self.after[id(template)] = digest(template.func.device)
 
     def release(self, template: Template) -> None:
         """Undo ``recipe(template)`` where the forward kept the tensor after all (its history was
