@@ -17,6 +17,7 @@ what it cannot vouch for, and the unit learns again.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -113,8 +114,11 @@ def rng_state(device: torch.device) -> torch.Tensor:
 
 
 def digest(device: torch.device) -> int:
-    """The generator's state now, as a number to compare (no tensor kept for it)."""
-    return hash(rng_state(device).numpy().tobytes())
+    """The generator's state now, as a number to compare (no tensor kept for it). Read through its
+    pointer: a tensor op here would pass through the dispatch modes above (the watch, estimate
+    mode's fake tensors, which refuse a real tensor); the state is a host tensor, CUDA's too."""
+    state = rng_state(device)
+    return hash(ctypes.string_at(state.data_ptr(), state.numel()))
 
 
 def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
