@@ -128,7 +128,7 @@ def _check(sc: Any, step: Any, label: str, target: str, args: argparse.Namespace
 
 
 def fill_check(device: str) -> str:
-    """``derive:products`` re-makes dropout's masks from the generator's state (runtime/derive_plan.Fill):
+    """``derive:products`` re-makes dropout's masks from the generator's state (runtime/derive_rng.Fill):
     on CUDA through the fused ``native_dropout``, which the CPU tests run only by calling it directly.
     A nanoGPT with dropout, every block under it, three SGD steps against a plain copy: the bytes the
     first block sheds beyond ``derive`` (its masks and probabilities) and whether losses and

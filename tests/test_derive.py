@@ -430,7 +430,7 @@ def test_a_recipe_dropped_on_a_miss_lets_go_of_the_input_it_shares():
     bind.slots[0] = x
     kept, missed = (bind.recipe(t) for t in users)
     assert kept is not None and missed is not None
-    kept.hold()  # a saved view of the first holds it (runtime/derive.py's _Replay.pack)
+    kept.hold()  # a saved view of the first holds it (runtime/derive_forward.py's Replay.pack)
     held = Derived(kept, whole)
     inner = bind.recipes[id(shared)]
     assert inner.pending == 2

@@ -1,5 +1,5 @@
 """``derive:products`` and deeper re-make dropout's noise from the generator's state taken before
-its draw (runtime/derive_plan.Fill), instead of keeping it: what a selective-checkpoint op set
+its draw (runtime/derive_rng.Fill), instead of keeping it: what a selective-checkpoint op set
 frees by recomputing dropout under its saved RNG state, at the hooks' cost."""
 
 import copy

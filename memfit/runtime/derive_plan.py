@@ -17,7 +17,6 @@ what it cannot vouch for, and the unit learns again.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError
+from memfit.runtime.derive_rng import Fill, RngAt, digest
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset
 # an op's arguments, flat: per positional argument and per keyword, None for one value or the
@@ -53,79 +53,6 @@ class SubRef:
 
     template: Template
     view: Geometry
-
-
-@dataclass(slots=True, frozen=True)
-class RngAt:
-    """A template's argument: the generator's state as it was once ``packs`` tensors of the
-    forward had been packed (0: as the forward began), taken then by the pack hook; no seeded op
-    ran between that point and the fill that takes it (derive_watch checks it while learning)."""
-
-    packs: int
-
-
-@dataclass(slots=True, frozen=True)
-class Fill:
-    """How a dropout's noise was made, to be made again from the generator's state before it:
-    the CPU's composite dropout (``empty_like``, then ``ops`` in place: ``bernoulli_``, ``div_``;
-    the product saves the noise) or, with ``fused`` (its probability), the fused ``native_dropout``
-    a GPU runs, whose mask its backward saves: run again on a buffer of the input's layout and
-    alignment (the kernel's vector width follows the pointers), whose values the mask does not
-    depend on. The same layout and draws under that state give the same bits; the generator is
-    set back afterwards, so the backward's own draws are not moved. ``after``: the digest of the
-    state the forward's pack hook found when the noise was packed, right after its draw; a draw
-    made again that ends elsewhere started from another state (something drew in between, in a
-    forward that took another path than the learned one, or another thread), and is refused rather
-    than given to the backward."""
-
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    ops: tuple[tuple[Any, tuple[Any, ...]], ...] = ()  # (in-place op, its arguments after the tensor)
-    fused: float | None = None
-    offset: int = 0  # the fused dropout's input's, in elements
-
-    def __call__(self, state: torch.Tensor, after: int | None = None) -> torch.Tensor:
-        now = rng_state(self.device)
-        set_rng_state(self.device, state)
-        try:
-            if self.fused is None:
-                t = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-                for op, args in self.ops:
-                    op(t, *args)
-            else:
-                span = 1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
-                buf = torch.empty(self.offset + span, dtype=self.dtype, device=self.device)
-                t = torch.native_dropout(buf.as_strided(self.size, self.stride, self.offset), self.fused, True)[1]
-            if after is not None and digest(self.device) != after:
-                raise MemfitError(
-                    "a dropout mask that memfit re-makes in the backward would differ from the forward's: something "
-                    "drew from the random generator between the last saved tensor and the dropout (a random op in "
-                    "only some forwards, or another thread); plan this unit with derive, not derive:products or deeper")
-            return t
-        finally:
-            set_rng_state(self.device, now)
-
-
-def rng_state(device: torch.device) -> torch.Tensor:
-    """The default generator's state for ``device`` (the CPU's: 5,056 bytes; CUDA's: 16)."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def digest(device: torch.device) -> int:
-    """The generator's state now, as a number to compare (no tensor kept for it). Read through its
-    pointer: a tensor op here would pass through the dispatch modes above (the watch, estimate
-    mode's fake tensors, which refuse a real tensor); the state is a host tensor, CUDA's too."""
-    state = rng_state(device)
-    return hash(ctypes.string_at(state.data_ptr(), state.numel()))
-
-
-def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
 
 
 @dataclass(slots=True, eq=False)
@@ -371,7 +298,7 @@ def _leaf(node: Any, nr: int, idents: list[tuple[int, Any, int, Any]]) -> int | 
 
 def template_of(recipe: Any, memo: dict[int, Template], slot_of: dict[int, tuple[int, torch.Tensor]],
                 param_of: dict[int, tuple[int, torch.Tensor]], key: Any) -> Template | None:
-    """A learning forward's recipe (runtime/derive.py's ``_Recipe``) as a template, its tensors
+    """A learning forward's recipe (runtime/derive_watch.py's ``_Recipe``) as a template, its tensors
     named by position: ``slot_of``/``param_of`` map a storage to (position, the tensor there).
     None when an input is neither (then the tensor is kept, in this forward and every later one)."""
     made = memo.get(id(recipe))
@@ -389,7 +316,7 @@ def template_of(recipe: Any, memo: dict[int, Template], slot_of: dict[int, tuple
                 return None
             whole = geometry(a) == geometry(found[1])
             a = Leaf(param, found[0], None if whole else geometry(a))
-        elif hasattr(a, "recipe") and hasattr(a, "size"):  # a sub-recipe's output (derive._Derived)
+        elif hasattr(a, "recipe") and hasattr(a, "size"):  # a sub-recipe's output (derive_watch._Derived)
             sub = template_of(a.recipe, memo, slot_of, param_of, key)
             if sub is None:
                 return None

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from memfit.measure.step import storage_key
-from memfit.runtime.derive_plan import Fill, RngAt, rng_state
+from memfit.runtime.derive_rng import Fill, RngAt, rng_state
 from memfit.torch_private import StorageWeakRef, TorchDispatchMode, op_schema, tree_flatten, tree_map, tree_unflatten
 
 _aten = torch.ops.aten
@@ -36,7 +36,7 @@ _MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.sca
           _aten.tril.default, _aten.triu.default}
 _COPIES = {_aten.cat.default, _aten.embedding.default}
 # a dropout's noise (the CPU's composite: empty_like, bernoulli_, div_) or mask (a GPU's fused
-# native_dropout), re-made from the generator's state (derive_plan.Fill) at level 1 and deeper
+# native_dropout), re-made from the generator's state (derive_rng.Fill) at level 1 and deeper
 _EMPTY = {_aten.empty_like.default, _aten.empty.memory_format, _aten.empty_strided.default}
 _SCALES = {_aten.div_.Scalar, _aten.mul_.Scalar}
 _DRAWS = {_aten.bernoulli_.float, _aten.native_dropout.default}
