@@ -181,3 +181,37 @@ def test_a_draw_the_plan_did_not_see_stops_the_backward_instead_of_a_wrong_mask(
         blk.jitter = True
     with pytest.raises(memfit.MemfitError, match="drew from the random generator"):
         model(**batch).backward()
+
+
+def _amp_loop(model: nn.Module, batch: dict[str, torch.Tensor], accumulate: int) -> list[list[torch.Tensor]]:
+    """Three AdamW steps under CPU bf16 autocast, each over ``accumulate`` micro-batches, as a
+    training script writes them: the losses, the last gradients and the weights."""
+    torch.manual_seed(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    rows = next(iter(batch.values())).shape[0] // accumulate
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        for k in range(accumulate):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(**{n: v[k * rows:(k + 1) * rows] for n, v in batch.items()})
+            loss = out["loss"] if isinstance(out, dict) else out
+            (loss / accumulate).backward()
+            losses.append(loss.detach())
+        opt.step()
+    return [losses, [p.grad.clone() for p in model.parameters()], [p.detach().clone() for p in model.parameters()]]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("build", [zoo.nanogpt, zoo.gpt], ids=["written-out", "sdpa"])
+def test_re_made_draws_under_bf16_autocast_and_accumulation_give_the_plain_results(build, accumulate):
+    """The noises in bfloat16 (autocast's dtype for the products they follow), one plan per
+    micro-batch's signature: the same losses, gradients and weights as a plain copy, bit for bit."""
+    model, batch = build(batch=8, seq=64, vocab=128, d_model=64, n_head=4, n_layer=3, dropout=0.1)
+    names = find_units(model, "auto")
+    twin = copy.deepcopy(model)
+    set_policies(twin, dict.fromkeys(names, parse("derive:products")))
+    expected, got = _amp_loop(copy.deepcopy(model), batch, accumulate), _amp_loop(twin, batch, accumulate)
+    assert twin.get_submodule(names[1]).__dict__["_memfit_derive"].derived_bytes > 0
+    for xs, ys in zip(expected, got, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))
