@@ -14,12 +14,11 @@ from memfit import zoo
 from memfit.policy import KEEP, parse
 from memfit.runtime.apply import set_policies
 from memfit.runtime.derive import Derive
+from memfit.runtime.derive_rng import CPU_STATE_BYTES
 from memfit.runtime.harness import measure_steps
 from memfit.units import find_units
 
 from .test_apply import _assert_identical, _run
-
-CPU_STATE = torch.get_rng_state().numel()  # bytes a fill's generator state holds on the CPU
 
 
 def _shed(model: nn.Module, batch: dict[str, torch.Tensor], unit: str, level: int) -> int:
@@ -129,7 +128,7 @@ def test_fused_dropouts_mask_is_made_again_and_a_draw_in_between_keeps_the_noise
     prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
     if shed:
         none, deep = prof.units[0].options[KEEP], prof.units[0].options[parse("derive:products")]
-        assert none.stored_bytes - deep.stored_bytes == shed - CPU_STATE  # the state it takes instead
+        assert none.stored_bytes - deep.stored_bytes == shed - CPU_STATE_BYTES  # the state it takes instead
         twin = copy.deepcopy(model)
         set_policies(twin, policies)
         assert measure_steps(twin, batch).peak_bytes == memfit.predict(prof, policies).peak_bytes
@@ -150,7 +149,7 @@ def test_derive_products_on_attention_keeps_what_the_weights_op_set_keeps():
         assert run.losses == plain.losses and all(torch.equal(g, plain.grads[n]) for n, g in run.grads.items())
         peaks[option] = run.peak_bytes
     assert plain.peak_bytes - peaks["derive:products@attn"] > 4 * 2 * 4 * 64 * 64  # at least the probabilities
-    assert peaks["derive:products@attn"] <= peaks["selective:weights@attn"] + CPU_STATE
+    assert peaks["derive:products@attn"] <= peaks["selective:weights@attn"] + CPU_STATE_BYTES
 
 
 class _SometimesJitters(nn.Module):

@@ -93,9 +93,7 @@ class Learn(Forward):
                 and (not self.head or self.entered is not None)):
             recipe = resolve(made, self.watch, self.kept, 0)
             template = recipe and template_of(recipe, self.templates, self.slot_of, self.param_of, _key)
-            if template:
-                self.bind.drew(template)
-            made_again = template and self.bind.recipe(template)
+            made_again = template and self.bind.packed_recipe(template)
             if made_again is not None:
                 if key not in self.derived:
                     self.derived.add(key)
@@ -141,15 +139,18 @@ class Replay(Forward):
         self.n = 0
         self.missed = False
         self.derived_bytes = plan.derived_bytes
-        if 0 in plan.rng_at:
-            self.bind.rng[0] = rng_state(plan.rng_at[0])
+        self._take_state()
+
+    def _take_state(self) -> None:
+        """The generator's state after ``n`` packed tensors, where the plan has a fill draw next."""
+        device = self.plan.rng_at.get(self.n)
+        if device is not None:
+            self.bind.rng[self.n] = rng_state(device)
 
     def pack(self, t: torch.Tensor) -> Any:
         i = self.n
         self.n += 1
-        device = self.plan.rng_at.get(self.n)
-        if device is not None:  # a fill draws next (nothing here draws)
-            self.bind.rng[self.n] = rng_state(device)
+        self._take_state()  # nothing here draws: the state is the one after this tensor's op
         steps = self.plan.steps
         if self.missed or i >= len(steps):
             self.missed = True
@@ -163,8 +164,7 @@ class Replay(Forward):
                 self.bind.slots[i] = t
             return t
         template, view, past, index = step.derive
-        self.bind.drew(template)
-        recipe = self.bind.recipe(template)
+        recipe = self.bind.packed_recipe(template)
         if recipe is None or history(t, self.bind.leaves(template), template.depth) != past:
             self.missed = True
             if recipe is not None:

@@ -222,10 +222,12 @@ class Bind:
         made = self.recipes[id(template)] = Recipe(func, (args, template.spec), template.out, versions)
         return made
 
-    def drew(self, template: Template) -> None:
-        """At the pack of a fill's noise, right after its draw: the state to check its re-draw by."""
+    def packed_recipe(self, template: Template) -> Recipe | None:
+        """``recipe`` for the template of a tensor being packed now; a fill's noise is packed right
+        after its draw, so the generator's state now is the one its re-draw must end at."""
         if isinstance(template.func, Fill):
             self.after[id(template)] = digest(template.func.device)
+        return self.recipe(template)
 
     def release(self, template: Template) -> None:
         """Undo ``recipe(template)`` where the forward kept the tensor after all (its history was

@@ -67,6 +67,9 @@ class Fill:
             set_rng_state(self.device, now)
 
 
+CPU_STATE_BYTES = torch.get_rng_state().numel()  # 5,056; a CUDA generator's state is 16 bytes on the host
+
+
 def rng_state(device: torch.device) -> torch.Tensor:
     """The default generator's state for ``device`` (the CPU's: 5,056 bytes; CUDA's: 16)."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()

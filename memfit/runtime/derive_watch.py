@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from memfit.measure.step import storage_key
-from memfit.runtime.derive_rng import Fill, RngAt, rng_state
+from memfit.runtime.derive_rng import CPU_STATE_BYTES, Fill, RngAt, rng_state
 from memfit.torch_private import StorageWeakRef, TorchDispatchMode, op_schema, tree_flatten, tree_map, tree_unflatten
 
 _aten = torch.ops.aten
@@ -40,7 +40,6 @@ _COPIES = {_aten.cat.default, _aten.embedding.default}
 _EMPTY = {_aten.empty_like.default, _aten.empty.memory_format, _aten.empty_strided.default}
 _SCALES = {_aten.div_.Scalar, _aten.mul_.Scalar}
 _DRAWS = {_aten.bernoulli_.float, _aten.native_dropout.default}
-_CPU_STATE = torch.get_rng_state().numel()  # bytes (5,056); a CUDA generator's state is 16 bytes on the host
 MAX_DEPTH = 8  # ops one re-derived tensor may chain back through
 
 
@@ -178,32 +177,35 @@ class OpWatch(TorchDispatchMode):
                 or args[0].device.type not in ("cpu", "cuda")):
             return False
         t = args[0]
-        if func is _aten.native_dropout.default:
-            p, train = (*args[1:], *kwargs.values())[:2]
-            return bool(train) and 0 < p < 1 and (t.device.type == "cuda" or t.numel() > _CPU_STATE)
-        if t.numel() * t.element_size() <= _CPU_STATE and t.device.type == "cpu":
+        fused = func is _aten.native_dropout.default
+        noise = t.numel() * (1 if fused else t.element_size())  # the fused mask: one byte each
+        if t.device.type == "cpu" and noise <= CPU_STATE_BYTES:
             return False
+        if fused:  # (input, p, train): the schema has no defaults, so the dispatcher passes all three
+            return bool(args[2]) and 0 < args[1] < 1
         key = storage_key(t.untyped_storage())
         fresh = self.fresh.get(key)
         return (fresh is not None and not fresh[1].expired() and self.written.get(key, -1) < fresh[0]
-                and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+                and t.storage_offset() == 0 and t.untyped_storage().nbytes() == noise)
 
-    def _fill(self, func: Any, args: Any, out: Any, state: torch.Tensor | None) -> None:
-        """Record a fill's draw (``state``: the generator's before it) or an in-place scaling of
-        a fill just made, before ``written`` takes this op."""
+    def _draw(self, func: Any, args: Any, out: Any, state: torch.Tensor) -> None:
+        """Record a fill's draw, ``state`` the generator's before it: the noise's storage is now
+        made by the fill."""
         t = args[0]
-        if state is not None:
-            self.rng[self.packs] = state
-            if func is _aten.native_dropout.default:
-                fill = Fill(tuple(t.shape), t.stride(), t.dtype, t.device, fused=args[1], offset=t.storage_offset())
-                t = out[1]
-            else:
-                fill = Fill(tuple(t.shape), t.stride(), t.dtype, t.device, ((func, tuple(args[1:])),))
-            key = storage_key(t.untyped_storage())
-            self.made[key] = _Made(fill, ((RngAt(self.packs),), {}), 0, StorageWeakRef(t.untyped_storage()),
-                                   self.seq, key, _geometry(t))
-            return
+        self.rng[self.packs] = state
+        if func is _aten.native_dropout.default:
+            fill = Fill(tuple(t.shape), t.stride(), t.dtype, t.device, fused=args[1], offset=t.storage_offset())
+            t = out[1]
+        else:
+            fill = Fill(tuple(t.shape), t.stride(), t.dtype, t.device, ((func, tuple(args[1:])),))
         key = storage_key(t.untyped_storage())
+        self.made[key] = _Made(fill, ((RngAt(self.packs),), {}), 0, StorageWeakRef(t.untyped_storage()),
+                               self.seq, key, _geometry(t))
+
+    def _scale(self, func: Any, args: Any) -> None:
+        """An in-place scaling (dropout's ``div_``) of a fill just drawn, before ``written`` takes
+        this op: the fill takes it too."""
+        key = storage_key(args[0].untyped_storage())
         made = self.entry(key)
         if (made is not None and isinstance(made.func, Fill) and made.func.fused is None
                 and self.written.get(key) == made.seq and len(args) == 2 and isinstance(args[1], (int, float))):
@@ -215,12 +217,14 @@ class OpWatch(TorchDispatchMode):
         state = rng_state(args[0].device) if self._fillable(func, args, kwargs) else None  # before the draw
         out = func(*args, **kwargs)
         self.seq += 1
-        if state is not None or (func in _SCALES and self.level >= 1):
-            self._fill(func, args, out, state)
+        if state is not None:
+            self._draw(func, args, out, state)
+        elif self.level >= 1 and func in _SCALES:
+            self._scale(func, args)
         if self.level >= 1 and func in _EMPTY and isinstance(out, torch.Tensor):
             self.fresh[storage_key(out.untyped_storage())] = (self.seq, StorageWeakRef(out.untyped_storage()))
-        ok, writes = _kind(func, self.level >= 1)
-        self.seeded = self.seeded or torch.Tag.nondeterministic_seeded in func.tags
+        ok, writes, seeded = _kind(func, self.level >= 1)
+        self.seeded = self.seeded or seeded
         for i, name in writes:
             value = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
@@ -260,18 +264,18 @@ def _expands(args: Any, out: Any) -> bool:
     return isinstance(out, torch.Tensor) and out.numel() > ins
 
 
-_KINDS: dict[tuple[Any, bool], tuple[bool, tuple[tuple[int, str], ...]]] = {}
+_KINDS: dict[tuple[Any, bool], tuple[bool, tuple[tuple[int, str], ...], bool]] = {}
 
 
-def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...]]:
-    """(re-derivable at this level, the arguments it writes into), worked out once per op: the
-    watch runs on every op."""
+def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...], bool]:
+    """(re-derivable at this level, the arguments it writes into, whether it draws from a
+    generator), worked out once per op: the watch runs on every op."""
     kind = _KINDS.get((func, products))
     if kind is None:
         writes = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments)
                        if a.alias_info is not None and a.alias_info.is_write)
         ok = cheap(func) or (products and (func in _ROWWISE or func in _PRODUCTS or func in _MASKS))
-        kind = _KINDS[(func, products)] = (ok, writes)
+        kind = _KINDS[(func, products)] = (ok, writes, torch.Tag.nondeterministic_seeded in func.tags)
     return kind
 
 
