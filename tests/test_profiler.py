@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.formats.profile import profile_from_dict
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.policy import FULL, KEEP
 from memfit.profiler.saved import unit_facts
@@ -338,7 +339,7 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     """The recompute times add up so that predicting 'every unit checkpointed' gives the median
     ratio of adjacent plain and all-checkpointed steps, and units share it by forward time."""
     from memfit.measure.timing import alternate, ratio_uncertainty
-    from memfit.profiler import _recompute_factor
+    from memfit.profiler.costs import recompute_factor
     from memfit.runtime.marks import Stretch
 
     def run(fwd: list[float], bwd: list[float], rest: float) -> list[Stretch]:
@@ -350,7 +351,7 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     plain = [run([1.0 * s, 3.0 * s], [2.0 * s, 6.0 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
     full = [run([1.0 * s, 3.0 * s], [3.05 * s, 9.15 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
     steps = [[sum(s.seconds for s in r) for r in runs] for runs in (plain, full)]
-    factor, uncertainty = _recompute_factor(plain, full, ratio_uncertainty(*steps))
+    factor, uncertainty = recompute_factor(plain, full, ratio_uncertainty(*steps))
     step, forward = 14.0 * 1.5, 4.0 * 1.5  # medians
     assert factor * forward / step == pytest.approx(0.3)
     assert uncertainty == pytest.approx(0.0)  # every round's ratio was the same: the drift cancels
@@ -387,3 +388,50 @@ print(held >> 20, (rss() - before) >> 20)
     assert held["default"] >= 200 and held["keep"] >= 200
     assert after["default"] < 10  # returned to the kernel
     assert after["keep"] >= 195  # kept for the next step
+
+
+def test_segment_members_priced_from_the_step_inpairs(gpt_profile):
+    """A segment's members before its last cost their own measured recompute (``member_s``), from
+    a step of units checkpointed two by two: each pair's second unit at ``full``'s factor, the
+    first at the factor left over; the last member and lone units cost ``full``'s. Checkpointing
+    nanoGPT's blocks in pairs measured +25.9% against +20.9% for each alone (same kernels): a
+    recompute right before its own backward leaves that backward its tensors in the cache."""
+    import copy
+    import math
+
+    from memfit.planning.peak import predict
+    from memfit.policy import Segment
+    from memfit.profiler.costs import add_members, pairs
+    from memfit.runtime.marks import Stretch
+
+    prof = copy.deepcopy(gpt_profile)
+    names = prof.unit_names
+    assert len(names) == 4 and prof.chain
+    assert all(u.member_s is not None and u.member_s > 0 for u in gpt_profile.units)  # measured by profile()
+    assert pairs(names) == {names[0]: Segment(names[0], names[1]), names[1]: Segment(names[0], names[1]),
+                             names[2]: Segment(names[2], names[3]), names[3]: Segment(names[2], names[3])}
+    assert list(pairs(names[:3]).values())[2] == FULL  # an odd last unit alone
+
+    for u in prof.units:
+        u.fwd_s = 1.5  # the median round's (the machine's speed drifts by 2x between rounds)
+    prof.recompute_factor = 0.75
+
+    def run(scale: float, extra: float) -> list[Stretch]:
+        return [*(Stretch(f"fwd:{i}", 0, 0, scale) for i in range(4)), Stretch("step", 0, 0, scale * (6.0 + extra))]
+
+    # at speed 1: plain step 10 s; in pairs 2 x 0.75 (the second units) + 2 x 1.25 (the first) more
+    speeds = (1.0, 2.0, 1.0, 2.0, 1.5)
+    add_members(prof, [run(s, 0.0) for s in speeds], [run(s, 4.0) for s in speeds], math.nan, 1, 1)
+    assert [u.member_s for u in prof.units] == pytest.approx([1.5 * 1.25] * 4)
+    assert [u.member_uncertainty_s for u in prof.units] == [0.0] * 4  # too few rounds to tell
+    for u in prof.units:
+        u.options[FULL].recompute_s = 1.5 * 0.75
+    both = {n: Segment(names[0], names[-1]) for n in names}  # three members before the last
+    assert predict(prof, both).recompute_s == pytest.approx(1.5 * (3 * 1.25 + 0.75))
+    for u in prof.units:
+        u.member_s = None  # a profile from before members were measured: priced as full
+    assert predict(prof, both).recompute_s == pytest.approx(1.5 * 4 * 0.75)
+
+    back = profile_from_dict(gpt_profile.to_dict())  # written and read back whole
+    assert [(u.member_s, u.member_uncertainty_s) for u in back.units] == \
+        [(u.member_s, u.member_uncertainty_s) for u in gpt_profile.units]

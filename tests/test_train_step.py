@@ -114,6 +114,8 @@ def check_step(build, optimizer: str, accumulate: int, precision: str, clip: flo
     prof = memfit.profile(model, batch, step=step, repeat=1)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # left as it was
     assert prof.step["accumulate"] == accumulate and prof.step["precision"] == precision
+    # segments' members are timed in pairs only where segments can be planned (no autocast)
+    assert all((u.member_s is not None) == prof.segmentable for u in prof.units)
     for kind, policies in _plans(prof.unit_names).items():
         predicted = memfit.predict(prof, policies).peak_bytes
         plain, scheduled = copy.deepcopy(model), _apply(copy.deepcopy(model), policies)

@@ -127,6 +127,12 @@ class UnitProfile:
     param_bytes: int
     options: dict[Option, OptionCost]  # the measured options' costs, none and full first
     output_bytes: int = 0  # bytes of the unit's tensor output (freed inside a checkpointed segment)
+    # recompute time as a segment member before the last, whose forward runs again at the last
+    # member's backward and whose own backward then finds its tensors out of the cache: measured
+    # in a step of units checkpointed two by two (profiler: ``_add_members``); None: not measured
+    # (older profiles, units that are no chain), priced as ``full``
+    member_s: float | None = None
+    member_uncertainty_s: float = 0.0
 
     @property
     def fwd_transient_bytes(self) -> int:
@@ -394,6 +400,8 @@ def _unit(u: Fields) -> UnitProfile:
         u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),
         u.int("input_bytes", minimum=0), u.int("saved_bytes", minimum=0), u.int("param_bytes", minimum=0),
         options, u.int("output_bytes", minimum=0),
+        u.float("member_s", minimum=0.0) if u.data.get("member_s") is not None else None,
+        u.float("member_uncertainty_s", minimum=0.0) if "member_uncertainty_s" in u.data else 0.0,
     )
 
 

@@ -5,11 +5,13 @@ memfit/policy.py), costed as measured, or membership of a segment ``i..k``: unit
 checkpointed as one region that keeps only unit i's input and rematerialises the whole region
 when the gradient reaches unit k. A role is a policy with the segment's ends as unit indices.
 
-Segment costs are composed from the two measured options: a member runs its forward as if
+Segment memory is composed from the two measured options: a member runs its forward as if
 checkpointed and its inner outputs are freed at once; at unit k's backward the members before
 k come back as they were without checkpointing, then k recomputes and runs backward; the
 members before k then run backward as kept units. A region keeps one RNG state (on the CPU),
-where checkpointing each member alone keeps one each.
+where checkpointing each member alone keeps one each. Its time: the last member's is ``full``'s,
+each earlier member's its own measured ``member_s`` (UnitProfile), dearer than ``full``'s where a
+recompute right before its own backward leaves that backward its tensors in the cache.
 """
 
 from __future__ import annotations
@@ -142,8 +144,10 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
         none = u.options[KEEP]
         (p0, e0), (p1, e1) = none.backward(False), none.backward(True)
         head_rng = rng if head else 0
-        return Costs(*fwd, p0, e0 - head_rng, full.recompute_s, p1, e1 - head_rng, full.release_bytes,
-                     full.recompute_uncertainty_s, full.freed_after_bytes)
+        measured = u.member_s is not None
+        return Costs(*fwd, p0, e0 - head_rng, u.member_s if measured else full.recompute_s, p1, e1 - head_rng,
+                     full.release_bytes, u.member_uncertainty_s if measured else full.recompute_uncertainty_s,
+                     full.freed_after_bytes)
     back = rematerialised(profile, role)
     (p0, e0), (p1, e1) = full.backward(False), full.backward(True)
     return Costs(*fwd, back + p0, back + e0 + rng, full.recompute_s, back + p1, back + e1 + rng, full.release_bytes,

@@ -138,7 +138,12 @@ def profile(
         configs: dict[Option, dict[str, Policy]] = {
             o: {n: o if o in COARSE or o in finer[n] else KEEP for n in names} for o in options}
         memory = _memory(harness, state, names, configs, meters, say, facts)
-        times, full_times, *finer_times = _times(harness, state, names, configs, repeat, meters, say)
+        # units two by two as segments price a segment's members; not under autocast (no segments then)
+        pairs = costs.pairs(names) if facts.chain and len(names) > 1 and not harness.step.amp else {}
+        timed = [(str(o), c, o not in COARSE) for o, c in configs.items()]
+        timed += [("pairs", pairs, False)] if pairs else []
+        times, full_times, *rest = _times(harness, state, names, timed, repeat, meters, say)
+        finer_times, pair_times = (rest[:-1], rest[-1]) if pairs else (rest, [])
         state.zero_grad()
         baseline = static_bytes(model, state, inp)
         state_bytes = storage_bytes(state.state_tensors())
@@ -148,10 +153,13 @@ def profile(
     if meters is None:  # fake meters time nothing: their times are estimates
         costs.check_alike(timeline.first_runs(times, timeline.Runs.of(memory[KEEP], len(names)).forwards), groups,
                           names)
-    full_sure, *finer_sure = ratio_uncertainties([_seconds(r) for r in times],
-                                                 [[_seconds(r) for r in runs] for runs in (full_times, *finer_times)])
+    full_sure, *finer_sure = ratio_uncertainties([costs.seconds(r) for r in times],
+                                                 [[costs.seconds(r) for r in runs] for runs in (full_times, *rest)])
+    pair_sure = finer_sure.pop() if pairs else math.nan
     prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
-                     _recompute_factor(times, full_times, full_sure), measured, per_step, groups)
+                     costs.recompute_factor(times, full_times, full_sure), measured, per_step, groups)
+    if pairs:
+        costs.add_members(prof, times, pair_times, pair_sure, measured, per_step)
     scale = per_step / measured
     for option, runs, sure in zip(options[len(COARSE):], finer_times, finer_sure, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory[KEEP],
@@ -175,19 +183,20 @@ def _check_arguments(model: nn.Module, repeat: int, granularity: str, children: 
 
 
 def _times(harness: StepHarness, state: StepState | UserStepState, names: list[str],
-           configs: dict[Option, dict[str, Policy]], repeat: int, meters: Meters | None,
+           configs: list[tuple[str, dict[str, Policy], bool]], repeat: int, meters: Meters | None,
            say: Progress) -> list[list[list[Stretch]]]:
     """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``);
-    under estimate mode's fake meters, whose clock is a roofline that no earlier step moves, one
-    step each, after an untimed one only where the option learns in its first step (``derive``)."""
-    options, policies = list(configs), list(configs.values())
+    ``configs``: (name, each unit's policy, whether it learns in its first step: ``derive``).
+    Under estimate mode's fake meters, whose clock is a roofline that no earlier step moves, one
+    step each, after an untimed one only where the configuration learns."""
+    options, policies = [c[0] for c in configs], [c[1] for c in configs]
     if meters is not None:
-        say(f"timing ({', '.join(map(str, options))})")
+        say(f"timing ({', '.join(options)})")
         out = []
         with harness.switching() as use:
-            for option, chosen in zip(options, policies, strict=True):
+            for (_, chosen, learns) in configs:
                 use(chosen)
-                if option not in COARSE:
+                if learns:
                     harness.marked_step(state, names, "time", meters)
                 out.append([stretches(harness.marked_step(state, names, "time", meters))])
         return out
@@ -197,7 +206,7 @@ def _times(harness: StepHarness, state: StepState | UserStepState, names: list[s
     with harness.switching() as use:
         def timed(k: int) -> list[Stretch]:
             if (call := next(calls)) % per_round == 0:
-                say(f"timing {call // per_round + 1}/{repeat} ({', '.join(map(str, options))})")
+                say(f"timing {call // per_round + 1}/{repeat} ({', '.join(options)})")
             use(policies[k])
             return stretches(harness.marked_step(state, names, "time", meters))
 
@@ -272,7 +281,7 @@ def _assemble(
     freed, later = timeline.separate(memory, steps, len(names))
     units = timeline.units(names, memory, times, facts, *factor, per_step, unit_params, groups, freed, later)
     extra = per_step - measured  # micro-batches like the last one measured
-    step_s = statistics.median(_seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
+    step_s = statistics.median(costs.seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
     trainable = [p for p in params if p.requires_grad]
     measured = {o: baseline + max(0, max(s.peak for s in _cumulative(memory[o]))) for o in COARSE}
     return Profile(
@@ -300,31 +309,6 @@ def _assemble(
     )
 
 
-def _recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]], sure: float) -> tuple[float, float]:
-    """Recompute time of the units over their own forward time, such that checkpointing every
-    unit costs the overhead measured for it, and its uncertainty (the overhead's, ``sure``, from
-    ``ratio_uncertainties``; 0 where too few rounds tell it).
-
-    Recomputing a forward inside backward is not exactly as dear as the first forward (no
-    tensors are saved, memory is reused, hooks and RNG handling add a little), so the forward
-    times scaled by this factor become the recompute times. The overhead is the median ratio of
-    adjacent plain and all-checkpointed steps, as ``validate`` measures a plan; the units' marks
-    give each unit's share. Kept within [0.25, 2].
-    """
-    forward = sum(statistics.median(run[k].seconds for run in plain)
-                  for k, s in enumerate(plain[0]) if s.label.startswith("fwd:"))
-    if forward <= 0:
-        return 1.0, 0.0
-    steps, full_steps = [_seconds(r) for r in plain], [_seconds(r) for r in full]
-    overhead = median_ratio(steps, full_steps) - 1.0
-    step_s = statistics.median(steps)
-    return min(2.0, max(0.25, overhead * step_s / forward)), 0.0 if math.isnan(sure) else sure * step_s / forward
-
-
-def _seconds(run: list[Stretch]) -> float:
-    return sum(s.seconds for s in run)
-
-
 def _cumulative(run: list[Stretch]) -> list[Stretch]:
     """Stretches with peaks relative to the step's start instead of their own start."""
     level, out = 0, []
@@ -347,7 +331,7 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
     of each unit over the measured ones; ``sure``: the overhead's uncertainty, a ratio to the
     plain step (``timing.ratio_uncertainties``)."""
     index = {s.label: k for k, s in enumerate(memory)}
-    steps, option_steps = [_seconds(r) for r in plain], [_seconds(r) for r in runs]
+    steps, option_steps = [costs.seconds(r) for r in plain], [costs.seconds(r) for r in runs]
     measured_s = statistics.median(steps)
     extra = max(0.0, median_ratio(steps, option_steps) - 1.0) * measured_s * scale
     uncertainty_s = 0.0 if math.isnan(sure) else sure * measured_s * scale

@@ -25,8 +25,11 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from memfit.errors import NoisyTimesWarning
-from memfit.measure.timing import iqr
+from memfit.formats.profile import Profile
+from memfit.measure.timing import iqr, median_ratio
+from memfit.policy import FULL, Policy, Segment
 from memfit.profiler.saved import UnitFacts
+from memfit.runtime.marks import Stretch
 
 CLEAR = 2.0  # a difference counts when its median exceeds this many IQR / sqrt(samples) (~2 standard errors)
 STRAY = 0.3  # identical units whose plain times scatter by more than this fraction are warned of
@@ -105,3 +108,60 @@ def shares(longer: dict[int, list[float]], forward_s: dict[int, float], groups: 
     weight = {j: measured.get(groups[j], fwd[groups[j]] * per_second) for j in longer}
     total = sum(weight.values())
     return {j: w / total if total > 0 else 1 / len(weight) for j, w in weight.items()}
+
+
+def seconds(run: list[Stretch]) -> float:
+    return sum(s.seconds for s in run)
+
+
+def recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]], sure: float) -> tuple[float, float]:
+    """Recompute time of the units over their own forward time, such that checkpointing every
+    unit costs the overhead measured for it, and its uncertainty (the overhead's, ``sure``, from
+    ``ratio_uncertainties``; 0 where too few rounds tell it).
+
+    Recomputing a forward inside backward is not exactly as dear as the first forward (no
+    tensors are saved, memory is reused, hooks and RNG handling add a little), so the forward
+    times scaled by this factor become the recompute times. The overhead is the median ratio of
+    adjacent plain and all-checkpointed steps, as ``validate`` measures a plan; the units' marks
+    give each unit's share. Kept within [0.25, 2].
+    """
+    forward = sum(statistics.median(run[k].seconds for run in plain)
+                  for k, s in enumerate(plain[0]) if s.label.startswith("fwd:"))
+    if forward <= 0:
+        return 1.0, 0.0
+    steps, full_steps = [seconds(r) for r in plain], [seconds(r) for r in full]
+    overhead = median_ratio(steps, full_steps) - 1.0
+    step_s = statistics.median(steps)
+    return min(2.0, max(0.25, overhead * step_s / forward)), 0.0 if math.isnan(sure) else sure * step_s / forward
+
+
+def pairs(names: list[str]) -> dict[str, Policy]:
+    """Units checkpointed two by two as segments (an odd last one alone): the step that prices
+    what a segment's members before its last cost (``add_members``)."""
+    out: dict[str, Policy] = {}
+    for i in range(0, len(names), 2):
+        pair = names[i:i + 2]
+        out.update({n: Segment(pair[0], pair[1]) if len(pair) == 2 else FULL for n in pair})
+    return out
+
+
+def add_members(prof: Profile, plain: list[list[Stretch]], paired: list[list[Stretch]], sure: float,
+                 measured: int, per_step: int) -> None:
+    """Each unit's ``member_s``: its recompute as a segment member before the last, from the
+    step of units in pairs (``pairs``), whose measured overhead is each pair's second unit at
+    ``full``'s factor and its first at a factor of its own, the members' (over their forward
+    time, as ``recompute_factor``; kept within the same bounds), with the pairs' uncertainty.
+    Measured: nanoGPT's six 44 ms blocks, 33 ms each under ``full``, cost 49 ms as the first of
+    two; the backward that a recompute runs right before finds its tensors in the cache."""
+    n = len(prof.units)
+    firsts = range(0, n - 1, 2)
+    first_s = sum(prof.units[j].fwd_s for j in firsts) * measured
+    rest_s = sum(u.fwd_s for u in prof.units) * measured - first_s
+    if first_s <= 0:
+        return
+    steps = [seconds(r) for r in plain]
+    overhead_s = (median_ratio(steps, [seconds(r) for r in paired]) - 1.0) * statistics.median(steps)
+    factor = min(2.0, max(0.25, (overhead_s - prof.recompute_factor * rest_s) / first_s))
+    spread = 0.0 if math.isnan(sure) else sure * statistics.median(steps) / first_s
+    for u in prof.units:
+        u.member_s, u.member_uncertainty_s = u.fwd_s * factor * per_step, u.fwd_s * spread * per_step
