@@ -129,7 +129,7 @@ class UnitProfile:
     output_bytes: int = 0  # bytes of the unit's tensor output (freed inside a checkpointed segment)
     # recompute time as a segment member before the last, whose forward runs again at the last
     # member's backward and whose own backward then finds its tensors out of the cache: measured
-    # in a step of units checkpointed two by two (profiler: ``_add_members``); None: not measured
+    # in a step of units checkpointed two by two (profiler/costs.add_members); None: not measured
     # (older profiles, units that are no chain), priced as ``full``
     member_s: float | None = None
     member_uncertainty_s: float = 0.0

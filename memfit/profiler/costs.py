@@ -151,8 +151,9 @@ def add_members(prof: Profile, plain: list[list[Stretch]], paired: list[list[Str
     step of units in pairs (``pairs``), whose measured overhead is each pair's second unit at
     ``full``'s factor and its first at a factor of its own, the members' (over their forward
     time, as ``recompute_factor``; kept within the same bounds), with the pairs' uncertainty.
-    Measured: nanoGPT's six 44 ms blocks, 33 ms each under ``full``, cost 49 ms as the first of
-    two; the backward that a recompute runs right before finds its tensors in the cache."""
+    The same kernels run again, yet dearer: a backward that its own recompute runs right before
+    finds its tensors in the cache (benchmarks/segments.py, nanoGPT: every block alone +25.4%, in
+    pairs +27.7%)."""
     n = len(prof.units)
     firsts = range(0, n - 1, 2)
     first_s = sum(prof.units[j].fwd_s for j in firsts) * measured
