@@ -179,8 +179,11 @@ def test_a_corrupt_or_stale_entry_is_ignored_with_a_warning(tmp_path, monkeypatc
     profiles = _Counted(monkeypatch)
     with pytest.warns(CacheWarning, match="ignored the cache entry"):
         again = memfit.fit(model, batch, "5MB", cache_dir=tmp_path, repeat=1)
-    assert again.policies == first.policies
     assert profiles.calls == (0 if damage in ("garbage", "other-model") else 1)  # the profile was still sound
+    if profiles.calls == 0:
+        assert again.policies == first.policies
+    else:  # measured again: the same options, which of the identical blocks take them is a tie the new times break
+        assert sorted(map(str, again.policies.values())) == sorted(map(str, first.policies.values()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         memfit.fit(model, batch, "5MB", cache_dir=tmp_path, repeat=1)  # rewritten: a clean hit
