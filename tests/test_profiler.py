@@ -390,12 +390,13 @@ print(held >> 20, (rss() - before) >> 20)
     assert after["keep"] >= 195  # kept for the next step
 
 
-def test_segment_members_priced_from_the_step_inpairs(gpt_profile):
+def test_segment_members_priced_from_the_step_in_pairs(gpt_profile):
     """A segment's members before its last cost their own measured recompute (``member_s``), from
     a step of units checkpointed two by two: each pair's second unit at ``full``'s factor, the
     first at the factor left over; the last member and lone units cost ``full``'s. Checkpointing
-    nanoGPT's blocks in pairs measured +25.9% against +20.9% for each alone (same kernels): a
-    recompute right before its own backward leaves that backward its tensors in the cache."""
+    nanoGPT's blocks in pairs measured +27.7% against +25.4% for each alone, the same kernels
+    (benchmarks/segments.py): a recompute right before its own backward leaves that backward its
+    tensors in the cache."""
     import copy
     import math
 
