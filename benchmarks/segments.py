@@ -17,24 +17,17 @@ gives beside the measured slowdowns. One thread, thread CPU time; all plans are 
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
 import memfit
-from memfit.policy import FULL, Policies, Segment
+from memfit.policy import FULL
+from memfit.profiler.costs import segments
 from memfit.report import table
 from memfit.runtime.harness import StepHarness
 from memfit.scenarios import load_scenario
 from memfit.units import find_units
-
-
-def segments(names: list[str], k: int) -> Policies:
-    """Units in segments of ``k`` from the first (a lone unit left over: ``full``)."""
-    out: Policies = {}
-    for i in range(0, len(names), k):
-        group = names[i:i + k]
-        out.update({n: Segment(group[0], group[-1]) if len(group) > 1 else FULL for n in group})
-    return out
 
 
 def main() -> None:
@@ -55,14 +48,13 @@ def main() -> None:
     harness = StepHarness(model, inputs, step=sc.train_step)
     with harness.restoring():
         plain_s, ratios, sure = harness.step_times(list(plans.values()), args.rounds)
+    as_full = copy.deepcopy(prof)  # the price before members were measured: every member at full's
+    for u in as_full.units:
+        u.member_s = None
     rows = []
     for (label, policies), ratio, u in zip(plans.items(), ratios, sure, strict=True):
-        pred = memfit.predict(prof, policies)
-        was = pred.recompute_s - sum(  # the price before members were measured: every member at full's
-            u_.member_s - u_.options[FULL].recompute_s for j, u_ in enumerate(prof.units)
-            if isinstance(policies[u_.name], Segment) and u_.member_s is not None
-            and names[j] != policies[u_.name].last)
-        rows.append([label, f"{pred.peak_bytes / 2**20:.2f}", f"{100 * was / prof.step_s:+.1f}%",
+        pred, was = memfit.predict(prof, policies), memfit.predict(as_full, policies)
+        rows.append([label, f"{pred.peak_bytes / 2**20:.2f}", f"{100 * was.overhead:+.1f}%",
                      f"{100 * pred.overhead:+.1f}%", f"{100 * (ratio - 1):+.1f}% ±{100 * u:.1f}"])
     print(f"{args.scenario}: plain step {plain_s * 1e3:.1f} ms (thread time), {args.rounds} rounds, "
           f"profile of {args.repeat}")

@@ -402,16 +402,16 @@ def test_segment_members_priced_from_the_step_in_pairs(gpt_profile):
 
     from memfit.planning.peak import predict
     from memfit.policy import Segment
-    from memfit.profiler.costs import add_members, pairs
+    from memfit.profiler.costs import add_members, segments
     from memfit.runtime.marks import Stretch
 
     prof = copy.deepcopy(gpt_profile)
     names = prof.unit_names
     assert len(names) == 4 and prof.chain
     assert all(u.member_s is not None and u.member_s > 0 for u in gpt_profile.units)  # measured by profile()
-    assert pairs(names) == {names[0]: Segment(names[0], names[1]), names[1]: Segment(names[0], names[1]),
+    assert segments(names, 2) == {names[0]: Segment(names[0], names[1]), names[1]: Segment(names[0], names[1]),
                              names[2]: Segment(names[2], names[3]), names[3]: Segment(names[2], names[3])}
-    assert list(pairs(names[:3]).values())[2] == FULL  # an odd last unit alone
+    assert list(segments(names[:3], 2).values())[2] == FULL  # an odd last unit alone
 
     for u in prof.units:
         u.fwd_s = 1.5  # the median round's (the machine's speed drifts by 2x between rounds)
@@ -422,7 +422,7 @@ def test_segment_members_priced_from_the_step_in_pairs(gpt_profile):
 
     # at speed 1: plain step 10 s; in pairs 2 x 0.75 (the second units) + 2 x 1.25 (the first) more
     speeds = (1.0, 2.0, 1.0, 2.0, 1.5)
-    add_members(prof, [run(s, 0.0) for s in speeds], [run(s, 4.0) for s in speeds], math.nan, 1, 1)
+    add_members(prof, segments(names, 2), [run(s, 0.0) for s in speeds], [run(s, 4.0) for s in speeds], math.nan, 1, 1)
     assert [u.member_s for u in prof.units] == pytest.approx([1.5 * 1.25] * 4)
     assert [u.member_uncertainty_s for u in prof.units] == [0.0] * 4  # too few rounds to tell
     for u in prof.units:

@@ -139,7 +139,7 @@ def profile(
             o: {n: o if o in COARSE or o in finer[n] else KEEP for n in names} for o in options}
         memory = _memory(harness, state, names, configs, meters, say, facts)
         # units two by two as segments price a segment's members; not under autocast (no segments then)
-        pairs = costs.pairs(names) if facts.chain and len(names) > 1 and not harness.step.amp else {}
+        pairs = costs.segments(names, 2) if facts.chain and len(names) > 1 and not harness.step.amp else {}
         timed = [(str(o), c, o not in COARSE) for o, c in configs.items()]
         timed += [("pairs", pairs, False)] if pairs else []
         times, full_times, *rest = _times(harness, state, names, timed, repeat, meters, say)
@@ -159,7 +159,7 @@ def profile(
     prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
                      costs.recompute_factor(times, full_times, full_sure), measured, per_step, groups)
     if pairs:
-        costs.add_members(prof, times, pair_times, pair_sure, measured, per_step)
+        costs.add_members(prof, pairs, times, pair_times, pair_sure, measured, per_step)
     scale = per_step / measured
     for option, runs, sure in zip(options[len(COARSE):], finer_times, finer_sure, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory[KEEP],

@@ -123,7 +123,7 @@ def recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]], sure
     tensors are saved, memory is reused, hooks and RNG handling add a little), so the forward
     times scaled by this factor become the recompute times. The overhead is the median ratio of
     adjacent plain and all-checkpointed steps, as ``validate`` measures a plan; the units' marks
-    give each unit's share. Kept within [0.25, 2].
+    give each unit's share. Kept within ``FACTOR_BOUNDS``.
     """
     forward = sum(statistics.median(run[k].seconds for run in plain)
                   for k, s in enumerate(plain[0]) if s.label.startswith("fwd:"))
@@ -132,37 +132,47 @@ def recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]], sure
     steps, full_steps = [seconds(r) for r in plain], [seconds(r) for r in full]
     overhead = median_ratio(steps, full_steps) - 1.0
     step_s = statistics.median(steps)
-    return min(2.0, max(0.25, overhead * step_s / forward)), 0.0 if math.isnan(sure) else sure * step_s / forward
+    return _bounded(overhead * step_s / forward), 0.0 if math.isnan(sure) else sure * step_s / forward
 
 
-def pairs(names: list[str]) -> dict[str, Policy]:
-    """Units checkpointed two by two as segments (an odd last one alone): the step that prices
-    what a segment's members before its last cost (``add_members``)."""
+FACTOR_BOUNDS = (0.25, 2.0)  # a recompute factor beyond these is a noisy measurement's, not a unit's
+
+
+def _bounded(factor: float) -> float:
+    low, high = FACTOR_BOUNDS
+    return min(high, max(low, factor))
+
+
+def segments(names: list[str], size: int) -> dict[str, Policy]:
+    """Units checkpointed ``size`` by ``size`` as segments from the first (a lone unit left over:
+    ``full``); two by two, the step that prices what a segment's members before its last cost
+    (``add_members``)."""
     out: dict[str, Policy] = {}
-    for i in range(0, len(names), 2):
-        pair = names[i:i + 2]
-        out.update({n: Segment(pair[0], pair[1]) if len(pair) == 2 else FULL for n in pair})
+    for i in range(0, len(names), size):
+        group = names[i:i + size]
+        out.update({n: Segment(group[0], group[-1]) if len(group) > 1 else FULL for n in group})
     return out
 
 
-def add_members(prof: Profile, plain: list[list[Stretch]], paired: list[list[Stretch]], sure: float,
-                 measured: int, per_step: int) -> None:
+def add_members(prof: Profile, paired_policies: dict[str, Policy], plain: list[list[Stretch]],
+                paired: list[list[Stretch]], sure: float, measured: int, per_step: int) -> None:
     """Each unit's ``member_s``: its recompute as a segment member before the last, from the
-    step of units in pairs (``pairs``), whose measured overhead is each pair's second unit at
-    ``full``'s factor and its first at a factor of its own, the members' (over their forward
-    time, as ``recompute_factor``; kept within the same bounds), with the pairs' uncertainty.
+    step of units in segments (``paired_policies``, ``segments(names, 2)``), whose measured
+    overhead is each segment's last unit (and a lone one) at ``full``'s factor and the others at a
+    factor of their own, the members' (over their forward time, as ``recompute_factor``; within
+    the same bounds), with that step's uncertainty.
     The same kernels run again, yet dearer: a backward that its own recompute runs right before
     finds its tensors in the cache (benchmarks/segments.py, nanoGPT: every block alone +25.4%, in
     pairs +27.7%)."""
-    n = len(prof.units)
-    firsts = range(0, n - 1, 2)
-    first_s = sum(prof.units[j].fwd_s for j in firsts) * measured
-    rest_s = sum(u.fwd_s for u in prof.units) * measured - first_s
-    if first_s <= 0:
+    members = [isinstance(p := paired_policies[u.name], Segment) and p.last != u.name for u in prof.units]
+    member_s = sum(u.fwd_s for u, m in zip(prof.units, members, strict=True) if m) * measured
+    rest_s = sum(u.fwd_s for u in prof.units) * measured - member_s
+    if member_s <= 0:
         return
     steps = [seconds(r) for r in plain]
-    overhead_s = (median_ratio(steps, [seconds(r) for r in paired]) - 1.0) * statistics.median(steps)
-    factor = min(2.0, max(0.25, (overhead_s - prof.recompute_factor * rest_s) / first_s))
-    spread = 0.0 if math.isnan(sure) else sure * statistics.median(steps) / first_s
+    step_s = statistics.median(steps)
+    overhead_s = (median_ratio(steps, [seconds(r) for r in paired]) - 1.0) * step_s
+    factor = _bounded((overhead_s - prof.recompute_factor * rest_s) / member_s)
+    spread = 0.0 if math.isnan(sure) else sure * step_s / member_s
     for u in prof.units:
         u.member_s, u.member_uncertainty_s = u.fwd_s * factor * per_step, u.fwd_s * spread * per_step
