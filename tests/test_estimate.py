@@ -9,6 +9,7 @@ import torch
 
 import memfit
 from memfit.devices import DEVICES, device_spec
+from memfit.measure.fake import fake_meters
 from memfit.measure.step import Inputs
 from memfit.policy import DERIVE, FULL, KEEP, Derive, Selective, parse
 from memfit.profiler import options
@@ -84,6 +85,50 @@ def test_roofline_times_follow_the_device():
     slow, fast = estimate(build, target="l4"), estimate(build, target="h100")
     assert fast.step_s < slow.step_s
     assert fast.units[0].options[FULL].recompute_s > 0
+
+
+def test_estimate_mode_times_its_memory_steps(tmp_path, monkeypatch):
+    """Estimate mode reads memory and its roofline time in one step per configuration (fake meters
+    do not disturb each other): the profile is byte for byte the one that separate memory and
+    time steps give, from fewer steps. Real meters refuse to be read together."""
+    import dataclasses
+
+    from memfit import zoo
+    from memfit.measure.meters import real_meters
+    from memfit.profiler import estimate as estimate_module
+    from memfit.runtime import harness, marks
+
+    def small_gpt():
+        return zoo.gpt(batch=2, seq=32, vocab=128, d_model=32, n_head=2, n_layer=2)
+
+    steps = []
+
+    def counted(*args, **kwargs):
+        steps.append(args[-1])
+        return marks.recorded_step(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "recorded_step", counted)
+    paths = []
+    for together in (True, False):
+        if not together:  # the fake meters, read one at a time
+            monkeypatch.setattr(estimate_module, "fake_meters", lambda *a, **k: dataclasses.replace(
+                fake_meters(*a, **k), together=False))
+        steps.clear()
+        prof = estimate(small_gpt, target="h100", granularity="fine", children=["attn"])
+        paths.append(tmp_path / f"{together}.json")
+        prof.save(paths[-1])
+        kinds = {w: steps.count(w) for w in set(steps)}
+        options = len(prof.measured_peak_bytes)  # one memory step per all-units option
+        if together:
+            assert kinds == {"both": options, "time": 1}  # and the units two by two, timed alone
+        else:  # each timed, the finer ones after a step that learns (derive's plan)
+            learners = sum(o not in (KEEP, FULL) for o in prof.measured_peak_bytes)
+            assert learners > 0 and kinds == {"memory": options, "time": options + learners + 1}
+    assert paths[0].read_text() == paths[1].read_text()
+    model, batch = small_gpt()
+    with pytest.raises(ValueError, match="disturb each other"):
+        harness.StepHarness(model, batch).marked_step(harness.StepHarness(model, batch).new_state(), ["blocks.0"],
+                                                      "both", real_meters(torch.device("cpu")))
 
 
 def test_unknown_target_and_every_spec_is_sane():

@@ -36,7 +36,7 @@ def fake_meters(target: Device, reserved: list[tuple[int, int]] | None = None) -
     ``reserved`` gets each measured step's (allocated, reserved) peaks by the caching allocator's
     model (measure/allocator.py) on a CUDA target."""
     return Meters(lambda alive: FakeMemoryRecorder(target, alive, reserved), lambda: RooflineClock(target),
-                  target.cuda)
+                  byte_masks=target.cuda, together=True)
 
 
 class FakeMemoryRecorder(TorchDispatchMode):

@@ -31,6 +31,39 @@ class Meters:
     memory: Callable[[Iterable[torch.Tensor]], Recorder]
     clock: Callable[[], Recorder]
     byte_masks: bool = False  # the target keeps dropout's masks at one byte per element (CUDA, estimated)
+    together: bool = False  # one step may be read by both (``Together``): neither disturbs the other
+
+
+class Together:
+    """A memory recorder and a clock in one step, their marks merged: live bytes from the one,
+    time from the other. Only for meters that do not disturb each other (``Meters.together``:
+    estimate mode's, whose clock is a roofline over the ops, not the time the count takes)."""
+
+    def __init__(self, memory: Recorder, clock: Recorder) -> None:
+        self.memory, self.clock = memory, clock
+
+    def __enter__(self) -> Together:
+        self.memory.__enter__()
+        try:
+            self.clock.__enter__()
+        except BaseException:
+            self.memory.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.clock.__exit__(*exc)
+        finally:
+            self.memory.__exit__(*exc)
+
+    def on_mark(self, label: str) -> None:
+        self.memory.on_mark(label)
+        self.clock.on_mark(label)
+
+    def marks(self) -> list[Mark]:
+        return [Mark(m.label, m.level, m.peak, t.time_s)
+                for m, t in zip(self.memory.marks(), self.clock.marks(), strict=True)]
 
 
 def real_meters(device: torch.device) -> Meters:

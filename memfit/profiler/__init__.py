@@ -140,9 +140,14 @@ def profile(
         memory = _memory(harness, state, names, configs, meters, say, facts)
         # units two by two as segments price a segment's members; not under autocast (no segments then)
         pairs = costs.segments(names, 2) if facts.chain and len(names) > 1 and not harness.step.amp else {}
-        timed = [(str(o), c, o not in COARSE) for o, c in configs.items()]
-        timed += [("pairs", pairs, False)] if pairs else []
-        times, full_times, *rest = _times(harness, state, names, timed, repeat, meters, say)
+        if meters is not None and meters.together:  # estimate mode: each memory step was timed too
+            timed = [("pairs", pairs, False)] if pairs else []
+            rest = [[memory[o]] for o in options] + _times(harness, state, names, timed, repeat, meters, say)
+        else:
+            timed = [(str(o), c, o not in COARSE) for o, c in configs.items()]
+            timed += [("pairs", pairs, False)] if pairs else []
+            rest = _times(harness, state, names, timed, repeat, meters, say)
+        times, full_times, *rest = rest
         finer_times, pair_times = (rest[:-1], rest[-1]) if pairs else (rest, [])
         state.zero_grad()
         baseline = static_bytes(model, state, inp)
@@ -188,8 +193,11 @@ def _times(harness: StepHarness, state: StepState | UserStepState, names: list[s
     """Each configuration's timed stretches over ``repeat`` interleaved rounds (``alternate``);
     ``configs``: (name, each unit's policy, whether it learns in its first step: ``derive``).
     Under estimate mode's fake meters, whose clock is a roofline that no earlier step moves, one
-    step each, after an untimed one only where the configuration learns."""
+    step each, after an untimed one only where the configuration learns (``_memory``'s steps
+    time the rest there)."""
     options, policies = [c[0] for c in configs], [c[1] for c in configs]
+    if not configs:
+        return []
     if meters is not None:
         say(f"timing ({', '.join(options)})")
         out = []
@@ -230,9 +238,11 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
     a unit's checkpoint may free what the model's own code drops after it, with alternate units
     checkpointed (``timeline.separate``). Each configuration's step follows a warm-up step in it,
     except under estimate mode's fake meters (no allocator, no caches) after the first, where a
-    configuration of whole units learns nothing in a step (finer options may: ``derive``)."""
+    configuration of whole units learns nothing in a step (finer options may: ``derive``). Meters
+    that allow it (``Meters.together``: estimate mode's) time these steps too."""
     model, inp, loss = harness.model, harness.inputs, harness.loss_fn
     memory: timeline.Memory = {}
+    what = "both" if meters is not None and meters.together else "memory"  # the estimate's steps priced at once
 
     def warm_up(option: Option | None) -> None:
         if meters is None or not memory or (option is not None and option not in COARSE):
@@ -243,7 +253,7 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
         say(f"memory with every unit {option}")
         with harness.options(policies):
             warm_up(option)
-            memory[option] = stretches(harness.marked_step(state, names, "memory", meters))
+            memory[option] = stretches(harness.marked_step(state, names, what, meters))
         check_same_shape(memory[KEEP], memory[option], f"every unit was {option}")
     timeline.check_order(memory[KEEP], names)
     if len(names) > 1 and timeline.needs_alternating(memory, names, facts):

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import MemfitError
 from memfit.measure.memory import Mark
-from memfit.measure.meters import Meters
+from memfit.measure.meters import Meters, Recorder, Together
 from memfit.measure.step import Inputs, LossFn, StepState, iter_tensors, static_tensors, training_step
 from memfit.measure.userstep import UserStepState
 from memfit.runtime.threads import recomputing
@@ -127,9 +127,17 @@ def recorded_step(
     what: str,
 ) -> list[Mark]:
     """One training step with marks, of two micro-batches at most (every later one repeats the
-    second); ``what`` is ``memory`` or ``time``."""
+    second); ``what`` is ``memory``, ``time`` or, for meters that allow it (``Meters.together``),
+    ``both``."""
     state.zero_grad()
-    recorder = meters.memory(static_tensors(model, state, inputs)) if what == "memory" else meters.clock()
+    if what == "time":
+        recorder: Recorder = meters.clock()
+    else:
+        recorder = meters.memory(static_tensors(model, state, inputs))
+        if what == "both":
+            if not meters.together:
+                raise ValueError("these meters disturb each other: read memory and time in steps of their own")
+            recorder = Together(recorder, meters.clock())
     with recorder, UnitMarks(model, unit_names, recorder.on_mark, once=state.units_once) as marks:
         training_step(model, inputs, loss_fn, state, on_mark=marks.step_mark, micro_batches=2)
     return recorder.marks()
