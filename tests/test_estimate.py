@@ -89,8 +89,9 @@ def test_roofline_times_follow_the_device():
 
 def test_estimate_mode_times_its_memory_steps(tmp_path, monkeypatch):
     """Estimate mode reads memory and its roofline time in one step per configuration (fake meters
-    do not disturb each other): the profile is byte for byte the one that separate memory and
-    time steps give, from fewer steps. Real meters refuse to be read together."""
+    do not disturb each other), and child regions need no warm-up there: the profile is byte for
+    byte the one that separate memory and time steps give, from fewer steps. Real meters refuse to
+    be read together."""
     import dataclasses
 
     from memfit import zoo
@@ -98,8 +99,10 @@ def test_estimate_mode_times_its_memory_steps(tmp_path, monkeypatch):
     from memfit.profiler import estimate as estimate_module
     from memfit.runtime import harness, marks
 
-    def small_gpt():
-        return zoo.gpt(batch=2, seq=32, vocab=128, d_model=32, n_head=2, n_layer=2)
+    def small_gpt():  # attention written out, dropout: derive levels, child regions and an op set
+        return zoo.nanogpt(batch=2, seq=32, vocab=128, d_model=32, n_head=2, n_layer=2, dropout=0.1)
+
+    monkeypatch.setattr(options, "CHILD_DERIVES", (DERIVE,))  # the op set is offered where derive:products is not
 
     steps = []
 
@@ -118,12 +121,15 @@ def test_estimate_mode_times_its_memory_steps(tmp_path, monkeypatch):
         paths.append(tmp_path / f"{together}.json")
         prof.save(paths[-1])
         kinds = {w: steps.count(w) for w in set(steps)}
-        options = len(prof.measured_peak_bytes)  # one memory step per all-units option
+        offered = set(prof.measured_peak_bytes)
+        assert any(isinstance(o, Selective) for o in offered) and any(isinstance(o, Derive) for o in offered)
+        assert any(str(o).startswith("child:") for o in offered)
+        configs = len(prof.measured_peak_bytes)  # one memory step per all-units option
         if together:
-            assert kinds == {"both": options, "time": 1}  # and the units two by two, timed alone
+            assert kinds == {"both": configs, "time": 1}  # and the units two by two, timed alone
         else:  # each timed, the finer ones after a step that learns (derive's plan)
             learners = sum(o not in (KEEP, FULL) for o in prof.measured_peak_bytes)
-            assert learners > 0 and kinds == {"memory": options, "time": options + learners + 1}
+            assert learners > 0 and kinds == {"memory": configs, "time": configs + learners + 1}
     assert paths[0].read_text() == paths[1].read_text()
     model, batch = small_gpt()
     with pytest.raises(ValueError, match="disturb each other"):

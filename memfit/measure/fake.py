@@ -235,7 +235,13 @@ class RooflineClock(TorchDispatchMode):
                                               saved_tensors_hooks_active(), dispatched)
         return out
 
+    def __enter__(self) -> RooflineClock:
+        take_served()  # ops an earlier step's modes counted after its clock's last op are not this step's
+        return super().__enter__()
+
     def on_mark(self, label: str) -> None:
+        # ops counted since the last op that reached this clock: a stretch pays for its own
+        self._seconds += self._target.dispatch_s * take_served()
         self._marks.append(Mark(label, 0, 0, self._seconds))
 
     def marks(self) -> list[Mark]:

@@ -32,7 +32,7 @@ from memfit.measure.step import (
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
-from memfit.policy import COARSE, FULL, KEEP, Children, Derive, Option, Policy
+from memfit.policy import COARSE, FULL, KEEP, Children, Derive, Option, Policy, Selective
 from memfit.profiler import costs
 from memfit.profiler import phases as timeline
 from memfit.profiler.options import fine_options
@@ -237,15 +237,18 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
     """The memory stretches of a steady-state step with every unit running each option, and where
     a unit's checkpoint may free what the model's own code drops after it, with alternate units
     checkpointed (``timeline.separate``). Each configuration's step follows a warm-up step in it,
-    except under estimate mode's fake meters (no allocator, no caches) after the first, where a
-    configuration of whole units learns nothing in a step (finer options may: ``derive``). Meters
-    that allow it (``Meters.together``: estimate mode's) time these steps too."""
+    except under estimate mode's fake meters (no allocator, no caches) after the first, where
+    checkpoint regions learn nothing in a step (``derive`` and op sets do). Meters that allow it
+    (``Meters.together``: estimate mode's) time these steps too."""
     model, inp, loss = harness.model, harness.inputs, harness.loss_fn
     memory: timeline.Memory = {}
     what = "both" if meters is not None and meters.together else "memory"  # the estimate's steps priced at once
 
     def warm_up(option: Option | None) -> None:
-        if meters is None or not memory or (option is not None and option not in COARSE):
+        # fake meters' steps repeat exactly, except an option's first where it learns (derive's plan)
+        # or where an op set's modes count ops they will serve from their cache (SAC's); checked
+        # byte for byte on the profiles (tests/test_estimate.py)
+        if meters is None or not memory or isinstance(option, (Derive, Selective)):
             state.zero_grad()
             training_step(model, inp, loss, state)
 
