@@ -245,9 +245,7 @@ def _memory(harness: StepHarness, state: StepState | UserStepState, names: list[
     what = "both" if meters is not None and meters.together else "memory"  # the estimate's steps priced at once
 
     def warm_up(option: Option | None) -> None:
-        # fake meters' steps repeat exactly, except an option's first where it learns (derive's plan)
-        # or where an op set's modes count ops they will serve from their cache (SAC's); checked
-        # byte for byte on the profiles (tests/test_estimate.py)
+        # fake meters: derive learns its plan, SAC's modes count what their cache serves (tests/test_estimate.py)
         if meters is None or not memory or isinstance(option, (Derive, Selective)):
             state.zero_grad()
             training_step(model, inp, loss, state)
