@@ -14,17 +14,15 @@ The least of a few steps, not a median: this answers "which kernels", not "how m
 from __future__ import annotations
 
 import argparse
-import copy
 
 import torch
-from peer_tools import budget_backend
+from peer_tools import training_copy
 from torch.profiler import ProfilerActivity, profile
 
 from memfit.measure.step import Inputs, StepState, default_loss
 from memfit.measure.timing import timed_step
 from memfit.policy import parse
 from memfit.report import table
-from memfit.runtime.apply import set_policies
 from memfit.scenarios import load_scenario
 from memfit.units import find_units
 
@@ -43,14 +41,9 @@ def main() -> None:
     inputs = Inputs.of(raw)
     units = find_units(model, sc.units)
     configs = {}
-    for label in ("plain", f"compile {args.budget}", f"memfit {args.policy}"):
-        m = copy.deepcopy(model)
-        m.train()
-        runner: torch.nn.Module = m
-        if label.startswith("memfit"):
-            set_policies(m, dict.fromkeys(units, parse(args.policy)))
-        elif label.startswith("compile"):
-            runner = torch.compile(m, backend=budget_backend(args.budget))
+    for label, policies, budget in (("plain", None, None), (f"compile {args.budget}", None, args.budget),
+                                    (f"memfit {args.policy}", dict.fromkeys(units, parse(args.policy)), None)):
+        m, _, runner = training_copy(model, policies, budget)
         configs[label] = (runner, StepState(sc.train_step, m))
     cpu = torch.device("cpu")
     calls: dict[str, dict[str, int]] = {}

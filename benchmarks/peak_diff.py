@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 from typing import Any
 
 import torch
-from peer_tools import budget_backend
+from peer_tools import training_copy
 
 from memfit.measure.step import Inputs, StepState, default_loss, training_step
 from memfit.policy import as_policies
-from memfit.runtime.apply import set_policies
 from memfit.scenarios import load_scenario
 from memfit.torch_private import ProfiledAllocation
 from memfit.units import find_units
@@ -79,10 +77,8 @@ def main() -> None:
     model, raw = sc.build("cpu")
     model.train()
     inputs = Inputs.of(raw)
-    eager = copy.deepcopy(model)
-    set_policies(eager, as_policies(dict.fromkeys(find_units(model, sc.units), args.policy)))
-    compiled = copy.deepcopy(model)
-    runner = torch.compile(compiled, backend=budget_backend(args.budget))
+    eager, _, _ = training_copy(model, as_policies(dict.fromkeys(find_units(model, sc.units), args.policy)))
+    compiled, _, runner = training_copy(model, budget=args.budget)
     a, held = live_at_peak(eager, inputs, StepState(sc.train_step, eager), args.stack)
     b, other = live_at_peak(runner, inputs, StepState(sc.train_step, compiled), args.stack)
     print(f"eager {args.policy}: {a:,} bytes at its peak; compile {args.budget}: {b:,}; difference {a - b:+,}")

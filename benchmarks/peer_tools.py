@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from memfit.policy import KEEP, Policies
+from memfit.runtime.apply import set_policies
 
 _aten = torch.ops.aten
 PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
@@ -46,6 +47,19 @@ def budget_backend(budget: float) -> Any:
             return aot_eager(gm, example_inputs)
 
     return backend
+
+
+def training_copy(model: nn.Module, policies: Policies | None = None,
+                  budget: float | None = None) -> tuple[nn.Module, Any, Any]:
+    """A copy of ``model`` in training mode, with memfit's ``policies`` set, or compiled under
+    activation memory ``budget`` (``budget_backend``): the copy, its backend (None: eager) and
+    what a step calls (the copy, or it compiled)."""
+    m = copy.deepcopy(model)
+    m.train()
+    if policies:
+        set_policies(m, policies)
+    backend = None if budget is None else budget_backend(budget)
+    return m, backend, m if backend is None else torch.compile(m, backend=backend)
 
 
 def same_gradients(a: Any, b: Any) -> str:

@@ -20,13 +20,12 @@ much as the wall clock on a shared machine.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peer_tools import budget_backend, plan_summary
+from peer_tools import plan_summary, training_copy
 
 import memfit
 from memfit.budget import format_bytes
@@ -34,7 +33,6 @@ from memfit.measure.step import Inputs, StepState, default_loss
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
 from memfit.policy import Policies
 from memfit.report import table
-from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
 
@@ -71,12 +69,7 @@ def main() -> None:
                           granularity="fine")
 
     def config(label: str, policies: Policies | None = None, budget: float | None = None) -> Config:
-        m = copy.deepcopy(model)
-        m.train()
-        if policies:
-            set_policies(m, policies)
-        backend = None if budget is None else budget_backend(budget)
-        runner = m if backend is None else torch.compile(m, backend=backend)
+        m, backend, runner = training_copy(model, policies, budget)
         cfg = Config(label, runner, m, StepState(sc.train_step, m), policies=policies)
         # a steady-state step, as validate measures it (compiles, for a budget: the runner's
         # backend is the same object, so it finds this compilation)
