@@ -33,6 +33,7 @@ class Mark:
     level: int  # live bytes at the mark, relative to the step's start
     peak: int  # highest live bytes since the previous mark, relative to the step's start
     time_s: float = 0.0
+    work_s: float = 0.0  # seconds of the options' own work since the step's start (``host.Work``; a real CPU clock's)
 
 
 @contextmanager

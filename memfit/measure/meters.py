@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from memfit.measure import host
 from memfit.measure.memory import Mark, memory_recorder
 from memfit.measure.timing import clock
 
@@ -62,7 +63,7 @@ class Together:
         self.clock.on_mark(label)
 
     def marks(self) -> list[Mark]:
-        return [Mark(m.label, m.level, m.peak, t.time_s)
+        return [Mark(m.label, m.level, m.peak, t.time_s, t.work_s)
                 for m, t in zip(self.memory.marks(), self.clock.marks(), strict=True)]
 
 
@@ -77,7 +78,8 @@ class TimeRecorder:
     at every mark would serialise the host and the device, so the stretches and the whole step
     would be priced as a real step never runs (launch-bound steps measured 2 to 4 times their
     prediction on an H200 that way, docs/cuda.md), and the host's launches would hide behind the
-    waits."""
+    waits. On the CPU it also notes the seconds of the options' own work so far (``host.Work``):
+    on CUDA the host's time there is not its kernels' time, so none is noted."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -86,10 +88,13 @@ class TimeRecorder:
         self._events: list[tuple[str, Any]] = []
 
     def __enter__(self) -> TimeRecorder:
+        if self.device.type != "cuda":
+            host.counting_work(True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        if self.device.type != "cuda":
+            host.counting_work(False)
 
     def on_mark(self, label: str) -> None:
         if self.device.type == "cuda":
@@ -97,7 +102,7 @@ class TimeRecorder:
             event.record(torch.cuda.current_stream(self.device))
             self._events.append((label, event))
         else:
-            self._marks.append(Mark(label, 0, 0, self._now()))
+            self._marks.append(Mark(label, 0, 0, self._now(), host.work_seconds()))
 
     def marks(self) -> list[Mark]:
         if self._events:

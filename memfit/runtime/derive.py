@@ -52,7 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitWarning
 from memfit.runtime.derive_forward import Forward, Learn, Replay
-from memfit.runtime.derive_plan import Plan, unpack
+from memfit.runtime.derive_plan import Plan, unpack_hook
 from memfit.runtime.threads import PerThread, Weak, raising, recomputing
 from memfit.torch_private import on_top, saved_tensors_hooks_active
 
@@ -204,7 +204,7 @@ class Derive(PerThread):
         fwd: Forward = Replay(plan) if isinstance(plan, Plan) else Learn(self.level, _tensors(owner), plan is _LEARN)
         self.derived_bytes = fwd.derived_bytes
         self._tls.fwd = (key, fwd)
-        hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(fwd.packer, unpack_hook)
         hooks.__enter__()
         self._open.append(hooks)
         if isinstance(fwd, Learn):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError
+from memfit.measure.host import Work
 from memfit.runtime.derive_rng import Fill, RngAt, digest
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset
@@ -129,8 +130,9 @@ class Recipe:
                     raise MemfitError(
                         f"an input of {self.func} that memfit re-derives in the backward was changed in place "
                         "after the forward used it; plan this unit without the derive option")
-            args, kwargs = _rebuild([unpack(a) for a in self.args[0]], self.args[1])
-            out = self.func(*args, **kwargs)
+            with Work():  # the option's own work, which the profiler prices it from
+                args, kwargs = _rebuild([unpack(a) for a in self.args[0]], self.args[1])
+                out = self.func(*args, **kwargs)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             if (tuple(outs[0].shape), outs[0].stride()) != self.out[:2]:
                 raise MemfitError(f"{self.func} re-derived a tensor of another layout; plan without derive")
@@ -176,6 +178,12 @@ class _View:
 
 def unpack(obj: Any) -> Any:
     return obj.unpack() if isinstance(obj, (Derived, _View)) else obj
+
+
+def unpack_hook(obj: Any) -> Any:
+    """The unpack hook: ``unpack``, timed as the option's own work (measure/host.Work)."""
+    with Work():
+        return unpack(obj)
 
 
 @dataclass(slots=True)

@@ -115,6 +115,7 @@ class Stretch:
     peak: int  # above the level at the first mark
     end: int  # level change to the second mark
     seconds: float
+    work_s: float = 0.0  # of ``seconds``, the options' own work (``measure/host.Work``; a real CPU clock's)
 
 
 def recorded_step(
@@ -148,7 +149,8 @@ def stretches(marks: list[Mark]) -> list[Stretch]:
         raise MemfitError("the profiled step was not recorded whole (marks are missing)")
     out = []
     for a, b in itertools.pairwise(marks):
-        out.append(Stretch(a.label, b.peak - a.level, b.level - a.level, b.time_s - a.time_s))
+        out.append(Stretch(a.label, b.peak - a.level, b.level - a.level, b.time_s - a.time_s,
+                           b.work_s - a.work_s))
     return out
 
 

@@ -67,7 +67,7 @@ from torch.utils.checkpoint import noop_context_fn as _noop
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
-from memfit.measure.host import UnderDispatchMode
+from memfit.measure.host import UnderDispatchMode, Work
 from memfit.measure.step import packed
 from memfit.runtime.op_sets import OP_SETS, keep
 from memfit.runtime.threads import PerThread, Recomputing, Weak, opened_regions, raising, recomputing
@@ -278,7 +278,7 @@ class Region(PerThread):
 
     def _recompute(self, calls: list[_Call], kwargs: dict[str, Any]) -> Callable[..., None]:
         def run(*args: Any) -> None:
-            with Recomputing(self._tls):
+            with Recomputing(self._tls), Work():
                 out: Any = None
                 for i, call in enumerate(calls):
                     if i == 0:
