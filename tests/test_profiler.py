@@ -339,7 +339,7 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     """The recompute times add up so that predicting 'every unit checkpointed' gives the median
     ratio of adjacent plain and all-checkpointed steps, and units share it by forward time."""
     from memfit.measure.timing import alternate, ratio_uncertainty
-    from memfit.profiler.costs import recompute_factor
+    from memfit.profiler.costs import overhead, recompute_factor
     from memfit.runtime.marks import Stretch
 
     def run(fwd: list[float], bwd: list[float], rest: float) -> list[Stretch]:
@@ -351,7 +351,7 @@ def test_recompute_calibrated_to_measured_all_checkpointed_overhead():
     plain = [run([1.0 * s, 3.0 * s], [2.0 * s, 6.0 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
     full = [run([1.0 * s, 3.0 * s], [3.05 * s, 9.15 * s], 2.0 * s) for s in (1.0, 2.0, 1.0, 2.0, 1.5)]
     steps = [[sum(s.seconds for s in r) for r in runs] for runs in (plain, full)]
-    factor, uncertainty = recompute_factor(plain, full, ratio_uncertainty(*steps))
+    factor, uncertainty = recompute_factor(plain, overhead(plain, full, ratio_uncertainty(*steps)))
     step, forward = 14.0 * 1.5, 4.0 * 1.5  # medians
     assert factor * forward / step == pytest.approx(0.3)
     assert uncertainty == pytest.approx(0.0)  # every round's ratio was the same: the drift cancels

@@ -270,3 +270,108 @@ def test_cuda_marks_are_timed_by_events_read_once_after_the_step(monkeypatch):
     assert [(m.label, m.time_s) for m in marks] == [("forward", 0.0), ("fwd:0", 0.0025), ("bwd:0", 0.007),
                                                     ("done", 0.0075)]
     assert recorder.marks() == marks and syncs == ["sync"]  # read once
+
+
+def test_an_options_own_work_is_timed_in_the_stretches_of_the_unit_that_does_it():
+    """The profiler prices an option from the time of its own work (measure/host.Work, read at
+    every mark by a CPU clock): a region's forward run again, in the backward of its unit; derive's
+    hooks in its unit's forward and backward and its re-derived tensors' ops in the backward. A
+    plain step counts none, ``full`` none in a forward, and nothing is counted while no clock
+    reads it."""
+    from memfit.measure import host
+    from memfit.measure.step import Inputs, default_loss, training_step
+    from memfit.runtime.harness import StepHarness
+    from memfit.runtime.marks import stretches
+    from memfit.trainstep import step_of
+    from memfit.units import find_units
+
+    model, batch = tiny_gpt()
+    names = find_units(model, "auto")
+    harness = StepHarness(model, Inputs.of(batch), loss_fn=default_loss, step=step_of(None, "adamw"))
+    with harness.restoring(weights=True):
+        state = harness.new_state()
+        counted: dict[str, list] = {}
+        for option in (KEEP, FULL, Derive()):
+            with harness.options({n: option for n in names}):
+                training_step(model, harness.inputs, default_loss, state)  # derive learns its plan here
+                counted[str(option)] = stretches(harness.marked_step(state, names, "time"))
+        assert host.work_seconds() == 0.0  # no clock counts now: the runtime's sections cost a read
+        training_step(model, harness.inputs, default_loss, state)
+        assert host.work_seconds() == 0.0
+    assert all(s.work_s == 0.0 for s in counted["none"])
+    full, derive = counted["full"], counted["derive"]
+    assert all(s.work_s == 0.0 for s in full if not s.label.startswith("bwd:"))
+    for i in range(len(names)):  # each unit's own, inside its stretches, and less than them
+        for run, where in ((full, f"bwd:{i}"), (derive, f"fwd:{i}"), (derive, f"bwd:{i}")):
+            own = next(s for s in run if s.label == where)
+            assert 0.0 < own.work_s < own.seconds, (where, own)
+    # derive's last unit also re-derives the tail (the final norm's output) where the backward starts
+    assert next(s for s in derive if s.label == "backward").work_s > 0
+    # recomputing a block's whole forward takes longer than re-deriving its norms' and GELU's outputs
+    assert sum(s.work_s for s in full) > sum(s.work_s for s in derive if s.label.startswith("bwd:"))
+
+
+def test_overheads_are_drawn_to_the_own_work_time_where_the_step_is_unsure():
+    """costs.blended: overheads that agree with k x their own work's time (plus h a unit) within
+    their noise are priced on that fit (weighted least squares), with the fit's smaller uncertainty; an option
+    off the fit far beyond its noise, while the others agree, keeps most of its measurement; too
+    few rounds, or nothing recomputed anywhere, leave the overheads as measured."""
+    from memfit.profiler.costs import Overhead, blended
+
+    # noise of +-10 (two standard errors) around 1.1 x the recompute time
+    found = [Overhead(1.1 * d + e, 10.0, d) for d, e in [(100, 3), (20, -4), (50, 2), (5, 1), (70, -2)]]
+    slope = sum(o.seconds * o.work_s for o in found) / sum(o.work_s ** 2 for o in found)
+    priced = blended(found)
+    assert [p.seconds for p in priced] == pytest.approx([slope * o.work_s for o in found])
+    assert slope == pytest.approx(1.1, abs=0.02)
+    assert all(0 < p.uncertainty_s < 10.0 for p in priced)
+    assert priced[1].uncertainty_s < priced[0].uncertainty_s  # the fit's uncertainty scales with the time
+
+    # one option costs 40 more than its work's time (a dispatch mode's every op, say): not priced away
+    odd = [*found[:3], Overhead(1.1 * 30 + 40, 10.0, 30), *found[3:]]
+    kept = blended(odd)[3]
+    assert kept.seconds > 1.1 * 30 + 25 and kept.uncertainty_s <= 10.0 * 1.01
+
+    # every option also costs 2 a unit beside its work (module hooks, say), options on 6 or 3 units
+    each = [Overhead(1.1 * o.work_s + 2 * n + e, 10.0, o.work_s, n)
+            for o, n, e in zip(found, (6, 6, 3, 6, 3), (1, -1, 0.5, -0.5, 0), strict=True)]
+    fitted = blended(each)
+    assert {(round(p.slope, 1), round(p.per_unit_s)) for p in fitted} == {(1.1, 2)}
+    assert [p.seconds for p in fitted] == pytest.approx([1.1 * o.work_s + 2 * o.units for o in each], abs=1.5)
+
+    assert blended([Overhead(o.seconds, math.nan, o.work_s) for o in found]) == \
+        [Overhead(o.seconds, math.nan, o.work_s) for o in found]  # too few rounds to tell
+    assert blended([Overhead(o.seconds, 10.0, 0.0) for o in found]) == \
+        [Overhead(o.seconds, 10.0, 0.0) for o in found]  # estimate mode's clock: no work timed
+
+
+def test_a_fine_profile_prices_its_options_from_their_own_work(monkeypatch):
+    """profile() hands every option but the op sets to costs.blended, ``full`` first, each with the
+    time of its steps' own work; ``full``'s factor is made from the blended overhead."""
+    from memfit.policy import Selective
+    from memfit.profiler import costs
+
+    seen: list[list] = []
+    out: list[list] = []
+
+    def spy(found):
+        seen.append(list(found))
+        out.append(costs.blended.__wrapped__(found))
+        return out[-1]
+
+    spy.__wrapped__ = costs.blended
+    monkeypatch.setattr(costs, "blended", spy)
+    factors: list[tuple] = []
+    factor = costs.recompute_factor
+    monkeypatch.setattr(costs, "recompute_factor", lambda plain, full: factors.append((full, factor(plain, full)))
+                        or factors[-1][1])
+    model, inputs = tiny_gpt()
+    prof = memfit.profile(model, inputs, repeat=3, granularity="fine")
+    assert len(seen) == 1
+    finer = [o for o in dict.fromkeys(o for u in prof.units for o in u.options) if o not in (KEEP, FULL)]
+    recomputing = [o for o in finer if not isinstance(o, Selective)]
+    assert len(seen[0]) >= 1 + len(recomputing) and len(recomputing) >= 3
+    assert all(o.work_s > 0 for o in seen[0])  # every option did work of its own, full included
+    (full, (made, sure)), = factors
+    assert full is out[0][0] and made == prof.recompute_factor
+    assert sure == pytest.approx(prof.units[0].options[FULL].recompute_uncertainty_s / prof.units[0].fwd_s)

@@ -29,7 +29,7 @@ from memfit.measure.step import (
     storage_bytes,
     training_step,
 )
-from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties
+from memfit.measure.timing import alternate, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES
 from memfit.policy import COARSE, FULL, KEEP, Children, Derive, Option, Policy, Selective
@@ -161,14 +161,17 @@ def profile(
     full_sure, *finer_sure = ratio_uncertainties([costs.seconds(r) for r in times],
                                                  [[costs.seconds(r) for r in runs] for runs in (full_times, *rest)])
     pair_sure = finer_sure.pop() if pairs else math.nan
+    under = [sum(p == o for p in configs[o].values()) for o in options[1:]]
+    full, *finer_overheads = costs.overheads(times, [full_times, *finer_times], [full_sure, *finer_sure], under,
+                                             options[1:])
     prof = _assemble(model, names, inp, state, harness.device, memory, times, facts, baseline, state_bytes,
-                     costs.recompute_factor(times, full_times, full_sure), measured, per_step, groups)
+                     costs.recompute_factor(times, full), measured, per_step, groups)
     if pairs:
         costs.add_members(prof, pairs, times, pair_times, pair_sure, measured, per_step)
     scale = per_step / measured
-    for option, runs, sure in zip(options[len(COARSE):], finer_times, finer_sure, strict=True):
+    for option, runs, found in zip(options[len(COARSE):], finer_times, finer_overheads, strict=True):
         _add_option(prof, option, [n in finer and option in finer[n] for n in names], memory[option], memory[KEEP],
-                    times, runs, scale, facts.saved_casts, groups, sure)
+                    times, runs, scale, facts.saved_casts, groups, found)
     _prune(prof)
     return prof
 
@@ -331,21 +334,17 @@ def _cumulative(run: list[Stretch]) -> list[Stretch]:
 
 def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Stretch], plain_memory: list[Stretch],
                 plain: list[list[Stretch]], runs: list[list[Stretch]], scale: float, saved_casts: list[int],
-                groups: list[int], sure: float) -> None:
+                groups: list[int], found: costs.Overhead) -> None:
     """A finer option's costs, for the units that ``has`` it, from the step that ran them all so;
     ``_prune`` then drops it where another option dominates it.
 
-    Its recompute time is the step's measured overhead over the plain step (interleaved, as for
-    ``full``), shared among the units by how much longer each structure's forward and backward
-    took, in the same round (an op set costs in the forward too, where its dispatch mode runs),
-    or by the cost model where that is noise (``costs.shares``); ``scale``: a whole step's runs
-    of each unit over the measured ones; ``sure``: the overhead's uncertainty, a ratio to the
-    plain step (``timing.ratio_uncertainties``)."""
+    Its recompute time is ``found`` (``costs.overheads``), shared among the units by the time each
+    structure spent in its own work in its forward and backward, or where none was (an op set; estimate mode)
+    by how much longer they took, or the cost model where that is noise (``costs.shares``);
+    ``scale``: a whole step's runs of each unit over the measured ones."""
     index = {s.label: k for k, s in enumerate(memory)}
-    steps, option_steps = [costs.seconds(r) for r in plain], [costs.seconds(r) for r in runs]
-    measured_s = statistics.median(steps)
-    extra = max(0.0, median_ratio(steps, option_steps) - 1.0) * measured_s * scale
-    uncertainty_s = 0.0 if math.isnan(sure) else sure * measured_s * scale
+    extra = max(0.0, found.seconds) * scale
+    uncertainty_s = 0.0 if math.isnan(found.uncertainty_s) else found.uncertainty_s * scale
     where = timeline.Runs.of(memory, len(prof.units))
     released = timeline.releases(plain_memory, memory, has, saved_casts)
 
@@ -353,12 +352,12 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
     # the last unit's derive re-derives after it too (a whole unit's: a child's has no tail)
     tail = isinstance(option, Derive) and not option.child and has[last]
 
+    def stretches_of(j: int) -> list[int]:  # unit j's forward and backward (the last one's tail too)
+        after, before = timeline.tail_phases(prof.phases, j) if tail and j == last else ([], [])
+        return [index[f"fwd:{j}"], index[f"bwd:{j}"], *after[:1], *before[:1]]
+
     def longer(j: int) -> list[float]:  # per round: this option's forward and backward less the plain ones
-        ks = [index[f"fwd:{j}"], index[f"bwd:{j}"]]
-        if tail and j == last:
-            after, before = timeline.tail_phases(prof.phases, j)
-            ks += after[:1] + before[:1]
-        return [sum(r[k].seconds for k in ks) - sum(p[k].seconds for k in ks) for r, p in zip(runs, plain, strict=True)]
+        return [sum(r[k].seconds - p[k].seconds for k in stretches_of(j)) for r, p in zip(runs, plain, strict=True)]
 
     units = [j for j in range(len(prof.units)) if has[j]]
     frees = timeline.option_frees(memory, plain_memory, prof.phases, has,
@@ -374,7 +373,11 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
         figures = {j: dataclasses.astuple(made[j]) for j in units}
         own = {(groups[j], figures[j]): k for k, j in enumerate(units)}
         groups = [len(groups) + own[groups[j], figures[j]] if j in made else g for j, g in enumerate(groups)]
-    share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
+    if found.work_s > 0 and not isinstance(option, Selective):  # per round: unit j's share of the work
+        share = costs.shares_by_work({j: [sum(r[k].work_s for k in stretches_of(j)) for r in runs]
+                                         for j in units}, groups, found)
+    else:
+        share = costs.shares({j: longer(j) for j in units}, {j: prof.units[j].fwd_s for j in units}, groups)
     for j in units:
         made[j].recompute_s, made[j].recompute_uncertainty_s = extra * share[j], uncertainty_s * share[j]
         prof.units[j].options[option] = made[j]

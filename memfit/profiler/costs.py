@@ -1,18 +1,24 @@
 """Option times that hold on a shared machine.
 
-A step's overhead is measured well (whole steps, interleaved: measure/timing.py); how it splits
-among the units is not: one unit's forward and backward run a few milliseconds longer, and on a
-shared 2-core machine the difference is mostly noise (one option was priced 0.0 to 9.6 ms over
-eight blocks of the same shape). So:
+A step's overhead is measured without bias (whole steps, interleaved: measure/timing.py), but
+with the whole step's noise, as much as a block's option on a shared 2-core machine; how it
+splits among the units is worse: one unit's forward and backward run a few milliseconds longer,
+and the difference is mostly noise (one option was priced 0.0 to 9.6 ms over eight blocks of the
+same shape). The time an option's own work takes in a step (recomputing, and derive's hooks),
+timed where it runs (``measure/host.Work``, on a CPU clock), has its own small noise. So:
 
-- units of one **structure** (class, parameter shapes and dtypes, input, saved and output bytes)
+- each option's overhead is drawn toward a fit to its work's time where its own measurement is
+  unsure (``blended``), and shared among the units by the time each structure worked
+  (``shares_by_work``);
+- where no work was timed (an op set, whose cost is its dispatch modes; estimate mode):
+  units of one **structure** (class, parameter shapes and dtypes, input, saved and output bytes)
   pool their samples: every member, every round, one median, one cost each;
-- a structure whose measured difference is within its own noise is priced by a model
+  a structure whose measured difference is within its own noise is priced by a model
   **calibrated** on the structures above it: its share is its forward time times the
   measured overhead per forward second of those (all of them by forward time if none is);
 - every cost keeps its **uncertainty** (``OptionCost.recompute_uncertainty_s``): that of the
   step's measured overhead (``timing.ratio_uncertainties``: its own, never below that of all the
-  options timed in the same rounds pooled), split as the cost is.
+  options timed in the same rounds pooled), or the blended one's, split as the cost is.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ import math
 import statistics
 import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 from torch import nn
 
 from memfit.errors import NoisyTimesWarning
 from memfit.formats.profile import Profile
 from memfit.measure.timing import iqr, median_ratio
-from memfit.policy import FULL, Policy, Segment
+from memfit.policy import FULL, Option, Policy, Segment, Selective
 from memfit.profiler.saved import UnitFacts
 from memfit.runtime.marks import Stretch
 
@@ -110,14 +118,105 @@ def shares(longer: dict[int, list[float]], forward_s: dict[int, float], groups: 
     return {j: w / total if total > 0 else 1 / len(weight) for j, w in weight.items()}
 
 
+def shares_by_work(work: dict[int, list[float]], groups: list[int], found: Overhead) -> dict[int, float]:
+    """Each unit's fraction of an option's overhead (``found``) by the time of its own work
+    (``work[j]``: per round) as ``blended`` fitted it, with what each unit costs beside it, pooled
+    by structure as ``shares`` pools."""
+    by = _members(groups, work)
+    fixed = found.per_unit_s / found.slope if found.slope > 0 else 0.0  # in seconds of work
+    mid = {g: max(0.0, statistics.median(x for j in members for x in work[j]) + fixed) for g, members in by.items()}
+    total = sum(mid[groups[j]] for j in work)
+    return {j: mid[groups[j]] / total if total > 0 else 1 / len(work) for j in work}
+
+
 def seconds(run: list[Stretch]) -> float:
     return sum(s.seconds for s in run)
 
 
-def recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]], sure: float) -> tuple[float, float]:
+@dataclass(frozen=True, slots=True)
+class Overhead:
+    """What an option added to the step, in a measured step's seconds."""
+
+    seconds: float  # (the median ratio of its steps to the plain ones, interleaved) - 1, times the plain step
+    uncertainty_s: float  # two standard errors of ``seconds``; NaN: too few rounds to tell
+    work_s: float = 0.0  # of its steps, the median time of the option's own work (``measure/host.Work``)
+    units: int = 0  # how many units ran it
+    slope: float = 1.0  # ``blended``'s fit: seconds of overhead per second of work,
+    per_unit_s: float = 0.0  # and per unit that ran it
+
+
+def overhead(plain: list[list[Stretch]], runs: list[list[Stretch]], sure: float, units: int = 0) -> Overhead:
+    """The overhead of the option that ran ``runs`` on ``units`` units, interleaved with ``plain``;
+    ``sure``: the ratio's uncertainty (``timing.ratio_uncertainties``)."""
+    steps = [seconds(r) for r in plain]
+    step_s = statistics.median(steps)
+    return Overhead((median_ratio(steps, [seconds(r) for r in runs]) - 1.0) * step_s, sure * step_s,
+                    statistics.median(worked(r) for r in runs), units)
+
+
+def worked(run: list[Stretch]) -> float:
+    return sum(s.work_s for s in run)
+
+
+def blended(found: Sequence[Overhead]) -> list[Overhead]:
+    """Each option's overhead, drawn toward a fit to the time of its own work where the step's
+    difference is unsure: an empirical-Bayes estimate (docs/timing.md, "Prices from the options'
+    own work").
+
+    A step's measured overhead is unbiased but carries the whole step's noise (on a shared 2-core
+    machine ±1 to ±2% of a step: as much as a block's option); the option's own work (recomputing,
+    derive's hooks), timed where it runs, has its own small noise, but leaves out what else the
+    option changes (the module hooks, the backward's caches, the allocator). So the overheads are
+    fitted as ``k`` times the work's time plus ``h`` per unit that ran the option (weighted least
+    squares over the options, ``full`` among them; ``k`` came out 0.99 to 1.02 on nanoGPT,
+    vit-tiny and cnn-mixed, ``h`` 0 to 0.9 ms a block); what each overhead is off that fit beyond
+    its own noise estimates how much options really differ from it (``tau²``, the
+    DerSimonian-Laird moment estimate for a regression); each option's price is the fit plus its
+    own difference shrunk by ``tau² / (tau² + its variance)``. A noisy overhead of an option like
+    the others is priced near the fit; one measured sure, or of an option that really differs,
+    keeps its measurement.
+    Options with too few rounds, or no work timed anywhere (estimate mode's clock), keep their
+    overheads as measured; a fit of fewer than four options has no ``h``."""
+    rows = [k for k, o in enumerate(found) if math.isfinite(o.uncertainty_s)]
+    if len(rows) < 2 or not any(found[k].work_s > 0 for k in rows):
+        return list(found)
+    y = np.array([found[k].seconds for k in rows])
+    var = np.array([max(found[k].uncertainty_s / 2, 1e-7) ** 2 for k in rows])  # one standard error, squared
+    w = 1 / var
+    x = np.array([[found[k].work_s, found[k].units] for k in rows], dtype=float)
+    if len(rows) <= 3 or np.linalg.matrix_rank(x.T @ (x * w[:, None])) < 2:
+        x = x[:, :1]  # too few options for a cost per unit, or every option ran on as many units as its work says
+    inv = np.linalg.inv(x.T @ (x * w[:, None]))
+    beta = inv @ (x.T @ (w * y))
+    apart = y - x @ beta
+    q = float(w @ apart ** 2)
+    c = float(w.sum() - np.trace(inv @ (x.T @ (x * (w ** 2)[:, None]))))
+    tau2 = max(0.0, (q - (len(rows) - x.shape[1])) / c) if c > 0 else 0.0
+    k, h = float(beta[0]), float(beta[1]) if x.shape[1] > 1 else 0.0
+    out = list(found)
+    for i, n in enumerate(rows):
+        b = tau2 / (tau2 + var[i])
+        fit = float(x[i] @ beta)
+        spread = b * var[i] + (1 - b) ** 2 * float(x[i] @ inv @ x[i])  # its own, and the fit's
+        out[n] = Overhead(fit + b * apart[i], 2 * math.sqrt(spread), found[n].work_s, found[n].units, k, h)
+    return out
+
+
+def overheads(plain: list[list[Stretch]], runs: list[list[list[Stretch]]], sure: list[float],
+              units: list[int], options: list[Option]) -> list[Overhead]:
+    """Each option's overhead over the plain step (``full`` first; ``units``: how many units ran
+    each), drawn toward the time of its own work (``blended``). Op sets keep theirs as measured:
+    their dispatch modes cost over every op of the region, which no timed section shows."""
+    found = [overhead(plain, r, u, n) for r, u, n in zip(runs, sure, units, strict=True)]
+    working = [k for k, o in enumerate(options) if not isinstance(o, Selective)]
+    for k, o in zip(working, blended([found[k] for k in working]), strict=True):
+        found[k] = o
+    return found
+
+
+def recompute_factor(plain: list[list[Stretch]], full: Overhead) -> tuple[float, float]:
     """Recompute time of the units over their own forward time, such that checkpointing every
-    unit costs the overhead measured for it, and its uncertainty (the overhead's, ``sure``, from
-    ``ratio_uncertainties``; 0 where too few rounds tell it).
+    unit costs the overhead measured for it (``full``: as ``blended``), and its uncertainty.
 
     Recomputing a forward inside backward is not exactly as dear as the first forward (no
     tensors are saved, memory is reused, hooks and RNG handling add a little), so the forward
@@ -129,10 +228,7 @@ def recompute_factor(plain: list[list[Stretch]], full: list[list[Stretch]], sure
                   for k, s in enumerate(plain[0]) if s.label.startswith("fwd:"))
     if forward <= 0:
         return 1.0, 0.0
-    steps, full_steps = [seconds(r) for r in plain], [seconds(r) for r in full]
-    overhead = median_ratio(steps, full_steps) - 1.0
-    step_s = statistics.median(steps)
-    return _bounded(overhead * step_s / forward), 0.0 if math.isnan(sure) else sure * step_s / forward
+    return _bounded(full.seconds / forward), 0.0 if math.isnan(full.uncertainty_s) else full.uncertainty_s / forward
 
 
 FACTOR_BOUNDS = (0.25, 2.0)  # a recompute factor beyond these is a noisy measurement's, not a unit's
