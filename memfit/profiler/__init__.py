@@ -373,7 +373,7 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
         figures = {j: dataclasses.astuple(made[j]) for j in units}
         own = {(groups[j], figures[j]): k for k, j in enumerate(units)}
         groups = [len(groups) + own[groups[j], figures[j]] if j in made else g for j, g in enumerate(groups)]
-    if found.work_s > 0 and not isinstance(option, Selective):  # per round: unit j's share of the work
+    if found.work_s > 0:  # per round: unit j's share of the work
         share = costs.shares_by_work({j: [sum(r[k].work_s for k in stretches_of(j)) for r in runs]
                                          for j in units}, groups, found)
     else:

@@ -27,7 +27,7 @@ import math
 import statistics
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from torch import nn
@@ -139,7 +139,7 @@ class Overhead:
 
     seconds: float  # (the median ratio of its steps to the plain ones, interleaved) - 1, times the plain step
     uncertainty_s: float  # two standard errors of ``seconds``; NaN: too few rounds to tell
-    work_s: float = 0.0  # of its steps, the median time of the option's own work (``measure/host.Work``)
+    work_s: float = 0.0  # of its steps, the median time of the option's own work (``measure/host.Work``; op sets: 0)
     units: int = 0  # how many units ran it
     slope: float = 1.0  # ``blended``'s fit: seconds of overhead per second of work,
     per_unit_s: float = 0.0  # and per unit that ran it
@@ -177,13 +177,13 @@ def blended(found: Sequence[Overhead]) -> list[Overhead]:
     keeps its measurement.
     Options with too few rounds, or no work timed anywhere (estimate mode's clock), keep their
     overheads as measured; a fit of fewer than four options has no ``h``."""
-    rows = [k for k, o in enumerate(found) if math.isfinite(o.uncertainty_s)]
-    if len(rows) < 2 or not any(found[k].work_s > 0 for k in rows):
+    rows = [n for n, o in enumerate(found) if math.isfinite(o.uncertainty_s)]
+    if len(rows) < 2 or not any(found[n].work_s > 0 for n in rows):
         return list(found)
-    y = np.array([found[k].seconds for k in rows])
-    var = np.array([max(found[k].uncertainty_s / 2, 1e-7) ** 2 for k in rows])  # one standard error, squared
+    y = np.array([found[n].seconds for n in rows])
+    var = np.array([max(found[n].uncertainty_s / 2, 1e-7) ** 2 for n in rows])  # one standard error, squared
     w = 1 / var
-    x = np.array([[found[k].work_s, found[k].units] for k in rows], dtype=float)
+    x = np.array([[found[n].work_s, found[n].units] for n in rows], dtype=float)
     if len(rows) <= 3 or np.linalg.matrix_rank(x.T @ (x * w[:, None])) < 2:
         x = x[:, :1]  # too few options for a cost per unit, or every option ran on as many units as its work says
     inv = np.linalg.inv(x.T @ (x * w[:, None]))
@@ -205,13 +205,15 @@ def blended(found: Sequence[Overhead]) -> list[Overhead]:
 def overheads(plain: list[list[Stretch]], runs: list[list[list[Stretch]]], sure: list[float],
               units: list[int], options: list[Option]) -> list[Overhead]:
     """Each option's overhead over the plain step (``full`` first; ``units``: how many units ran
-    each), drawn toward the time of its own work (``blended``). Op sets keep theirs as measured:
-    their dispatch modes cost over every op of the region, which no timed section shows."""
+    each), drawn toward the time of its own work (``blended``). Op sets keep theirs as measured,
+    with no work: their dispatch modes cost over every op of the region, which no timed section
+    shows."""
     found = [overhead(plain, r, u, n) for r, u, n in zip(runs, sure, units, strict=True)]
     working = [k for k, o in enumerate(options) if not isinstance(o, Selective)]
+    out = [replace(o, work_s=0.0) for o in found]  # what stays so: the op sets
     for k, o in zip(working, blended([found[k] for k in working]), strict=True):
-        found[k] = o
-    return found
+        out[k] = o
+    return out
 
 
 def recompute_factor(plain: list[list[Stretch]], full: Overhead) -> tuple[float, float]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memfit.measure.host import Work
+from memfit.measure.host import timed
 from memfit.measure.step import packed, storage_key
 from memfit.runtime.derive_plan import Bind, Derived, Leaf, Plan, Step, SubRef, Template, history, template_of
 from memfit.runtime.derive_rng import Fill, RngAt, rng_state
@@ -30,9 +30,11 @@ class Forward:
     def packer(self, t: torch.Tensor) -> Any:
         """The pack hook: ``pack``'s answer, a tensor it keeps as ``packed`` keeps it; the option's
         own work, which the profiler prices it from (measure/host.Work)."""
-        with Work():
-            out = t if self.aside else self.pack(t)
-            return packed(out) if isinstance(out, torch.Tensor) else out
+        return timed(self._packed, t)
+
+    def _packed(self, t: torch.Tensor) -> Any:
+        out = t if self.aside else self.pack(t)
+        return packed(out) if isinstance(out, torch.Tensor) else out
 
     def close(self) -> None:
         self.bind = Bind([])

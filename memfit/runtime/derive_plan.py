@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from memfit.errors import MemfitError
-from memfit.measure.host import Work
+from memfit.measure.host import Work, timed
 from memfit.runtime.derive_rng import Fill, RngAt, digest
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset
@@ -182,8 +182,7 @@ def unpack(obj: Any) -> Any:
 
 def unpack_hook(obj: Any) -> Any:
     """The unpack hook: ``unpack``, timed as the option's own work (measure/host.Work)."""
-    with Work():
-        return unpack(obj)
+    return timed(unpack, obj)
 
 
 @dataclass(slots=True)
