@@ -227,7 +227,8 @@ def test_derive_projections_and_all_re_derive_products_with_weights(build, token
     three per-head copies (their bytes, three widths; its product, three). Exactly those bytes and
     those products, predicted = measured, and the plain model's losses, gradients and buffers in a
     user's loop. The last block's tail (runtime/derive.py) re-derives the final norm's saved input,
-    the block's output, from its MLP's down-projection (four widths in: ``tail`` products)."""
+    the block's output, from its MLP's down-projection (four widths in: ``tail`` products) under
+    ``derive:all`` only: ``derive:projections`` runs no product whose sum is wider than the block."""
 
     model, batch = build()
     names = find_units(model, "auto")
@@ -235,9 +236,9 @@ def test_derive_projections_and_all_re_derive_products_with_weights(build, token
     one = 2 * tokens * width * 4  # batch x tokens x width, float32
     assert shed["derive:projections"] - shed["derive:products"] == projections * one
     product = 2 * (2 * tokens) * width * width  # batch x tokens rows, width x width weight
-    assert flops["derive:projections"] - flops["derive:products"] == (len(names) * projections + tail) * product
+    assert flops["derive:projections"] - flops["derive:products"] == len(names) * projections * product
     assert shed["derive:all"] - shed["derive:projections"] == rest * one
-    assert flops["derive:all"] - flops["derive:projections"] == len(names) * rest * product
+    assert flops["derive:all"] - flops["derive:projections"] == (len(names) * rest + tail) * product
     prof = memfit.profile(model, batch, units=names, repeat=1, granularity="fine")
     assert {parse("derive:projections"), parse("derive:all")} <= set(prof.units[0].options)
     policies = {names[0]: parse("derive:projections"), names[1]: parse("derive:all"), names[2]: FULL}
@@ -257,9 +258,10 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     keeps the rotated q and k, made by RoPE's ``x * cos + cat(-x2, x1) * sin`` from the
     projections' outputs; ``derive:projections`` re-derives them through the ``cat`` from the norm
     output (and v, and the residual sum from the output projection), so the four projections run
-    again (their FLOPs exactly) and their bytes go, with the plain model's losses, gradients and
-    buffers in a user's loop. The last block's output goes too, re-derived in the final norm's
-    backward (its tail)."""
+    again (their FLOPs exactly, grouped k and v too: their sums run over the block's width) and
+    their bytes go, with the plain model's losses, gradients and buffers in a user's loop. The MLP's
+    down-projection (8/3 widths in) does not run again, not even for the last block's output,
+    which the final norm keeps (its tail: under ``derive:all``)."""
 
     pytest.importorskip("transformers")
     from memfit import hf
@@ -272,10 +274,7 @@ def test_derive_projections_re_derives_llamas_rotated_q_and_k():
     # q's width, k's and v's, and the output projection's (the residual sum the second norm keeps)
     rows, widths = batch_size * tokens, width + 2 * kv * width // heads + width
     assert shed["derive:projections"] - shed["derive:products"] == rows * widths * 4  # float32
-    # and the last block's tail: the final norm's saved input, the block's output, from the MLP's
-    # down-projection (8/3 widths in)
-    tail = 2 * rows * (width * 8 // 3) * width
-    assert flops["derive:projections"] - flops["derive:products"] == len(names) * 2 * rows * width * widths + tail
+    assert flops["derive:projections"] - flops["derive:products"] == len(names) * 2 * rows * width * widths
     twin = copy.deepcopy(model)
     set_policies(twin, dict.fromkeys(names, parse("derive:projections")))
     _assert_identical(_run(copy.deepcopy(model), batch), _run(twin, batch))

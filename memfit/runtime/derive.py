@@ -182,16 +182,16 @@ class Derive(PerThread):
             fwd = self._tls.fwd[1]
             if on_top(fwd.packer, fwd.watch if isinstance(fwd, Learn) else None):
                 if isinstance(fwd, Learn):
-                    fwd.watch.level, fwd.entered = self.level, fwd.watch.seq
+                    fwd.watch.level, fwd.watch.width, fwd.entered = self.level, _width(args, kwargs), fwd.watch.seq
                 return
             fwd.aside = True  # something opened inside the head's hooks: they close with the root's forward
             return
         tail, self._tls.tail = getattr(self._tls, "tail", None), None
         self._exit(tail, None, True)  # a tail still open ends where the unit runs again
         root = getattr(self._tls, "root", None) if self.tail else None
-        self._open_forward((_signature(module, args, kwargs), root))
+        self._open_forward((_signature(module, args, kwargs), root), width=_width(args, kwargs))
 
-    def _open_forward(self, key: Any, head: bool = False) -> bool:
+    def _open_forward(self, key: Any, head: bool = False, width: int | None = None) -> bool:
         """Open a forward of the unit's (its hooks, and the watch while it learns) for ``key``'s
         plan, from the root's forward pre-hook for a ``head``; one that runs in the root's forward
         too (a head, a tail) takes the root's parameters."""
@@ -209,7 +209,7 @@ class Derive(PerThread):
         self._open.append(hooks)
         if isinstance(fwd, Learn):
             fwd.head = head
-            fwd.watch.level = 0 if head else self.level
+            fwd.watch.level, fwd.watch.width = 0 if head else self.level, width
             fwd.watch.__enter__()
             self._open.append(fwd.watch)
         return True
@@ -256,6 +256,13 @@ def _tensors(unit: nn.Module) -> list[tuple[torch.Tensor, Weak, str, str]]:
                     seen.add(id(t))
                     out.append((t, Weak(m), kind, name))
     return out
+
+
+def _width(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The unit's width: its first tensor input's last dimension (a block's hidden size), where
+    that input has two dimensions or more."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return first.shape[-1] if first is not None and first.dim() >= 2 else None
 
 
 def _signature(unit: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

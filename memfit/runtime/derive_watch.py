@@ -31,6 +31,7 @@ _PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
 # levels 2 and 3: products with a weight (a projection from a norm's output that is itself
 # re-derived), what the compiler's partitioner recomputes at small budgets (q, k, v in a ViT block)
 _WEIGHT_PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+_ADDS_PRODUCT = {_aten.addmm.default, _aten.baddbmm.default}  # (bias, left, right)
 # what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
 _MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
           _aten.tril.default, _aten.triu.default}
@@ -119,6 +120,7 @@ class OpWatch(TorchDispatchMode):
     def __init__(self, level: int, params: set[int]) -> None:
         super().__init__()
         self.level = level  # policy.Derive's: 1 products, 2 attention's projections, 3 every product with a weight
+        self.width: int | None = None  # the unit's input's last dimension, where it has one (``_projects``)
         self.params = params  # the unit's parameters' and buffers' storages
         self.made: dict[int, _Made] = {}
         self.written: dict[int, int] = {}  # storage -> when an op last wrote into it in place
@@ -154,17 +156,25 @@ class OpWatch(TorchDispatchMode):
         return _Arg(weakref.ref(t), key, pinned, self.entry(key), _geometry(t), t._version,
                     StorageWeakRef(t.untyped_storage()), t.dtype)
 
-    def _projects(self, args: Any, out: Any) -> bool:
+    def _projects(self, func: Any, args: Any, out: Any) -> bool:
         """A product with a weight (a parameter or a buffer, or a view of one): at level 3 any, at
-        level 2 one whose output is no larger than its activation operand, so q, k, v and the
-        output projection of attention, not an MLP's up-projection, whose output (four times its
-        input) is what the compiler's partitioner keeps while it recomputes the projections (HF ViT
-        at activation budget 0.3; at 0.1 it recomputes that one too)."""
+        level 2 one whose output is no larger than its activation operand and whose sum runs over
+        no more than the unit's width: q, k and v (grouped or not) and attention's output
+        projection, not an MLP's up-projection, whose output (four times its input) the compiler's
+        partitioner keeps while it recomputes the projections (HF ViT at activation budget 0.3; at
+        0.1 it recomputes that one too), nor its down-projection, which costs four times as much a
+        byte made again (a pre-norm block's output, which the final norm keeps: HF ViT's 1.2 MiB
+        for 3.3 ms a step, against 0.8 ms a MiB for the rest of this level)."""
         tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
         weights = [a for a in tensors if storage_key(a.untyped_storage()) in self.params]
         acts = [a for a in tensors if a.dim() >= 2 and all(a is not w for w in weights)]
-        return (bool(weights) and len(acts) == 1 and isinstance(out, torch.Tensor)
-                and (self.level >= 3 or out.numel() <= acts[0].numel()))
+        if not (weights and len(acts) == 1 and isinstance(out, torch.Tensor)):
+            return False
+        if self.level >= 3:
+            return True
+        first = args[1] if func in _ADDS_PRODUCT else args[0]  # the left operand: (b)mm's sum runs over its last dim
+        return (out.numel() <= acts[0].numel()
+                and (self.width is None or not isinstance(first, torch.Tensor) or first.shape[-1] <= self.width))
 
     def _fillable(self, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
         """A dropout's draw whose noise can be made again: ``bernoulli_`` into a whole storage
@@ -233,9 +243,9 @@ class OpWatch(TorchDispatchMode):
         # to a row-wise op's output (the scores of heads no shorter than the sequence), never for
         # its own output (P.v)
         bounded = ok and func in _PRODUCTS and not _expands(args, out)
-        if not ok and self.level >= 2 and func in _WEIGHT_PRODUCTS and self._projects(args, out):
+        if not ok and self.level >= 2 and func in _WEIGHT_PRODUCTS and self._projects(func, args, out):
             ok = True
-        if bounded and self.level >= 2 and self._projects(args, out):
+        if bounded and self.level >= 2 and self._projects(func, args, out):
             bounded = False
         if ok:
             recorded, first = None, None
