@@ -47,6 +47,7 @@ class Config:
     times: list[float] | None = None
     grads: dict[str, Any] | None = None
     policies: Policies | None = None
+    predicted: float = float("nan")  # a plan's predicted slowdown
 
 
 def main() -> None:
@@ -90,6 +91,7 @@ def main() -> None:
                 plans.append(None)
                 continue
             plans.append(config(f"memfit {granularity} @ {b:.1f}", s.policies))
+            plans[-1].predicted = s.predicted_overhead
         rows.append((b, compiled, *plans))
         configs += [c for c in (compiled, *plans) if c is not None]
 
@@ -117,13 +119,13 @@ def main() -> None:
         plain = configs[0].grads or {}
         return "yes" if all(torch.equal(g, plain[n]) for n, g in (cfg.grads or {}).items()) else "NO"
 
-    out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f), plan_summary(f.policies) if f else "-"]
-           for b, c, m, f in rows]
+    out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f), f"{f.predicted * 100:+.1f}%" if f else "-",
+            plan_summary(f.policies) if f else "-"] for b, c, m, f in rows]
     print(f"\nplain eager step {statistics.median(configs[0].times or [0]) * 1e3:.1f} ms, peak "
           f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds, {args.threads} thread(s); "
           f"A/A control {slowdown(configs[1]) * 100:+.1f}% ±{sure(configs[1]) * 100:.1f}")
     print(table(["budget", "compile peak", "compile", "compile grads equal", "memfit module peak", "module",
-                 "memfit fine peak", "fine", "fine plan"], out))
+                 "memfit fine peak", "fine", "fine predicted", "fine plan"], out))
     if args.plot:
         import matplotlib
 

@@ -154,8 +154,9 @@ class Replay(Forward):
 
     def pack(self, t: torch.Tensor) -> Any:
         i = self.n
-        self.n += 1
-        self._take_state()  # nothing here draws: the state is the one after this tensor's op
+        self.n = i + 1
+        if self.plan.rng_at:
+            self._take_state()  # nothing here draws: the state is the one after this tensor's op
         steps = self.plan.steps
         if self.missed or i >= len(steps):
             self.missed = True

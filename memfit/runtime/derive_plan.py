@@ -59,13 +59,15 @@ class SubRef:
 @dataclass(slots=True, eq=False)
 class Template:
     """How to make one tensor again: an op, its arguments' tree with tensors as ``Leaf`` or
-    ``SubRef``, the output's layout, and how deep its chain of templates goes."""
+    ``SubRef``, the output's layout, how deep its chain of templates goes, and every ``Leaf`` of
+    that chain in order (``Bind.leaves`` reads them on every forward)."""
 
     func: Any
     spec: Spec
     args: list[Any]  # flat: ``_rebuild`` makes (args, kwargs) of them
     out: Geometry
     depth: int
+    leaves: tuple[Leaf, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -251,58 +253,45 @@ class Bind:
 
     def leaves(self, template: Template) -> list[torch.Tensor]:
         """The bound tensors a template's tree takes, in a fixed order (for ``history``)."""
-        out: list[torch.Tensor] = []
-        for a in template.args:
-            if isinstance(a, Leaf):
-                t = self.params[a.index] if a.param else self.slots.get(a.index)
-                if t is not None:
-                    out.append(t)
-            elif isinstance(a, SubRef):
-                out += self.leaves(a.template)
-        return out
+        params, slots = self.params, self.slots
+        found = (params[a.index] if a.param else slots.get(a.index) for a in template.leaves)
+        return [t for t in found if t is not None]
 
 
 def history(t: torch.Tensor, leaves: list[torch.Tensor], depth: int) -> Any:
     """``t``'s autograd history back to ``leaves``: node class names, with each edge that reaches
     a leaf named by the leaf's number, ``depth`` nodes deep. Equal histories say the same ops made
     ``t`` from the same inputs."""
-    idents = []
+    fns: list[Any] = []  # held while the ids below stand for them
+    by_node: dict[tuple[int, int], int] = {}  # (a leaf's grad_fn, its output number) -> the leaf's number
+    by_var: dict[int, int] = {}  # a leaf that autograd accumulates into -> its number
     for i, s in enumerate(leaves):
         fn = s.grad_fn
         if fn is not None:
-            idents.append((i, fn, s.output_nr, None))
+            fns.append(fn)
+            by_node.setdefault((id(fn), s.output_nr), i)
         elif s.requires_grad:
-            idents.append((i, None, 0, s))
-    return _node(t.grad_fn, idents, depth)
+            by_var.setdefault(id(s), i)
+    return _node(t.grad_fn, by_node, by_var, depth)
 
 
-def _node(node: Any, idents: list[tuple[int, Any, int, Any]], depth: int) -> Any:
+def _node(node: Any, by_node: dict[tuple[int, int], int], by_var: dict[int, int], depth: int) -> Any:
     if node is None:
         return None
-    edges = []
+    edges: list[Any] = []
     for nxt, nr in node.next_functions:
         if nxt is None:
             edges.append(None)
             continue
-        hit = _leaf(nxt, nr, idents)
+        name = type(nxt).__name__
+        hit = by_var.get(id(nxt.variable)) if name == "AccumulateGrad" else by_node.get((id(nxt), nr))
         if hit is not None:
             edges.append(hit)
         elif depth > 0:
-            edges.append(_node(nxt, idents, depth - 1))
+            edges.append(_node(nxt, by_node, by_var, depth - 1))
         else:
-            edges.append(type(nxt).__name__)
+            edges.append(name)
     return type(node).__name__, tuple(edges)
-
-
-def _leaf(node: Any, nr: int, idents: list[tuple[int, Any, int, Any]]) -> int | None:
-    accumulates = type(node).__name__ == "AccumulateGrad"
-    for i, fn, onr, var in idents:
-        if fn is not None:
-            if node is fn and nr == onr:
-                return i
-        elif accumulates and node.variable is var:
-            return i
-    return None
 
 
 def template_of(recipe: Any, memo: dict[int, Template], slot_of: dict[int, tuple[int, torch.Tensor]],
@@ -332,7 +321,9 @@ def template_of(recipe: Any, memo: dict[int, Template], slot_of: dict[int, tuple
             depth = max(depth, sub.depth + 1)
             a = SubRef(sub, (a.size, a.stride, a.offset))
         args.append(a)
-    made = memo[id(recipe)] = Template(recipe.func, spec, args, recipe.geometry, depth)
+    leaves_of = tuple(x for a in args for x in ((a,) if isinstance(a, Leaf) else
+                                                  a.template.leaves if isinstance(a, SubRef) else ()))
+    made = memo[id(recipe)] = Template(recipe.func, spec, args, recipe.geometry, depth, leaves_of)
     return made
 
 
