@@ -12,7 +12,9 @@ Every configuration is built at once and timed in one interleaved series (each t
 an untimed step of its own, the order reversing every round, GC held off), medians over
 --rounds rounds; slowdowns are against the plain eager step of the same rounds, with two standard
 errors of each median (±). A second plain copy is timed as a configuration too (the A/A control):
-its "slowdown" is the noise of the series. With --threads 1 (the default) steps are single-threaded
+its "slowdown" is the noise of the series. Beside the fine plan's measured slowdown, the one it
+was planned at (``Schedule.predicted_overhead``): where memfit is behind, whether its prices or its
+options are to blame. With --threads 1 (the default) steps are single-threaded
 and timed by their thread's CPU time (memfit.measure.timing.clock), which scatters about half as
 much as the wall clock on a shared machine.
 """
