@@ -128,9 +128,10 @@ class Derive:
     Each ``level`` re-runs more (``DERIVE_LEVELS``): 0 cheap ops; 1 (``products``) also a product
     of two activations that makes more than it takes and a softmax (written-out attention's
     probabilities from the q and k kept for its first product); 2 (``projections``) also products
-    with a weight that make no more than they take (attention's q, k, v and output projections
-    from the norm's output, itself re-derived from the block's input); 3 (``all``) every product
-    with a weight (an MLP's up-projection too), so a block keeps little more than its input and
+    with a weight that make no more than they take and sum over no more than the block's width
+    (attention's q, k, v and output projections from the norm's output, itself re-derived from
+    the block's input); 3 (``all``) every product with a weight (an MLP's up- and down-projections
+    too), so a block keeps little more than its input and
     attention's context, what torch.compile's partitioner keeps at budget 0.1. With ``child``,
     only what that module of the unit saves (``derive@mlp``: its activation's output from the
     product's it keeps; ``selective:gemm@mlp``'s choice at the hooks' cost, without SAC's
