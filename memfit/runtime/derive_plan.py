@@ -284,7 +284,10 @@ def _node(node: Any, by_node: dict[tuple[int, int], int], by_var: dict[int, int]
             edges.append(None)
             continue
         name = type(nxt).__name__
-        hit = by_var.get(id(nxt.variable)) if name == "AccumulateGrad" else by_node.get((id(nxt), nr))
+        if name == "AccumulateGrad":
+            hit = by_var.get(id(nxt.variable)) if by_var else None
+        else:
+            hit = by_node.get((id(nxt), nr))
         if hit is not None:
             edges.append(hit)
         elif depth > 0:
