@@ -189,9 +189,12 @@ class Derive(PerThread):
         tail, self._tls.tail = getattr(self._tls, "tail", None), None
         self._exit(tail, None, True)  # a tail still open ends where the unit runs again
         root = getattr(self._tls, "root", None) if self.tail else None
-        self._open_forward((_signature(module, args, kwargs), root), width=_width(args, kwargs))
+        if self._open_forward((_signature(module, args, kwargs), root)):
+            fwd = self._tls.fwd[1]
+            if isinstance(fwd, Learn):  # a replayed forward follows its plan: no width to read
+                fwd.watch.width = _width(args, kwargs)
 
-    def _open_forward(self, key: Any, head: bool = False, width: int | None = None) -> bool:
+    def _open_forward(self, key: Any, head: bool = False) -> bool:
         """Open a forward of the unit's (its hooks, and the watch while it learns) for ``key``'s
         plan, from the root's forward pre-hook for a ``head``; one that runs in the root's forward
         too (a head, a tail) takes the root's parameters."""
@@ -209,7 +212,7 @@ class Derive(PerThread):
         self._open.append(hooks)
         if isinstance(fwd, Learn):
             fwd.head = head
-            fwd.watch.level, fwd.watch.width = 0 if head else self.level, width
+            fwd.watch.level = 0 if head else self.level
             fwd.watch.__enter__()
             self._open.append(fwd.watch)
         return True
