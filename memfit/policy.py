@@ -30,7 +30,7 @@ from memfit.errors import PolicyError
 
 SEGMENT_HELP = "segment:<first>..<last>"
 KINDS_HELP = (f"none, full, child:<children>, nested:<children>, selective:<op set>, derive, derive:products, "
-              f"derive:projections, derive:all, derive[:<level>]@<child> or "
+              f"derive:projections, derive:all, derive[:<level>]@<child>, derive[:<level>]/no-tail or "
               f"{SEGMENT_HELP}")
 
 
@@ -116,6 +116,7 @@ class Selective:
 
 
 DERIVE_LEVELS = ("derive", "derive:products", "derive:projections", "derive:all")
+NO_TAIL = "/no-tail"  # policy.Derive's tail left out
 _DERIVE_SAYS = ("cheap ops whose saved outputs it re-derives (norms, activations, dropout)",
                 "cheap ops, attention's q.k^T, softmax and dropout's draws: their saved outputs re-derived",
                 "cheap ops, attention's projections, q.k^T, softmax, dropout's draws: saved outputs re-derived",
@@ -139,16 +140,24 @@ class Derive:
 
     level: int = 0
     child: str = ""
+    # the model's last unit re-derives in the step after it too (final norm, head: runtime/derive.py's
+    # tail); without (``derive:all/no-tail``) the head keeps what it saves, and the tail re-runs no
+    # product of the unit's to re-make the unit's output for the final norm
+    tail: bool = True
 
     def __post_init__(self) -> None:
         if self.level not in range(len(DERIVE_LEVELS)):
             raise PolicyError(f"derive has levels 0 to {len(DERIVE_LEVELS) - 1}, not {self.level!r}")
+        if self.child and not self.tail:
+            raise PolicyError(f"derive on a child ({self.child!r}) has no tail to leave out")
 
     def __str__(self) -> str:
-        return DERIVE_LEVELS[self.level] + (f"@{self.child}" if self.child else "")
+        return DERIVE_LEVELS[self.level] + (f"@{self.child}" if self.child else "") + ("" if self.tail else NO_TAIL)
 
     def describe(self) -> str:
-        return f"{self.child}: {_DERIVE_SAYS[self.level]}" if self.child else _DERIVE_SAYS[self.level]
+        if self.child:
+            return f"{self.child}: {_DERIVE_SAYS[self.level]}"
+        return _DERIVE_SAYS[self.level] + ("" if self.tail else "; the head keeps what it saves (no tail)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +191,8 @@ def parse(text: str) -> Policy:
         raise PolicyError(f"{text!r} is not a string")
     if text in _PLAIN:
         return _PLAIN[text]
+    if text.endswith(NO_TAIL) and text[: -len(NO_TAIL)] in DERIVE_LEVELS:
+        return Derive(DERIVE_LEVELS.index(text[: -len(NO_TAIL)]), tail=False)
     kind, sep, rest = text.partition(":")
     if sep and kind == "child":
         return Children.of(rest)
@@ -192,7 +203,7 @@ def parse(text: str) -> Policy:
         if ops and (child or "@" not in rest):
             return Selective(ops, child)
     level, at, child = text.partition("@")
-    if at and child and level in DERIVE_LEVELS:
+    if at and child and level in DERIVE_LEVELS and not child.endswith(NO_TAIL):  # a child has no tail
         return Derive(DERIVE_LEVELS.index(level), child)
     if sep and kind == "segment":
         first, dots, last = rest.partition("..")

@@ -38,6 +38,8 @@ RELEASE = Path(__file__).parent / "fixtures" / "release"
     ("derive@mlp", Derive(0, "mlp")),
     ("derive:products@attn", Derive(1, "attn")),
     ("derive:all@mlp.0", Derive(3, "mlp.0")),
+    ("derive:all/no-tail", Derive(3, tail=False)),
+    ("derive/no-tail", Derive(0, tail=False)),
     ("child:mlp", Children((("mlp",),))),
     ("child:ln_2>mlp+ln_1>attn.qkv", Children((("ln_2", "mlp"), ("ln_1", "attn.qkv")))),
     ("child:a+b>c>d", Children((("a",), ("b", "c", "d")))),
@@ -56,7 +58,7 @@ def test_each_spelling_parses_to_one_variant_and_back(text, policy):
 @pytest.mark.parametrize("text", ["", "keep", "Full", "child:", "child:a+", "child:a>>b", "selective:",
                                   "selective:@attn", "selective:gemm@", "segment:h.0", "segment:..h.1",
                                   "segment:h.0..", "derive:x", "full:h.0", "derive@", "derive:x@mlp",
-                                  "none@mlp"])
+                                  "none@mlp", "derive:all@mlp/no-tail", "derive:x/no-tail", "full/no-tail"])
 def test_what_is_no_policy_is_refused(text):
     with pytest.raises(PolicyError, match=r"expected none, full|empty module"):
         parse(text)

@@ -75,12 +75,15 @@ def test_a_tail_is_predicted_to_the_byte(accumulate):
     names = prof.unit_names
     last = prof.units[-1].options
     levels = [o for o in last if isinstance(o, Derive)]  # on a child too, which takes no tail
-    assert levels and all(last[o].after_peak_bytes < 0 for o in levels if not o.child)
-    assert all(last[o].after_peak_bytes == 0 for o in levels if o.child)
+    assert levels and all(last[o].after_peak_bytes < 0 for o in levels if not o.child and o.tail)
+    assert all(last[o].after_peak_bytes == 0 for o in levels if o.child or not o.tail)
+    assert parse("derive:all/no-tail") in levels and all(o.tail for u in prof.units[:-1] for o in u.options
+                                                         if isinstance(o, Derive))
     for level in levels:
-        for policies in (dict.fromkeys(names, level), {names[-1]: level}, {names[0]: level},
-                         {**dict.fromkeys(names[:-1], FULL), names[-1]: level},
-                         {names[0]: level, **dict.fromkeys(names[1:], FULL)}):
+        others = level if level.tail else parse("derive:all")  # the last unit's alone: no tail to leave out elsewhere
+        for policies in ({**dict.fromkeys(names, others), names[-1]: level}, {names[-1]: level},
+                         {names[0]: others}, {**dict.fromkeys(names[:-1], FULL), names[-1]: level},
+                         {names[0]: others, **dict.fromkeys(names[1:], FULL)}):
             twin = copy.deepcopy(model)
             set_policies(twin, {n: policies.get(n, parse("none")) for n in names})
             measured = measure_steps(twin, batch, step=step).peak_bytes
@@ -187,3 +190,22 @@ def test_a_torchvision_style_resnet_with_derive_on_every_block_trains_as_the_pla
         d = scheduled.get_submodule(name).__dict__["_memfit_derive"]
         assert (d.head, d.tail) == (name == names[0], name == names[-1])
         assert len(d.plans) == 1 and not d.misses
+
+
+def test_the_deepest_level_without_its_tail_keeps_the_last_units_output():
+    """``derive:all`` re-makes the last block's output for the final norm through the block's own
+    products (the tail); ``derive:all/no-tail`` leaves the step after the block as the plain model
+    runs it: exactly the final norm's output and statistics and the block's output are re-derived
+    no more, the other blocks are as under ``derive:all``, and losses, gradients and buffers (dropout
+    on) are the plain model's."""
+    model, batch = _nano()
+    names = find_units(model, "auto")
+    derived = {}
+    for text in ("derive:all", "derive:all/no-tail"):
+        twin = copy.deepcopy(model)
+        set_policies(twin, dict.fromkeys(names, parse(text)))
+        _assert_identical(_run(copy.deepcopy(model), batch, steps=3), _run(twin, batch, steps=3))
+        derived[text] = [twin.get_submodule(n).__dict__["_memfit_derive"].derived_bytes for n in names]
+    tail, output = BATCH * TOKENS * (WIDTH + 2) * 4, BATCH * TOKENS * WIDTH * 4  # float32
+    assert derived["derive:all"][:-1] == derived["derive:all/no-tail"][:-1]
+    assert derived["derive:all"][-1] - derived["derive:all/no-tail"][-1] == tail + output

@@ -350,7 +350,7 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
 
     last = len(prof.units) - 1
     # the last unit's derive re-derives after it too (a whole unit's: a child's has no tail)
-    tail = isinstance(option, Derive) and not option.child and has[last]
+    tail = isinstance(option, Derive) and not option.child and option.tail and has[last]
 
     def stretches_of(j: int) -> list[int]:  # unit j's forward and backward (the last one's tail too)
         after, before = timeline.tail_phases(prof.phases, j) if tail and j == last else ([], [])

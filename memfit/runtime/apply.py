@@ -184,7 +184,7 @@ def _set_units(model: nn.Module, policies: Policies) -> list[Region]:
     for name, p in derived.items():
         whole = not p.child
         hooked[name].__dict__["_memfit_derive"] = Derive(hooked[name], p.level, model, head=whole and name == first,
-                                                         tail=whole and name == last)
+                                                         tail=whole and name == last and p.tail)
     return [Region([modules[n] for n in members], op_set, chain=chain, inner=inner)
             for members, op_set, chain, inner in plan]
 
