@@ -191,8 +191,9 @@ def parse(text: str) -> Policy:
         raise PolicyError(f"{text!r} is not a string")
     if text in _PLAIN:
         return _PLAIN[text]
-    if text.endswith(NO_TAIL) and text[: -len(NO_TAIL)] in DERIVE_LEVELS:
-        return Derive(DERIVE_LEVELS.index(text[: -len(NO_TAIL)]), tail=False)
+    untailed = text.removesuffix(NO_TAIL)
+    if untailed != text and untailed in DERIVE_LEVELS:
+        return Derive(DERIVE_LEVELS.index(untailed), tail=False)
     kind, sep, rest = text.partition(":")
     if sep and kind == "child":
         return Children.of(rest)

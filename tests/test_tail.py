@@ -80,10 +80,13 @@ def test_a_tail_is_predicted_to_the_byte(accumulate):
     assert parse("derive:all/no-tail") in levels and all(o.tail for u in prof.units[:-1] for o in u.options
                                                          if isinstance(o, Derive))
     for level in levels:
-        others = level if level.tail else parse("derive:all")  # the last unit's alone: no tail to leave out elsewhere
-        for policies in ({**dict.fromkeys(names, others), names[-1]: level}, {names[-1]: level},
-                         {names[0]: others}, {**dict.fromkeys(names[:-1], FULL), names[-1]: level},
-                         {names[0]: others, **dict.fromkeys(names[1:], FULL)}):
+        mixes = [{names[-1]: level}, {**dict.fromkeys(names[:-1], FULL), names[-1]: level}]
+        if level.tail:
+            mixes += [dict.fromkeys(names, level), {names[0]: level},
+                      {names[0]: level, **dict.fromkeys(names[1:], FULL)}]
+        else:  # the last unit's alone: derive:all's twin beside derive:all on the others
+            mixes.append({**dict.fromkeys(names, parse("derive:all")), names[-1]: level})
+        for policies in mixes:
             twin = copy.deepcopy(model)
             set_policies(twin, {n: policies.get(n, parse("none")) for n in names})
             measured = measure_steps(twin, batch, step=step).peak_bytes
