@@ -168,6 +168,9 @@ class Fields:
     def str(self, key: str) -> str:
         return str(self._get(key, (str,), "a string"))
 
+    def bool(self, key: str) -> bool:
+        return bool(self._get(key, (bool,), "true or false"))
+
     def opt_str(self, key: str) -> str | None:
         if self.data.get(key) is None:
             return None
@@ -195,7 +198,7 @@ class Fields:
         if hint is str:
             return self.str(key)
         if hint is bool:
-            return self._get(key, (bool,), "true or false")
+            return self.bool(key)
         options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         kinds = tuple(typing.get_origin(o) or o for o in options)  # list[int] -> list
         return self._get(key, kinds, " or ".join(_WORDS.get(k, k.__name__) for k in kinds))

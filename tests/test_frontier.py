@@ -42,3 +42,23 @@ def test_none_off_a_chain():
     prof = random_profile(4, 1, chain=False)
     prof.phases.reverse()
     assert chain_frontier(IntModel.of(prof)) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_options_that_hold_no_outside_tensors_are_on_the_frontier(seed):
+    """Finer options that keep no tensor made outside the units (``holds_outside`` False) leave the
+    remainders at their plain figures: every frontier point is the brute-force optimum at its peak."""
+    from .test_optimizer import fine_assignments
+
+    prof = random_profile(4 + seed % 2, seed, fine=2, holds=True)
+    points = chain_frontier(IntModel.of(prof, max_segment=3, fine=True))
+    names = prof.unit_names
+    every = [memfit.predict(prof, {n: r.policy(names) for n, r in zip(names, roles, strict=True)})
+             for roles in fine_assignments(prof, 3)]
+    assert points
+    for p in points:
+        pred = memfit.predict(prof, {n: r.policy(names) for n, r in zip(names, p.roles, strict=True)})
+        assert pred.peak_bytes == p.peak  # recompute: the model's ns are rounded per unit
+        assert abs(round(pred.recompute_s * 1e9) - p.recompute_ns) <= len(names)
+        best = min(round(q.recompute_s * 1e9) for q in every if q.peak_bytes <= p.peak)
+        assert abs(p.recompute_ns - best) <= len(names)

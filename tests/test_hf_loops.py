@@ -210,3 +210,37 @@ def test_the_trainer_on_a_resnet_from_pretrained_trains_as_the_plain_model(tmp_p
     plain, model = trained
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
     assert all(torch.equal(b, c) for b, c in zip(plain.buffers(), model.buffers(), strict=True))
+
+
+def test_a_padded_batchs_mask_is_counted_where_a_checkpoint_keeps_it():
+    """Hugging Face decoders make the padded batch's 4-D attention mask (and the cache positions,
+    the rotary tables) once, before the blocks, and hand them to every block. A checkpointed block
+    keeps them for its recompute; ``derive`` keeps nothing autograd would not, so they go with the
+    forward as in the plain step (profile: ``holds_outside`` False). The step's peak, and each
+    phase's level and peak, are then predicted to the byte, for plans of ``derive`` alone (before:
+    the remainders' checkpointed figures, 1,920 bytes over on Llama) and mixed with ``full``; the
+    last unit's tail, which re-makes the final norm's output in the head's backward, is booked in
+    the unit's own backward (profiler/phases.add_tail), so those two phases are read as one."""
+    from memfit.policy import parse
+    from memfit.runtime.harness import StepHarness
+    from memfit.trainstep import TrainStep
+
+    _, plain, names = _llama("sdpa")
+    plain.train()
+    batch = _batch()
+    prof = memfit.profile(copy.deepcopy(plain), batch, units=names, optimizer="adamw", repeat=1, granularity="fine")
+    derive = parse("derive")
+    assert [u.options[derive].holds_outside for u in prof.units if derive in u.options] == [False] * 4
+    assert all(u.options[FULL].holds_outside for u in prof.units)
+    # mixed: the first unit full, whose backward, the step's last, frees what the checkpoints kept
+    # (with it kept, the model leaves those bytes held to the step's end: cautious)
+    for spelt in (["derive"] * 4, ["full", "derive", "derive", "none"]):
+        policies = {n: parse(p) for n, p in zip(names, spelt, strict=True)}
+        model = memfit.apply(copy.deepcopy(plain), _schedule(plain, policies))
+        measured = StepHarness(model, batch, step=TrainStep(optimizer="adamw")).levels(names)
+        prediction = memfit.predict(prof, policies)
+        assert prediction.peak_bytes == max(peak for _, _, peak in measured), spelt
+        folded = {"backward of loss and head", f"backward {names[-1]}"}
+        assert [(lvl, peak) for label, lvl, peak in prediction.levels if label not in folded] == [
+            (lvl, peak) for (label, *_), (_, lvl, peak) in zip(prediction.levels, measured, strict=True)
+            if label not in folded], spelt

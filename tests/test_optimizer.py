@@ -248,6 +248,37 @@ def test_fine_options_optimum_equals_brute_force(seed):
         assert coarse is None or expected <= coarse + 1e-12
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_options_that_hold_no_outside_tensors_optimum_equals_brute_force(seed):
+    """A finer option that keeps no tensor made outside the units (``derive``, a child region that
+    takes no mask: ``holds_outside`` False) leaves the remainders at the plain step's end and peak
+    while no unit under another option keeps such tensors: CP-SAT, CBC and the DP (on chains) hit
+    the brute-force optimum of that memory model, and the plan of each unit's first finer option
+    peaks lower for it than if those options held them."""
+    chain = seed % 2 == 0
+    prof = random_profile(4 + seed % 3, seed, chain=chain, fine=2, frees=seed >= 3, holds=True)
+    names = prof.unit_names
+    hi = memfit.predict(prof, {}).peak_bytes
+    plans = [{n: r.policy(names) for n, r in zip(names, roles, strict=True)}
+             for roles in fine_assignments(prof, 3 if chain else 1)]
+    predicted = [memfit.predict(prof, p) for p in plans]
+    best_peak = min(p.peak_bytes for p in predicted)
+    assert min_budget_bytes(prof, max_segment=3, fine=True) == best_peak
+    rng = random.Random(seed)
+    for budget in [best_peak, hi, *(rng.randint(best_peak, hi) for _ in range(3))]:
+        expected = min(p.recompute_s for p in predicted if p.peak_bytes <= budget)
+        for solver in ("cpsat", "cbc", "dp") if chain else ("cpsat", "cbc"):
+            sched = memfit.plan(prof, budget, solver=solver, max_segment=3, granularity="fine")
+            assert sched.predicted_peak_bytes <= budget
+            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+    first = {n: next(k for k in u.options if k not in policy.COARSE) for n, u in zip(names, prof.units, strict=True)}
+    free = memfit.predict(prof, first).peak_bytes
+    for u in prof.units:
+        for o in u.options.values():
+            o.holds_outside = True
+    assert memfit.predict(prof, first).peak_bytes > free
+
+
 def test_fine_needs_a_fine_profile(gpt_profile):
     with pytest.raises(memfit.MemfitError, match="granularity='fine'"):
         memfit.plan(gpt_profile, "1GB", granularity="fine")

@@ -109,6 +109,13 @@ class OptionCost:
     # is ``none`` (negative: lower); the last unit's ``derive`` re-derives the final norm's output,
     # which the head keeps otherwise (runtime/derive.py's tail), so the loss runs beside less
     after_peak_bytes: int = 0
+    # the unit keeps tensors made outside the units (a mask, position ids, the rotary tables that
+    # the model makes once and hands every block) past the forward, as a checkpoint region that
+    # takes them does: with it in a plan, the remainders end and peak as in the all-checkpointed
+    # step (``Phase.ckpt_end_bytes``, ``ckpt_peak_bytes``). Measured for a finer option (its step
+    # ends and peaks no remainder higher than the plain one: ``derive``, a child region that takes
+    # no such tensor); ``full`` and segments always keep them, ``none`` never
+    holds_outside: bool = True
 
     def backward(self, later: bool) -> tuple[int, int]:
         """(peak, end) of the backward: the first run's, or a later run's."""
@@ -149,9 +156,10 @@ class UnitProfile:
 class Phase:
     """One stretch of the step between two marks; ``unit`` is None for the remainder.
 
-    A remainder phase can end higher when some unit is checkpointed: tensors made outside the
-    units (position ids, masks) that a checkpoint keeps for its recompute are not freed with
-    the forward. ``ckpt_end_bytes`` is the end level change then.
+    A remainder phase can end and peak higher when some unit is checkpointed: tensors made
+    outside the units (position ids, masks) that a checkpoint keeps for its recompute are not
+    freed with the forward. ``ckpt_end_bytes`` is the end level change then, ``ckpt_peak_bytes``
+    the peak (None: ``peak_bytes``; the two runs' larger); ``peak_with`` reads them.
     """
 
     label: str
@@ -162,6 +170,14 @@ class Phase:
     ckpt_end_bytes: int = 0
     later: bool = False  # a unit's backward after its first in the step: OptionCost.backward(later=True)
     releases: bool = False  # leaving autocast: the level also falls by each unit's option's release_bytes
+    ckpt_peak_bytes: int | None = None
+
+    def peak_with(self, checkpointed: bool) -> int:
+        """The remainder's peak above its start: with some unit that holds outside tensors
+        (``OptionCost.holds_outside``) or without."""
+        if checkpointed and self.ckpt_peak_bytes is not None:
+            return max(self.peak_bytes, self.ckpt_peak_bytes)
+        return self.peak_bytes
 
 
 def after_forwards(phases: list[Phase]) -> dict[int, int]:
@@ -255,11 +271,11 @@ class Profile:
             for o in u["options"].values():
                 for key, unset in (("later_bwd_peak_bytes", None), ("later_bwd_end_bytes", None), ("release_bytes", 0),
                                    ("recompute_uncertainty_s", 0.0), ("freed_after_bytes", 0),
-                                   ("freed_later_bytes", 0), ("after_peak_bytes", 0)):
+                                   ("freed_later_bytes", 0), ("after_peak_bytes", 0), ("holds_outside", True)):
                     if o[key] == unset:
                         del o[key]
         for p in data["phases"]:
-            for key in ("later", "releases"):
+            for key in ("later", "releases", "ckpt_peak_bytes"):
                 if not p[key]:
                     del p[key]
         for key in ("step", "memory", "reserved_peak_bytes"):
@@ -395,6 +411,7 @@ def _unit(u: Fields) -> UnitProfile:
             o.int("freed_after_bytes", minimum=0) if "freed_after_bytes" in o.data else 0,
             o.int("freed_later_bytes", minimum=0) if "freed_later_bytes" in o.data else 0,
             o.int("after_peak_bytes") if "after_peak_bytes" in o.data else 0,
+            o.bool("holds_outside") if "holds_outside" in o.data else True,
         )
     return UnitProfile(
         u.str("name"), u.float("fwd_s", minimum=0.0), u.float("bwd_s", minimum=0.0),
@@ -425,8 +442,9 @@ def _phase(p: Fields, n_units: int) -> Phase:
         raise_field(p.where, "later", later)
     if not isinstance(releases, bool) or (releases and unit is not None):
         raise_field(p.where, "releases", releases)
+    ckpt_peak = p.int("ckpt_peak_bytes") if p.data.get("ckpt_peak_bytes") is not None else None
     return Phase(p.str("label"), unit, kind, p.int("peak_bytes"), p.int("end_bytes"), p.int("ckpt_end_bytes"), later,
-                 releases)
+                 releases, ckpt_peak)
 
 
 def read_parallel(f: Fields) -> ParallelLayout | None:

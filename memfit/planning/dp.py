@@ -46,26 +46,32 @@ def dp_exact(model: IntModel) -> bool:
 
 
 class _Walk:
-    """The levels of a chain step for one value of "some unit is checkpointed": what a block
+    """The levels of a chain step for one value of "some unit holds outside tensors" (a checkpoint,
+    ``IntCosts.holds``): what a block
     (a unit, or a segment starting at it) does to the worst level, given the bytes kept before it."""
 
     def __init__(self, model: IntModel, lay: Layout, any_ckpt: bool) -> None:
         self.model, self.lay, n = model, lay, model.n
         ends = [(p.ckpt_end if any_ckpt else p.end) if p.unit is None else 0 for p in model.phases]
+        self.peak = [p.ckpt_peak if any_ckpt else p.peak for p in model.phases]  # a remainder's
         self.before = [0] * (len(ends) + 1)  # remainder bytes added before each phase
         for t, e in enumerate(ends):
             self.before[t + 1] = self.before[t] + e
         self.netsuf = [0] * (n + 1)  # net of the units after j: netsuf[j + 1]
         for j in reversed(range(n)):
             self.netsuf[j] = self.netsuf[j + 1] + model.net[j]
-        self.start = max([self.level(t, 0) + model.phases[t].peak for t in lay.pre], default=model.baseline)
+        self.start = max([self.level(t, 0) + self.peak[t] for t in lay.pre], default=model.baseline)
         self._moves: dict[tuple[int, Role], tuple[int, int, int]] = {}
 
     def level(self, t: int, units_part: int) -> int:
         return self.model.baseline + self.before[t] + units_part
 
     def blocks(self, i: int, any_ckpt: bool) -> list[Role]:
-        return [r for r in self.model.roles[i] if not r.is_segment or r.first == i] if any_ckpt else [NONE]
+        """The blocks that may start at unit ``i``: without a unit that holds outside tensors, only
+        roles that hold none (``none``, ``derive``)."""
+        if any_ckpt:
+            return [r for r in self.model.roles[i] if not r.is_segment or r.first == i]
+        return [r for r in self.model.roles[i] if not r.is_segment and not self.model.costs[i, r].holds]
 
     def block(self, i: int, role: Role, p0: int) -> tuple[int, int]:
         """(kept bytes after the block, highest level in the block's forward and backward).
@@ -95,7 +101,7 @@ class _Walk:
             w = max(w, self.level(lay.fwd[j], pf) + c.fwd_peak)
             pf += c.fwd_end
             for k, t in enumerate(lay.after_fwd[j]):  # the first frees them at its end
-                w = max(w, self.level(t, pf) + model.phases[t].peak + (c.after_peak if k == 0 else 0))
+                w = max(w, self.level(t, pf) + self.peak[t] + (c.after_peak if k == 0 else 0))
                 pf -= c.freed if k == 0 else 0
         ub = self.netsuf[last + 1] + pf  # unit bytes as the block's backward begins
         for j in reversed(members):
@@ -105,7 +111,7 @@ class _Walk:
             w = max(w, self.level(lay.bwd[j], ub) + bp)
             ub += be
             if j > 0:
-                w = max([w, *(self.level(t, ub) + model.phases[t].peak for t in lay.after_bwd[j])])
+                w = max([w, *(self.level(t, ub) + self.peak[t] for t in lay.after_bwd[j])])
         return pf, w
 
     def floors(self, any_ckpt: bool) -> list[int]:
@@ -126,8 +132,7 @@ class _Walk:
     def finish(self, p: int) -> int:
         """The highest level after the first unit's backward (``p``, the bytes the forward kept,
         does not reach it: every unit has run its backward)."""
-        lay, phases = self.lay, self.model.phases
-        return max([self.level(t, self.netsuf[0]) + phases[t].peak for t in lay.after_bwd[0]], default=-(2**62))
+        return max([self.level(t, self.netsuf[0]) + self.peak[t] for t in self.lay.after_bwd[0]], default=-(2**62))
 
     def _cost(self, i: int, role: Role) -> int:
         last = role.last if role.is_segment else i
@@ -157,7 +162,7 @@ def _run(
                 if not (by_peak or cap is None or w <= cap):
                     continue
                 last = role.last if role.is_segment else i
-                key = (pf, seen or role != NONE)
+                key = (pf, seen or model.costs[i, role].holds)
                 entry = (cost + walk.cost(i, role), w, (i, (p0, seen), role))
                 old = frontier[last + 1].get(key)
                 if old is None or _score(entry, by_peak) < _score(old, by_peak):

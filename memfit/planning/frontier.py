@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from memfit.planning.dp import _Walk, trace_back
 from memfit.planning.intmodel import IntModel, chain_layout
-from memfit.planning.roles import NONE, Role
+from memfit.planning.roles import Role
 
 _NEVER = 2**63  # a level above every cap
-# (kept bytes P, some unit checkpointed so far, recompute ns, worst level so far, back pointer)
+# (kept bytes P, some unit holds outside tensors so far, recompute ns, worst level so far, back pointer)
 _Entry = tuple[int, bool, int, int, tuple[int, int, Role] | None]
 
 
@@ -78,7 +78,8 @@ def _run(walk: _Walk, n: int, any_ckpt: bool, grid: list[int] | None) -> list[Fr
                 w = max(up(max(w, pf + floor[last + 1])), worst)
                 if w == _NEVER:
                     continue
-                stages[last + 1].append((pf, seen or role != NONE, cost + walk.cost(i, role), w, (i, idx, role)))
+                held = seen or walk.model.costs[i, role].holds
+                stages[last + 1].append((pf, held, cost + walk.cost(i, role), w, (i, idx, role)))
     ends = [(max(e[3], up(walk.finish(e[0]))), e[2], k) for k, e in enumerate(stages[n]) if e[1] or not any_ckpt]
     ends.sort()
     points = []

@@ -14,7 +14,7 @@ from memfit.errors import MemfitError, SolverTimeout
 from memfit.planning import SOLVERS
 from memfit.planning.dp import solve_dp
 from memfit.planning.intmodel import RANGE, IntModel, Layout, chain_layout
-from memfit.planning.roles import FULL, NONE, Role
+from memfit.planning.roles import FULL, Role
 
 
 @dataclass(slots=True)
@@ -73,14 +73,14 @@ def _solve_mip(
         for role, var in x[j].items():  # checkpointing every unit usually fits: a first answer to improve
             if not role.is_segment:
                 b.hint(var, int(role == FULL))
-    any_ckpt = b.boolean("any_ckpt")  # some unit is checkpointed: exactly the OR of the roles
-    checkpointed = [var for j in range(model.n) for role, var in x[j].items() if role != NONE]
+    any_ckpt = b.boolean("any_ckpt")  # some unit holds outside tensors (IntCosts.holds): exactly the OR of those roles
+    checkpointed = [var for j in range(model.n) for role, var in x[j].items() if model.costs[j, role].holds]
     for var in checkpointed:
         b.add_implies(var, any_ckpt)
     b.add_le(b.expr([(1, any_ckpt)] + [(-1, v) for v in checkpointed]), 0)
     b.hint(any_ckpt, 1)
     big = model.baseline + sum(abs(v) for c in model.costs.values() for v in c) + sum(
-        abs(p.peak) + abs(p.end) + abs(p.ckpt_end) for p in model.phases) + 1
+        abs(p.peak) + abs(p.ckpt_peak) + abs(p.end) + abs(p.ckpt_end) for p in model.phases) + 1
     lay = chain_layout(model)
     if lay is not None:
         peaks = _anchored_peaks(b, model, x, any_ckpt, lay, big)
@@ -110,8 +110,10 @@ def _chained_peaks(b, model: IntModel, x, any_ckpt, big: int) -> list:  # type: 
     level = b.expr([], model.baseline)
     for k, ph in enumerate(model.phases):
         if ph.unit is None:
-            peaks.append(level + ph.peak + (b.expr([(model.costs[ph.after, r].after_peak, v)
-                                                    for r, v in x[ph.after].items()]) if ph.after is not None else 0))
+            peak = level + b.expr([(ph.ckpt_peak - ph.peak, any_ckpt)], ph.peak)
+            if ph.after is not None:
+                peak = peak + b.expr([(model.costs[ph.after, r].after_peak, v) for r, v in x[ph.after].items()])
+            peaks.append(peak)
             end_expr = level + ph.end + b.expr([(ph.ckpt_end - ph.end, any_ckpt)])
             if ph.releases:
                 end_expr = end_expr - b.expr([(model.costs[j, r].release, v) for j in range(model.n)
@@ -145,6 +147,10 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
     def at(t: int, const: int):  # type: ignore[no-untyped-def]
         return b.expr([(r1[t] - r0[t], any_ckpt)], model.baseline + r0[t] + const)
 
+    def rest(t: int):  # type: ignore[no-untyped-def]  # remainder t's peak
+        p = model.phases[t]
+        return b.expr([(r1[t] - r0[t] + p.ckpt_peak - p.peak, any_ckpt)], model.baseline + r0[t] + p.peak)
+
     def unit(j: int, field: str):  # type: ignore[no-untyped-def]
         return b.expr([(getattr(model.costs[j, r], field), v) for r, v in x[j].items()])
 
@@ -167,16 +173,16 @@ def _anchored_peaks(b, model: IntModel, x, any_ckpt, lay: Layout, big: int) -> l
         v = b.integer(-big, big, f"Q{j}")
         b.add_le(after[j + 1] + net(j) - v, 0)
         after[j] = b.expr([(1, v)])
-    peaks = [at(t, model.phases[t].peak) for t in lay.pre]
+    peaks = [rest(t) for t in lay.pre]
     for j in range(n):
         peaks.append(at(lay.fwd[j], 0) + kept[j] + unit(j, "fwd_peak"))
-        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + (unit(j, "freed") + late(j) + unit(j, "after_peak")
+        peaks += [rest(t) + kept[j + 1] + (unit(j, "freed") + late(j) + unit(j, "after_peak")
                                                                if k == 0 else 0)
                   for k, t in enumerate(lay.after_fwd[j])]  # the first frees them only at its end
         # by unit j's backward every later unit's forward has run: its own later is gone too (the
         # units after it have theirs in their nets)
         peaks.append(at(lay.bwd[j], 0) + kept[j + 1] + after[j + 1] - unit(j, "later") + unit(j, "bwd_peak"))
-        peaks += [at(t, model.phases[t].peak) + kept[j + 1] + after[j + 1] - unit(j, "later") + unit(j, "bwd_end")
+        peaks += [rest(t) + kept[j + 1] + after[j + 1] - unit(j, "later") + unit(j, "bwd_end")
                   for t in lay.after_bwd[j]]
     return peaks
 

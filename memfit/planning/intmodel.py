@@ -22,7 +22,8 @@ class IntPhase:
     kind: str  # "remainder", "forward", "backward"
     peak: int = 0  # remainder only
     end: int = 0
-    ckpt_end: int = 0  # remainder's end when some unit is checkpointed
+    ckpt_end: int = 0  # remainder's end when some unit holds outside tensors (IntCosts.holds)
+    ckpt_peak: int = 0  # remainder's peak then (Phase.peak_with)
     later: bool = False  # a unit's later backward (IntCosts.backward)
     releases: bool = False  # leaving autocast: each unit's IntCosts.release is freed
     # the unit whose forward it follows: that unit's IntCosts.freed, and the unit's before it
@@ -43,6 +44,7 @@ class IntCosts(NamedTuple):
     freed: int = 0  # the same
     later: int = 0  # the same (freed after the next unit's forward)
     after_peak: int = 0  # rounded up: added to the peak of the remainder after its forward
+    holds: bool = True  # keeps tensors made outside the units: the remainders' checkpointed figures apply
 
     @property
     def net(self) -> int:
@@ -72,7 +74,8 @@ class IntModel:
     def of(profile: Profile, *, segments: bool = True, max_segment: int = 8, fine: bool = False) -> IntModel:
         """The scaled model; segments (of up to ``max_segment`` units) only for chains; the
         profile's finer options (child modules, op sets) only when ``fine``."""
-        figures = [profile.baseline_bytes, *(abs(v) for p in profile.phases for v in (p.peak_bytes, p.end_bytes))]
+        figures = [profile.baseline_bytes,
+                   *(abs(v) for p in profile.phases for v in (p.peak_with(True), p.end_bytes))]
         for u in profile.units:
             for o in u.options.values():
                 figures += [abs(o.fwd_peak_bytes), abs(o.stored_bytes), abs(o.bwd_peak_bytes), abs(o.bwd_end_bytes),
@@ -84,8 +87,8 @@ class IntModel:
 
         after = after_forwards(profile.phases)
         phases = [
-            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes), releases=p.releases,
-                     after=after.get(t))
+            IntPhase(p.unit, p.kind, up(p.peak_bytes), up(p.end_bytes), up(p.ckpt_end_bytes), up(p.peak_with(True)),
+                     releases=p.releases, after=after.get(t))
             if p.unit is None
             else IntPhase(p.unit, p.kind, later=p.later)
             for t, p in enumerate(profile.phases)
@@ -107,7 +110,7 @@ class IntModel:
                 c = unit_costs(profile, j, role)
                 costs[j, role] = IntCosts(up(c.fwd_peak), up(c.fwd_end), up(c.bwd_peak), up(c.bwd_end),
                                           up(c.later_bwd_peak), up(c.later_bwd_end), int(c.release // q),
-                                          int(c.freed // q), int(c.later // q), up(c.after_peak))
+                                          int(c.freed // q), int(c.later // q), up(c.after_peak), c.holds)
                 recompute[j, role] = round(weighed(c.recompute_s, c.uncertainty_s) * 1e9)
         net = [max(costs[j, r].net for r in roles[j] if not r.is_segment) for j in range(len(units))]
         return IntModel(q, up(profile.baseline_bytes), phases, roles, costs, recompute, net)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from memfit.devices import usable_bytes
 from memfit.formats.profile import Profile, after_forwards, dp_degree
-from memfit.planning.roles import NONE, member_input, roles_of, unit_costs, weighed
+from memfit.planning.roles import member_input, roles_of, unit_costs, weighed
 from memfit.policy import Policy, as_policies
 
 
@@ -41,12 +41,12 @@ def predict(profile: Profile, policies: Mapping[str, Policy | str]) -> Predictio
     level = profile.baseline_bytes
     peak, where = level, "start"
     levels = []
-    any_ckpt = any(r != NONE for r in roles)
+    any_ckpt = any(c.holds for c in costs)  # some unit keeps tensors made outside the units
     pending = 0  # a segment member's input, freed in the gap after the member (roles.member_input)
     after = after_forwards(profile.phases)
     for t, phase in enumerate(profile.phases):
         if phase.unit is None:
-            p, e = phase.peak_bytes, phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
+            p, e = phase.peak_with(any_ckpt), phase.ckpt_end_bytes if any_ckpt else phase.end_bytes
             e -= sum(c.release for c in costs) if phase.releases else 0
             if t in after:  # what the unit just run frees, and what the one before it frees a unit late
                 p += costs[after[t]].after_peak

@@ -77,6 +77,9 @@ class Costs:
     later: int | float = 0
     # added to the peak of the remainder after its forward (profile.OptionCost.after_peak_bytes)
     after_peak: int | float = 0
+    # keeps tensors made outside the units past the forward (profile.OptionCost.holds_outside): with
+    # any such unit the remainders take their checkpointed figures (Phase.ckpt_end_bytes, peak_with)
+    holds: bool = True
 
     def backward(self, later: bool) -> tuple[int | float, int | float]:
         return (self.later_bwd_peak, self.later_bwd_end) if later else (self.bwd_peak, self.bwd_end)
@@ -132,7 +135,7 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
         o = u.options[role.option]
         return Costs(o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.recompute_s,
                      *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s, o.freed_after_bytes,
-                     o.freed_later_bytes, o.after_peak_bytes)
+                     o.freed_later_bytes, o.after_peak_bytes, role != NONE and o.holds_outside)
     full = u.options[CHECKPOINT]
     rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
     head = j == role.first

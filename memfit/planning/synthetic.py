@@ -9,7 +9,7 @@ from memfit.policy import FULL, KEEP, Children
 
 
 def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0,
-                   frees: bool = False, late: bool = False, tail: bool = False) -> Profile:
+                   frees: bool = False, late: bool = False, tail: bool = False, holds: bool = False) -> Profile:
     """A synthetic chain profile with integer bytes (times ``scale``), for solver checks against
     brute force and for timing the solvers. As in a real step, each unit's net change (its
     gradients) is the same whether it is checkpointed. ``fine`` finer options per unit
@@ -21,7 +21,9 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
     run (``freed_later_bytes``, as GPT-Neo's attention probabilities), which its kept backward
     saves. ``tail``: the last unit's finer options lower the peak of the remainder right after its
     forward, the head's and the loss's (``after_peak_bytes``, as its ``derive``'s tail does), and
-    no gap lies between them."""
+    no gap lies between them. ``holds``: each unit's first finer option keeps no tensor made
+    outside the units (``holds_outside`` False, as ``derive``), and the remainders peak higher in
+    the checkpointed step (``ckpt_peak_bytes``, as where checkpoints keep a mask the blocks share)."""
     r = random.Random(seed)
     rr = random.Random(seed + 2 * 10**6)
     rf = random.Random(seed + 10**6)  # its own stream: profiles without finer options stay as they were
@@ -69,10 +71,21 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
         phases.append(Phase(f"backward u{i}", i, "backward"))
     phases.append(Phase("step", None, "remainder", r.randint(0, 80), 0, 0))
     phases[0].ckpt_end_bytes = max(phases[0].ckpt_end_bytes, phases[0].end_bytes)
+    if holds:
+        rh = random.Random(seed + 5 * 10**6)
+        for u in units:
+            first = next((o for k, o in u.options.items() if k not in (KEEP, FULL)), None)
+            if first is not None:
+                first.holds_outside = False
+        for ph in phases:
+            if ph.unit is None:
+                ph.ckpt_peak_bytes = ph.peak_bytes + rh.randint(0, 30)
     if scale != 1:
         for ph in phases:
             ph.peak_bytes, ph.end_bytes, ph.ckpt_end_bytes = (v * scale for v in (ph.peak_bytes, ph.end_bytes,
                                                                                   ph.ckpt_end_bytes))
+            if ph.ckpt_peak_bytes is not None:
+                ph.ckpt_peak_bytes *= scale
         for u in units:
             u.input_bytes, u.saved_bytes, u.output_bytes = (v * scale for v in (u.input_bytes, u.saved_bytes,
                                                                                 u.output_bytes))

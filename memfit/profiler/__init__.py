@@ -360,12 +360,14 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
         return [sum(r[k].seconds - p[k].seconds for k in stretches_of(j)) for r, p in zip(runs, plain, strict=True)]
 
     units = [j for j in range(len(prof.units)) if has[j]]
+    holds = timeline.holds_outside(memory, plain_memory, prof.phases,
+                                   set(timeline.tail_phases(prof.phases, last)[1]) if tail else set())
     frees = timeline.option_frees(memory, plain_memory, prof.phases, has,
                                   [u.options[FULL].freed_later_bytes for u in prof.units])
     made: dict[int, OptionCost] = {}
     for j in units:
         made[j] = timeline.option_cost(memory, where, j, prof.units[j].name, 0.0, released[j])
-        made[j].freed_after_bytes = frees[j]
+        made[j].freed_after_bytes, made[j].holds_outside = frees[j], holds
         if tail and j == last:
             timeline.add_tail(made[j], memory, plain_memory, prof.phases, j)
     if isinstance(option, Derive):  # a derive unit that ran otherwise than the others of its structure (the
@@ -400,4 +402,5 @@ def _dominates(a: OptionCost, b: OptionCost) -> bool:
     return (a.stored_bytes + a.bwd_end_bytes == b.stored_bytes + b.bwd_end_bytes and a_end == b_end
             and a.freed_after_bytes == b.freed_after_bytes and a.freed_later_bytes == b.freed_later_bytes
             and a.stored_bytes <= b.stored_bytes and a.fwd_peak_bytes <= b.fwd_peak_bytes
-            and a.bwd_peak_bytes <= b.bwd_peak_bytes and a_peak <= b_peak and a.recompute_s <= b.recompute_s)
+            and a.bwd_peak_bytes <= b.bwd_peak_bytes and a_peak <= b_peak and a.recompute_s <= b.recompute_s
+            and (b.holds_outside or not a.holds_outside))

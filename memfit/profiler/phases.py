@@ -84,6 +84,7 @@ def units(names: list[str], memory: Memory, times: list[list[Stretch]], facts: U
         options = {o: option_cost(memory[o], runs, i, name, 0.0 if o == KEEP else fwd_s * factor * runs_per_step,
                                   released[o][i], 0.0 if o == KEEP else fwd_s * sure * runs_per_step)
                    for o in COARSE}
+        options[KEEP].holds_outside = False
         out.append(UnitProfile(name, fwd_s, bwd_s, facts.inputs[i], facts.saved[i], param_bytes[i], options,
                                facts.outputs[i]))
     _share_outputs(out, facts)
@@ -199,6 +200,17 @@ def option_frees(memory: list[Stretch], plain: list[Stretch], steps: list[Phase]
     return [min(by_unit.get(j, [0])) for j in range(len(has))]
 
 
+def holds_outside(memory: list[Stretch], plain: list[Stretch], steps: list[Phase], booked: set[int]) -> bool:
+    """Whether a step with every unit in an option (``memory``) keeps tensors made outside the units
+    longer than the plain step, as a checkpoint region that takes them does (a mask the blocks
+    share, kept for their recompute): some remainder ends higher, or peaks higher where nothing
+    of the option's own is booked (``after_peak_bytes`` right after a forward; ``booked``: the
+    remainders whose changes ``add_tail`` folds into the unit). Cautious: any rise counts."""
+    after = after_forwards(steps)
+    return any(t not in booked and (memory[t].end > plain[t].end or (t not in after and memory[t].peak > plain[t].peak))
+               for t, ph in enumerate(steps) if ph.unit is None)
+
+
 def tail_phases(steps: list[Phase], j: int) -> tuple[list[int], list[int]]:
     """Where unit ``j``'s tail runs (runtime/derive.py): the remainders right after each of its
     forwards, and those right before each of its backwards (the loss's and the head's backward)."""
@@ -214,15 +226,16 @@ def add_tail(cost: OptionCost, memory: list[Stretch], plain: list[Stretch], step
     forward (``after_peak_bytes``), and the head's backward, which re-makes the re-derived tensors
     and so no longer frees them: folded into the unit's own backward, which follows it, so that
     every solver takes it as it takes a unit's backward. The remainder's peak is the step's
-    constant (``Phase.peak_bytes``, at least the plain run's): the backward's peak is raised to
-    cover the remainder's with the option, counted from where the remainder began."""
+    constant (``Phase.peak_with``, the larger of the plain and the checkpointed runs', whichever a
+    plan takes): the backward's peak is raised to cover the remainder's with the option, counted
+    from where the remainder began."""
     after, before = tail_phases(steps, j)
     if after:
         cost.after_peak_bytes = max(memory[t].peak - plain[t].peak for t in after)
     for n, t in enumerate(before[:2]):  # the first backward and a later one (every later one alike)
         d_end = memory[t].end - plain[t].end
         d_peak = memory[t].peak - plain[t].peak
-        cover = steps[t].peak_bytes + d_peak - steps[t].end_bytes  # the remainder's peak, from its end
+        cover = steps[t].peak_with(True) + d_peak - steps[t].end_bytes  # the remainder's peak, from its end
         if n == 0:
             cost.bwd_peak_bytes = max(cost.bwd_peak_bytes + d_end, cover)
             cost.bwd_end_bytes += d_end
@@ -245,15 +258,17 @@ def phases(memory: Memory, names: list[str], word: str) -> list[Phase]:
                 seen.add(lab.unit)
             out.append(Phase(label, lab.unit, "forward" if lab.kind == "fwd" else "backward", later=later))
         else:
-            # The remainder's peak does not depend on the units' options: keep the larger. Its end
-            # can be higher with checkpointing (tensors kept for recompute); never take it lower.
-            # Leaving autocast frees what its cache alone holds: the units' release_bytes. Right
-            # after a unit's forward, ``separate`` may tell apart what that unit's option frees.
+            # The remainder's end and peak can be higher with checkpointing (tensors made outside
+            # the units, kept for recompute): the plain run's, and the larger of the two runs'
+            # where some unit holds such tensors; never taken lower. Leaving autocast frees what
+            # its cache alone holds: the units' release_bytes. Right after a unit's forward,
+            # ``separate`` may tell apart what that unit's option frees.
             freed = lab.kind == "release"
-            peak, end = max(s_none.peak, s_full.peak), s_none.end
+            peak, end = s_none.peak, s_none.end
             ckpt_end = end if freed else max(s_none.end, s_full.end)
+            ckpt_peak = s_full.peak if s_full.peak > peak else None
             out.append(Phase(remainder_label(lab, names, word), None, "remainder", peak, end, ckpt_end,
-                             releases=freed))
+                             releases=freed, ckpt_peak_bytes=ckpt_peak))
     return out
 
 
