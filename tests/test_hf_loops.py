@@ -244,3 +244,24 @@ def test_a_padded_batchs_mask_is_counted_where_a_checkpoint_keeps_it():
         assert [(lvl, peak) for label, lvl, peak in prediction.levels if label not in folded] == [
             (lvl, peak) for (label, *_), (_, lvl, peak) in zip(prediction.levels, measured, strict=True)
             if label not in folded], spelt
+
+
+def test_grouped_kv_attention_follows_its_learned_derive_plan():
+    """Llama's eager attention with grouped KV heads: ``repeat_kv`` makes k contiguous, and the
+    matmul of q and kᵀ folds their batch dimensions with a reshape that autograd records as
+    ``_reshape_alias`` in eager mode but as ``view`` under the learning forward's dispatch mode.
+    Under ``derive:projections`` every later forward follows the learned plan (before: each missed
+    it and learned again, and a step of two micro-batches had the profile refuse the unit), and
+    three training steps match the plain model's."""
+    from memfit.policy import parse
+    from memfit.runtime.derive_plan import Plan
+
+    from .test_apply import _assert_identical, _run
+
+    _, plain, names = _llama("eager")
+    batch = _batch()
+    model = memfit.apply(copy.deepcopy(plain), _schedule(plain, dict.fromkeys(names, parse("derive:projections"))))
+    _assert_identical(_run(copy.deepcopy(plain), batch, steps=3), _run(model, batch, steps=3))
+    units = [model.get_submodule(n).__dict__["_memfit_derive"] for n in names]
+    assert all(not d.misses and [type(p) for p in d.plans.values()] == [Plan] for d in units)
+    assert all(d.derived_bytes > 0 for d in units)

@@ -275,6 +275,17 @@ def history(t: torch.Tensor, leaves: list[torch.Tensor], depth: int) -> Any:
     return _node(t.grad_fn, by_node, by_var, depth)
 
 
+# the same op recorded under two names: ``reshape`` of a tensor that is not contiguous records
+# ``_reshape_alias`` in eager mode and ``view`` under a Python dispatch mode (the learning forward's
+# watch), where ATen takes its composite path (``at::isTensorSubclassLike``): one view either way
+_SAME_NODE = {"ReshapeAliasBackward0": "ViewBackward0"}
+
+
+def _name(node: Any) -> str:
+    name = type(node).__name__
+    return _SAME_NODE.get(name, name)
+
+
 def _node(node: Any, by_node: dict[tuple[int, int], int], by_var: dict[int, int], depth: int) -> Any:
     if node is None:
         return None
@@ -283,7 +294,7 @@ def _node(node: Any, by_node: dict[tuple[int, int], int], by_var: dict[int, int]
         if nxt is None:
             edges.append(None)
             continue
-        name = type(nxt).__name__
+        name = _name(nxt)
         if name == "AccumulateGrad":
             hit = by_var.get(id(nxt.variable)) if by_var else None
         else:
@@ -294,7 +305,7 @@ def _node(node: Any, by_node: dict[tuple[int, int], int], by_var: dict[int, int]
             edges.append(_node(nxt, by_node, by_var, depth - 1))
         else:
             edges.append(name)
-    return type(node).__name__, tuple(edges)
+    return _name(node), tuple(edges)
 
 
 def template_of(recipe: Any, memo: dict[int, Template], slot_of: dict[int, tuple[int, torch.Tensor]],
