@@ -293,6 +293,7 @@ def _assemble(
     unit_params = [storage_bytes(list(model.get_submodule(n).parameters())) for n in names]
     steps = timeline.phases(memory, names, "micro-batch")
     freed, later = timeline.separate(memory, steps, len(names))
+    timeline.hold_peaks(steps)
     units = timeline.units(names, memory, times, facts, *factor, per_step, unit_params, groups, freed, later)
     extra = per_step - measured  # micro-batches like the last one measured
     step_s = statistics.median(costs.seconds(run) + extra * timeline.last_micro_batch(run) for run in times)
