@@ -12,11 +12,12 @@ A plan's peak may be predicted above what it measures (cautious) where the model
 units keep different tensors made outside them (Gemma 2's sliding and global layers a mask each;
 T5's encoder and decoder blocks): the memory model keeps every such tensor while any unit holds
 one (docs/memory-model.md), and with gradient accumulation keeps them to the step's end where
-they go with an earlier backward. Never below. On 2026-12-07 (2 cores): 70 of 72 plans to the
-byte, the others 6,912 bytes high (Gemma 2 with ``full`` on some blocks; T5's, 20,160 in a run
-whose plans put ``full`` on some of its blocks); with ``--accumulate 2`` 57 of 72, the others 1,728
-to 20,928 bytes high (0.04 to 0.4%), all with ``full`` or a segment on some units; every plan
-trained as the plain model.
+they go with an earlier backward. Never below. On 2026-12-07 (2 cores, code at 92daecf; plans vary
+from run to run with the measured prices): 69 of 72 plans to the byte, the others 6,912 and 20,160
+bytes high (Gemma 2, T5, with ``full`` on some blocks); with ``--accumulate 2`` 63 of 72, the
+others 1,728 to 2,688 bytes high; with ``--precision amp-bf16`` 58 of 72, the others 6,912 to
+55,296 high (the BERT family by about one hidden state a checkpointed block); none over its
+prediction, and every plan trained as the plain model.
 """
 
 from __future__ import annotations
