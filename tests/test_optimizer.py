@@ -248,15 +248,10 @@ def test_fine_options_optimum_equals_brute_force(seed):
         assert coarse is None or expected <= coarse + 1e-12
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_options_that_hold_no_outside_tensors_optimum_equals_brute_force(seed):
-    """A finer option that keeps no tensor made outside the units (``derive``, a child region that
-    takes no mask: ``holds_outside`` False) leaves the remainders at the plain step's end and peak
-    while no unit under another option keeps such tensors: CP-SAT, CBC and the DP (on chains) hit
-    the brute-force optimum of that memory model, and the plan of each unit's first finer option
-    peaks lower for it than if those options held them."""
-    chain = seed % 2 == 0
-    prof = random_profile(4 + seed % 3, seed, chain=chain, fine=2, frees=seed >= 3, holds=True)
+def _fine_solvers_hit_brute_force(prof, chain: bool, seed: int):
+    """CP-SAT and CBC (and the DP, on chains) at five budgets from the floor to the unplanned peak,
+    against the brute-force optimum over every fine assignment (segments only on chains); the
+    floor too. Returns the assignments as policies and the floor."""
     names = prof.unit_names
     hi = memfit.predict(prof, {}).peak_bytes
     plans = [{n: r.policy(names) for n, r in zip(names, roles, strict=True)}
@@ -271,6 +266,20 @@ def test_options_that_hold_no_outside_tensors_optimum_equals_brute_force(seed):
             sched = memfit.plan(prof, budget, solver=solver, max_segment=3, granularity="fine")
             assert sched.predicted_peak_bytes <= budget
             assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+    return plans, best_peak
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_options_that_hold_no_outside_tensors_optimum_equals_brute_force(seed):
+    """A finer option that keeps no tensor made outside the units (``derive``, a child region that
+    takes no mask: ``holds_outside`` False) leaves the remainders at the plain step's end and peak
+    while no unit under another option keeps such tensors: CP-SAT, CBC and the DP (on chains) hit
+    the brute-force optimum of that memory model, and the plan of each unit's first finer option
+    peaks lower for it than if those options held them."""
+    chain = seed % 2 == 0
+    prof = random_profile(4 + seed % 3, seed, chain=chain, fine=2, frees=seed >= 3, holds=True)
+    _fine_solvers_hit_brute_force(prof, chain, seed)
+    names = prof.unit_names
     first = {n: next(k for k in u.options if k not in policy.COARSE) for n, u in zip(names, prof.units, strict=True)}
     free = memfit.predict(prof, first).peak_bytes
     for u in prof.units:
@@ -337,20 +346,7 @@ def test_a_tail_that_lowers_the_heads_peak_optimum_equals_brute_force(seed):
     prof = random_profile(4 + seed % 3, seed, chain=chain, fine=2, frees=seed >= 3, tail=True)
     assert all(o.after_peak_bytes <= 0 for o in prof.units[-1].options.values())
     assert any(o.after_peak_bytes < 0 for o in prof.units[-1].options.values())
-    names = prof.unit_names
-    hi = memfit.predict(prof, {}).peak_bytes
-    plans = [{n: r.policy(names) for n, r in zip(names, roles, strict=True)}
-             for roles in fine_assignments(prof, 3 if chain else 1)]
-    predicted = [memfit.predict(prof, p) for p in plans]
-    best_peak = min(p.peak_bytes for p in predicted)
-    assert min_budget_bytes(prof, max_segment=3, fine=True) == best_peak
-    rng = random.Random(seed)
-    for budget in [best_peak, hi, *(rng.randint(best_peak, hi) for _ in range(3))]:
-        expected = min(p.recompute_s for p in predicted if p.peak_bytes <= budget)
-        for solver in ("cpsat", "cbc", "dp") if chain else ("cpsat", "cbc"):
-            sched = memfit.plan(prof, budget, solver=solver, max_segment=3, granularity="fine")
-            assert sched.predicted_peak_bytes <= budget
-            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+    plans, best_peak = _fine_solvers_hit_brute_force(prof, chain, seed)
     for u in prof.units[-1].options.values():  # without the lowered peak the floor would be higher
         u.after_peak_bytes = 0
     floor = min(memfit.predict(prof, p).peak_bytes for p in plans)
