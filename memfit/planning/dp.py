@@ -46,9 +46,9 @@ def dp_exact(model: IntModel) -> bool:
 
 
 class _Walk:
-    """The levels of a chain step for one value of "some unit holds outside tensors" (a checkpoint,
-    ``IntCosts.holds``): what a block
-    (a unit, or a segment starting at it) does to the worst level, given the bytes kept before it."""
+    """The levels of a chain step for one value of "some unit holds outside tensors" (a checkpoint:
+    ``IntCosts.holds``): what a block (a unit, or a segment starting at it) does to the worst
+    level, given the bytes kept before it."""
 
     def __init__(self, model: IntModel, lay: Layout, any_ckpt: bool) -> None:
         self.model, self.lay, n = model, lay, model.n
