@@ -292,3 +292,32 @@ def test_a_checkpoint_that_keeps_the_mask_raises_the_heads_peak_under_autocast()
     k = next(i for i, (label, *_) in enumerate(predicted.levels) if label.endswith("(head, loss)"))
     assert predicted.levels[k][1:] == tuple(measured[k][1:])
     assert predicted.peak_bytes >= max(peak for _, _, peak in measured)
+
+
+def test_a_checkpoint_that_keeps_its_input_is_booked_to_its_unit_under_autocast():
+    """BERT under bf16 autocast: the next block's products save bf16 casts of its fp32 input, so
+    the plain step frees that hidden state right after the block that takes it; a checkpointed block
+    keeps it for its recompute. That is the block's own doing (``freed_after_bytes`` negative), not
+    something every checkpoint keeps: with one block checkpointed, every level of the forward is
+    predicted to the byte (before: one hidden state high after each later block)."""
+    from memfit.policy import parse
+    from memfit.runtime.harness import StepHarness
+    from memfit.trainstep import TrainStep
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=256, num_hidden_layers=4, hidden_size=64, intermediate_size=160,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    plain, names = transformers.BertForMaskedLM(config), [f"bert.encoder.layer.{i}" for i in range(4)]
+    plain.train()
+    batch = _batch()
+    step = TrainStep(optimizer="adamw", precision="amp-bf16")
+    prof = memfit.profile(copy.deepcopy(plain), batch, units=names, step=step, repeat=1)
+    hidden = 3 * 16 * 64 * 4
+    assert [u.options[FULL].freed_after_bytes for u in prof.units][1:3] == [-hidden, -hidden]
+    policies = {n: parse("full" if i == 1 else "none") for i, n in enumerate(names)}
+    model = memfit.apply(copy.deepcopy(plain), _schedule(plain, policies))
+    measured = StepHarness(model, batch, step=step).levels(names)
+    predicted = memfit.predict(prof, policies)
+    forward = [i for i, (label, *_) in enumerate(predicted.levels) if label.startswith("forward")][:-1]
+    assert [predicted.levels[i][1:] for i in forward] == [tuple(measured[i][1:]) for i in forward]
+    assert predicted.peak_bytes >= max(peak for _, _, peak in measured)

@@ -86,6 +86,29 @@ def test_optimum_equals_brute_force(seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
+def test_a_checkpoint_that_keeps_its_input_optimum_equals_brute_force(seed):
+    """Checkpointed units that keep their input where the plain step frees it right after them
+    (``freed_after_bytes`` negative: BERT's blocks under autocast): every solver hits the
+    brute-force optimum over none/full (and segments on chains), the DP too."""
+    chain = seed % 2 == 0
+    n = 4 + seed % 4 if chain else 6 + seed % 5
+    prof = random_profile(n, seed, chain=chain, keeps=True)
+    assert all(u.options[policy.FULL].freed_after_bytes < 0 for u in prof.units[1:])
+    model = IntModel.of(prof)
+    assert model.quantum == 1 and dp_exact(model)  # one net per unit: the kept input goes with its backward
+    hi = memfit.predict(prof, {}).peak_bytes
+    _, lo = brute_force(prof, hi, 4)
+    assert min_budget_bytes(prof, max_segment=4) == lo
+    rng = random.Random(seed)
+    for budget in [lo, hi, *(rng.randint(lo, hi) for _ in range(3))]:
+        expected, _ = brute_force(prof, budget, 4)
+        for solver in ("cpsat", "cbc", "dp"):
+            sched = memfit.plan(prof, budget, solver=solver, max_segment=4)
+            assert sched.predicted_peak_bytes <= budget
+            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_frees_a_unit_late_optimum_equals_brute_force(seed):
     """Checkpointed units whose loop holds an output until the next unit returns (GPT-Neo's
     attention probabilities: ``freed_later_bytes``): CP-SAT and CBC hit the brute-force optimum

@@ -99,7 +99,9 @@ class OptionCost:
     recompute_uncertainty_s: float = 0.0
     # what the remainder after each forward of the unit frees beyond what it frees when the unit
     # is ``none``: an output the unit kept for its backward, dropped by the model's own code once
-    # checkpointed (``x = x + block(x)`` with a closing ReLU); freed at that remainder's end
+    # checkpointed (``x = x + block(x)`` with a closing ReLU); freed at that remainder's end.
+    # Negative where the option keeps more there: a checkpoint keeps its input, which the plain
+    # step frees once the next unit has cast it (BERT's fp32 hidden state under autocast)
     freed_after_bytes: int = 0
     # the same, freed one unit later: at the end of the remainder after the *next* unit's forward
     # (an output the model's loop holds until the next block returns, as GPT-Neo's and BLOOM's
@@ -408,7 +410,7 @@ def _unit(u: Fields) -> UnitProfile:
             *(o.int(k) if o.data.get(k) is not None else None for k in ("later_bwd_peak_bytes", "later_bwd_end_bytes")),
             o.int("release_bytes", minimum=0) if "release_bytes" in o.data else 0,
             o.float("recompute_uncertainty_s", minimum=0.0) if "recompute_uncertainty_s" in o.data else 0.0,
-            o.int("freed_after_bytes", minimum=0) if "freed_after_bytes" in o.data else 0,
+            o.int("freed_after_bytes") if "freed_after_bytes" in o.data else 0,
             o.int("freed_later_bytes", minimum=0) if "freed_later_bytes" in o.data else 0,
             o.int("after_peak_bytes") if "after_peak_bytes" in o.data else 0,
             o.bool("holds_outside") if "holds_outside" in o.data else True,

@@ -9,7 +9,8 @@ from memfit.policy import FULL, KEEP, Children
 
 
 def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fine: int = 0,
-                   frees: bool = False, late: bool = False, tail: bool = False, holds: bool = False) -> Profile:
+                   frees: bool = False, late: bool = False, tail: bool = False, holds: bool = False,
+                   keeps: bool = False) -> Profile:
     """A synthetic chain profile with integer bytes (times ``scale``), for solver checks against
     brute force and for timing the solvers. As in a real step, each unit's net change (its
     gradients) is the same whether it is checkpointed. ``fine`` finer options per unit
@@ -23,11 +24,15 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
     forward, the head's and the loss's (``after_peak_bytes``, as its ``derive``'s tail does), and
     no gap lies between them. ``holds``: each unit's first finer option keeps no tensor made
     outside the units (``holds_outside`` False, as ``derive``), and the remainders peak higher in
-    the checkpointed step (``ckpt_peak_bytes``, as where checkpoints keep a mask the blocks share)."""
+    the checkpointed step (``ckpt_peak_bytes``, as where checkpoints keep a mask the blocks share).
+    ``keeps``: checkpointed, each unit but the first keeps its input, which the plain step frees in
+    the remainder after it (``freed_after_bytes`` negative, as BERT's blocks under autocast), and
+    frees it with its backward."""
     r = random.Random(seed)
     rr = random.Random(seed + 2 * 10**6)
     rf = random.Random(seed + 10**6)  # its own stream: profiles without finer options stay as they were
     rl = random.Random(seed + 3 * 10**6)  # the same for late frees
+    rk = random.Random(seed + 6 * 10**6)  # and for inputs a checkpoint keeps
     units, phases = [], [Phase("pre", None, "remainder", r.randint(0, 50), r.randint(0, 50), r.randint(50, 60))]
     for i in range(n):
         a = r.randint(10, 100)
@@ -47,6 +52,9 @@ def random_profile(n: int, seed: int, *, chain: bool = True, scale: int = 1, fin
         full = units[-1].options[FULL]
         if frees and (i == n - 1 or not chain):  # in a chain, outputs live on as the next inputs
             full.freed_after_bytes = rr.randint(0, s)
+            full.bwd_end_bytes += full.freed_after_bytes
+        if keeps and i > 0:
+            full.freed_after_bytes = -rk.randint(1, units[-2].output_bytes)
             full.bwd_end_bytes += full.freed_after_bytes
         if late and i < n - 1:
             full.freed_later_bytes = rl.randint(0, a - s)

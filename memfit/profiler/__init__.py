@@ -364,7 +364,7 @@ def _add_option(prof: Profile, option: Option, has: list[bool], memory: list[Str
     holds = timeline.holds_outside(memory, plain_memory, prof.phases,
                                    set(timeline.tail_phases(prof.phases, last)[1]) if tail else set())
     frees = timeline.option_frees(memory, plain_memory, prof.phases, has,
-                                  [u.options[FULL].freed_later_bytes for u in prof.units])
+                                  [u.options[FULL].freed_later_bytes for u in prof.units], holds)
     made: dict[int, OptionCost] = {}
     for j in units:
         made[j] = timeline.option_cost(memory, where, j, prof.units[j].name, 0.0, released[j])

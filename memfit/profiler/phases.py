@@ -162,8 +162,10 @@ def separate(memory: Memory, steps: list[Phase], n: int) -> tuple[list[int], lis
     the model's loop holds until ``j`` returns): in the run where ``j`` is kept ``j - 1`` is
     checkpointed (B - late), in the other ``j`` is (B - freed), in the all-checkpointed run both
     are. Returns what checkpointing each unit frees right after it and a unit later (the least
-    over its runs). A phase that does not add up (a part comes out negative, B below the plain
-    step's end) keeps the cautious rule and frees nothing."""
+    over its runs). What ``j`` frees may be negative: its checkpoint keeps its input, which the
+    plain step frees there (under autocast, where the next product saves a cast of it: BERT's
+    fp32 hidden state). A phase that does not add up (a late free comes out negative, B below the
+    plain step's end) keeps the cautious rule and frees nothing."""
     none, full = memory[KEEP], memory[FULL]
     runs = (memory[ALTERNATE[0]], memory[ALTERNATE[1]]) if ALTERNATE[0] in memory else None
     if n == 1:
@@ -176,7 +178,7 @@ def separate(memory: Memory, steps: list[Phase], n: int) -> tuple[list[int], lis
             kept, ckpt = runs[1 - j % 2][t].end, runs[j % 2][t].end  # unit j kept (j - 1 not); unit j checkpointed
             both = full[t].end
             # no unit before the first to free anything late: there the two checkpointed runs agree
-            if (j > 0 or ckpt == both) and kept >= both and ckpt >= both and kept + ckpt - both >= none[t].end:
+            if (j > 0 or ckpt == both) and ckpt >= both and kept + ckpt - both >= none[t].end:
                 steps[t].ckpt_end_bytes, freed, late = kept + ckpt - both, kept - both, ckpt - both
         by_unit.setdefault(j, []).append(freed)
         if j > 0:
@@ -199,18 +201,23 @@ def hold_peaks(steps: list[Phase]) -> None:
 
 
 def option_frees(memory: list[Stretch], plain: list[Stretch], steps: list[Phase], has: list[bool],
-                 later: list[int]) -> list[int]:
+                 later: list[int], holds: bool) -> list[int]:
     """What the remainder after each forward of a unit that ``has`` a finer option frees beyond
     the plain step (``steps``: its phases): only what the option's own run ends below the plain
     one (the least over the unit's runs), so never more than the option frees whatever the other
     units do. Where the unit before has the option too, what it may free a unit late is taken off
     (at most what checkpointing it whole frees so, ``later``): a finer option's late frees are
-    not counted (cautious)."""
+    not counted (cautious). An option that ``holds`` outside tensors frees nothing, and where its
+    run ends above what the checkpoints keep there (a child region that keeps the unit's input,
+    as ``full`` does under autocast: ``separate``), that is booked to the unit, negative."""
     by_unit: dict[int, list[int]] = {}
     for t, j in after_forwards(steps).items():
         if has[j]:
             before = later[j - 1] if j > 0 and has[j - 1] else 0
-            by_unit.setdefault(j, []).append(max(0, plain[t].end - memory[t].end - before))
+            if holds:
+                by_unit.setdefault(j, []).append(min(0, steps[t].ckpt_end_bytes - memory[t].end - before))
+            else:
+                by_unit.setdefault(j, []).append(max(0, plain[t].end - memory[t].end - before))
     return [min(by_unit.get(j, [0])) for j in range(len(has))]
 
 
