@@ -85,6 +85,22 @@ def test_optimum_equals_brute_force(seed):
         memfit.plan(prof, lo - 1, max_segment=4)
 
 
+def _solvers_hit_brute_force(prof, seed: int, solvers: tuple[str, ...]) -> int:
+    """Each of ``solvers`` at five budgets from the floor to the unplanned peak against the
+    brute-force optimum over none/full and segments of up to 4; the floor too. Returns it."""
+    hi = memfit.predict(prof, {}).peak_bytes
+    _, lo = brute_force(prof, hi, 4)
+    assert min_budget_bytes(prof, max_segment=4) == lo
+    rng = random.Random(seed)
+    for budget in [lo, hi, *(rng.randint(lo, hi) for _ in range(3))]:
+        expected, _ = brute_force(prof, budget, 4)
+        for solver in solvers:
+            sched = memfit.plan(prof, budget, solver=solver, max_segment=4)
+            assert sched.predicted_peak_bytes <= budget
+            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+    return lo
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_checkpoint_that_keeps_its_input_optimum_equals_brute_force(seed):
     """Checkpointed units that keep their input where the plain step frees it right after them
@@ -96,16 +112,7 @@ def test_a_checkpoint_that_keeps_its_input_optimum_equals_brute_force(seed):
     assert all(u.options[policy.FULL].freed_after_bytes < 0 for u in prof.units[1:])
     model = IntModel.of(prof)
     assert model.quantum == 1 and dp_exact(model)  # one net per unit: the kept input goes with its backward
-    hi = memfit.predict(prof, {}).peak_bytes
-    _, lo = brute_force(prof, hi, 4)
-    assert min_budget_bytes(prof, max_segment=4) == lo
-    rng = random.Random(seed)
-    for budget in [lo, hi, *(rng.randint(lo, hi) for _ in range(3))]:
-        expected, _ = brute_force(prof, budget, 4)
-        for solver in ("cpsat", "cbc", "dp"):
-            sched = memfit.plan(prof, budget, solver=solver, max_segment=4)
-            assert sched.predicted_peak_bytes <= budget
-            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+    _solvers_hit_brute_force(prof, seed, ("cpsat", "cbc", "dp"))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -121,15 +128,7 @@ def test_frees_a_unit_late_optimum_equals_brute_force(seed):
     model = IntModel.of(prof)
     assert model.quantum == 1 and not dp_exact(model)
     hi = memfit.predict(prof, {}).peak_bytes
-    _, lo = brute_force(prof, hi, 4)
-    assert min_budget_bytes(prof, max_segment=4) == lo
-    rng = random.Random(seed)
-    for budget in [lo, hi, *(rng.randint(lo, hi) for _ in range(3))]:
-        expected, _ = brute_force(prof, budget, 4)
-        for solver in ("cpsat", "cbc"):
-            sched = memfit.plan(prof, budget, solver=solver, max_segment=4)
-            assert sched.predicted_peak_bytes <= budget
-            assert sched.predicted_recompute_s == pytest.approx(expected, abs=1e-12), (solver, budget)
+    _solvers_hit_brute_force(prof, seed, ("cpsat", "cbc"))
     with pytest.raises(memfit.MemfitError, match="frees an output a unit late"):
         memfit.plan(prof, hi, solver="dp")
 
