@@ -135,7 +135,8 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
         o = u.options[role.option]
         return Costs(o.fwd_peak_bytes, o.stored_bytes, o.bwd_peak_bytes, o.bwd_end_bytes, o.recompute_s,
                      *o.backward(later=True), o.release_bytes, o.recompute_uncertainty_s, o.freed_after_bytes,
-                     o.freed_later_bytes, o.after_peak_bytes, role != NONE and o.holds_outside)
+                     o.freed_later_bytes, o.after_peak_bytes + kept_after(o.freed_after_bytes),
+                     role != NONE and o.holds_outside)
     full = u.options[CHECKPOINT]
     rng = profile.rng_state_bytes  # one RNG state per region, kept by its first unit
     head = j == role.first
@@ -150,11 +151,19 @@ def unit_costs(profile: Profile, j: int, role: Role) -> Costs:
         measured = u.member_s is not None
         return Costs(*fwd, p0, e0 - head_rng, u.member_s if measured else full.recompute_s, p1, e1 - head_rng,
                      full.release_bytes, u.member_uncertainty_s if measured else full.recompute_uncertainty_s,
-                     full.freed_after_bytes)
+                     full.freed_after_bytes, after_peak=kept_after(full.freed_after_bytes))
     back = rematerialised(profile, role)
     (p0, e0), (p1, e1) = full.backward(False), full.backward(True)
     return Costs(*fwd, back + p0, back + e0 + rng, full.recompute_s, back + p1, back + e1 + rng, full.release_bytes,
-                 full.recompute_uncertainty_s, full.freed_after_bytes)
+                 full.recompute_uncertainty_s, full.freed_after_bytes, after_peak=kept_after(full.freed_after_bytes))
+
+
+def kept_after(freed: int | float) -> int | float:
+    """What an option that frees a negative amount after its unit (a checkpoint keeping the unit's
+    input, which the plain step frees there: profile.OptionCost.freed_after_bytes) adds to that
+    remainder's peak: it lands at the remainder's end, but the plain step may free it before
+    the peak (cautious where it frees it after)."""
+    return max(0, -freed)
 
 
 def member_input(profile: Profile, j: int, role: Role) -> int:
