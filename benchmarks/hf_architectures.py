@@ -15,7 +15,7 @@ one (docs/memory-model.md), and with gradient accumulation keeps them to the ste
 they go with an earlier backward. Never below. On 2026-12-07 (2 cores, code at 92daecf; plans vary
 from run to run with the measured prices): 69 of 72 plans to the byte, the others 6,912 and 20,160
 bytes high (Gemma 2, T5, with ``full`` on some blocks); with ``--accumulate 2`` 63 of 72, the
-others 1,728 to 2,688 bytes high; with ``--precision amp-bf16`` 63 and 60 of 72 in two runs of
+others 1,728 to 2,688 bytes high; with ``--precision amp-bf16`` 63 of 72 at 6ed24df and 60 at
 d6b30a2 (58 before the BERT family's kept inputs were booked to their blocks), the others 1,232 to
 33,984 high; none over its prediction, and every plan trained as the plain model.
 """
