@@ -10,7 +10,9 @@ import torch
 
 import memfit
 from memfit.formats.schedule import Schedule, model_fingerprint
-from memfit.policy import FULL, KEEP, Segment
+from memfit.policy import FULL, KEEP, Segment, parse
+from memfit.runtime.harness import StepHarness
+from memfit.trainstep import TrainStep
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -212,6 +214,13 @@ def test_the_trainer_on_a_resnet_from_pretrained_trains_as_the_plain_model(tmp_p
     assert all(torch.equal(b, c) for b, c in zip(plain.buffers(), model.buffers(), strict=True))
 
 
+def _predicted_and_measured(prof, plain, batch, step, policies):
+    """The profile's prediction for ``policies`` and a copy of ``plain`` under them measured phase
+    by phase (``StepHarness.levels``: (mark, level, peak)) in ``step``."""
+    model = memfit.apply(copy.deepcopy(plain), _schedule(plain, policies))
+    return memfit.predict(prof, policies), StepHarness(model, batch, step=step).levels(prof.unit_names)
+
+
 def test_a_padded_batchs_mask_is_counted_where_a_checkpoint_keeps_it():
     """Hugging Face decoders make the padded batch's 4-D attention mask (and the cache positions,
     the rotary tables) once, before the blocks, and hand them to every block. A checkpointed block
@@ -221,10 +230,6 @@ def test_a_padded_batchs_mask_is_counted_where_a_checkpoint_keeps_it():
     the remainders' checkpointed figures, 1,920 bytes over on Llama) and mixed with ``full``; the
     last unit's tail, which re-makes the final norm's output in the head's backward, is booked in
     the unit's own backward (profiler/phases.add_tail), so those two phases are read as one."""
-    from memfit.policy import parse
-    from memfit.runtime.harness import StepHarness
-    from memfit.trainstep import TrainStep
-
     _, plain, names = _llama("sdpa")
     plain.train()
     batch = _batch()
@@ -236,9 +241,7 @@ def test_a_padded_batchs_mask_is_counted_where_a_checkpoint_keeps_it():
     # (with it kept, the model leaves those bytes held to the step's end: cautious)
     for spelt in (["derive"] * 4, ["full", "derive", "derive", "none"]):
         policies = {n: parse(p) for n, p in zip(names, spelt, strict=True)}
-        model = memfit.apply(copy.deepcopy(plain), _schedule(plain, policies))
-        measured = StepHarness(model, batch, step=TrainStep(optimizer="adamw")).levels(names)
-        prediction = memfit.predict(prof, policies)
+        prediction, measured = _predicted_and_measured(prof, plain, batch, TrainStep(optimizer="adamw"), policies)
         assert prediction.peak_bytes == max(peak for _, _, peak in measured), spelt
         folded = {"backward of loss and head", f"backward {names[-1]}"}
         assert [(lvl, peak) for label, lvl, peak in prediction.levels if label not in folded] == [
@@ -253,7 +256,6 @@ def test_grouped_kv_attention_follows_its_learned_derive_plan():
     Under ``derive:projections`` every later forward follows the learned plan (before: each missed
     it and learned again, and a step of two micro-batches had the profile refuse the unit), and
     three training steps match the plain model's."""
-    from memfit.policy import parse
     from memfit.runtime.derive_plan import Plan
 
     from .test_apply import _assert_identical, _run
@@ -274,10 +276,6 @@ def test_a_checkpoint_that_keeps_the_mask_raises_the_heads_peak_under_autocast()
     checkpointed, lowers that peak). With one middle block checkpointed, the level and the peak
     there are predicted to the byte (before: the peak 8,064 bytes over its prediction), and the
     step's peak is never under the measured one."""
-    from memfit.policy import parse
-    from memfit.runtime.harness import StepHarness
-    from memfit.trainstep import TrainStep
-
     torch.manual_seed(0)
     config = transformers.BloomConfig(vocab_size=256, n_layer=4, hidden_size=64, n_head=4)
     plain, names = transformers.BloomForCausalLM(config), [f"transformer.h.{i}" for i in range(4)]
@@ -285,10 +283,8 @@ def test_a_checkpoint_that_keeps_the_mask_raises_the_heads_peak_under_autocast()
     batch = _batch()
     step = TrainStep(optimizer="adamw", precision="amp-bf16")
     prof = memfit.profile(copy.deepcopy(plain), batch, units=names, step=step, repeat=1)
-    policies = {n: parse("full" if i == 1 else "none") for i, n in enumerate(names)}
-    model = memfit.apply(copy.deepcopy(plain), _schedule(plain, policies))
-    measured = StepHarness(model, batch, step=step).levels(names)
-    predicted = memfit.predict(prof, policies)
+    policies = {n: FULL if i == 1 else KEEP for i, n in enumerate(names)}
+    predicted, measured = _predicted_and_measured(prof, plain, batch, step, policies)
     k = next(i for i, (label, *_) in enumerate(predicted.levels) if label.endswith("(head, loss)"))
     assert predicted.levels[k][1:] == tuple(measured[k][1:])
     assert predicted.peak_bytes >= max(peak for _, _, peak in measured)
@@ -302,10 +298,6 @@ def test_a_checkpoint_that_keeps_its_input_is_booked_to_its_unit_under_autocast(
     predicted to the byte (before: one hidden state high after each later block), and so is every
     peak but the checkpointed block's remainder's, which counts the kept input from its start (the
     plain step might free it before that peak: roles.kept_after), one hidden state high."""
-    from memfit.policy import parse
-    from memfit.runtime.harness import StepHarness
-    from memfit.trainstep import TrainStep
-
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=256, num_hidden_layers=4, hidden_size=64, intermediate_size=160,
                                      num_attention_heads=4, max_position_embeddings=64)
@@ -316,10 +308,8 @@ def test_a_checkpoint_that_keeps_its_input_is_booked_to_its_unit_under_autocast(
     prof = memfit.profile(copy.deepcopy(plain), batch, units=names, step=step, repeat=1)
     hidden = 3 * 16 * 64 * 4
     assert [u.options[FULL].freed_after_bytes for u in prof.units][1:3] == [-hidden, -hidden]
-    policies = {n: parse("full" if i == 1 else "none") for i, n in enumerate(names)}
-    model = memfit.apply(copy.deepcopy(plain), _schedule(plain, policies))
-    measured = StepHarness(model, batch, step=step).levels(names)
-    predicted = memfit.predict(prof, policies)
+    policies = {n: FULL if i == 1 else KEEP for i, n in enumerate(names)}
+    predicted, measured = _predicted_and_measured(prof, plain, batch, step, policies)
     forward = [i for i, (label, *_) in enumerate(predicted.levels) if label.startswith("forward")][:-1]
     assert [predicted.levels[i][1] for i in forward] == [measured[i][1] for i in forward]
     kept = {f"forward after {names[1]}": hidden}
