@@ -18,20 +18,19 @@ below autocast as autograd is, so the input kept is the one the op received; gra
 of the ops' own backward. ``bert_masks_2022()``: BERT's eager attention adds that mask where it has
 none.
 
-Private API: ``torch._C._AutoDispatchBelowAutograd`` (running the op under the kernel, as
-autograd's generated kernels do), and memfit.torch_private.destroy_library.
+Private API, through memfit.torch_private: ``below_autograd`` (running the op under the kernel, as
+autograd's generated kernels do) and ``aten_kernels`` (the registrations, removed on leaving).
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from memfit.torch_private import destroy_library
+from memfit.torch_private import aten_kernels, below_autograd
 
 _aten = torch.ops.aten
 OPS = {"_softmax": (_aten._softmax.default, _aten._softmax_backward_data.default),
@@ -44,7 +43,7 @@ class _KeepsInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, half_to_float: bool, name: str) -> torch.Tensor:
         op, ctx.backward = OPS[name]
-        with torch._C._AutoDispatchBelowAutograd():
+        with below_autograd():
             out = op(x, dim, half_to_float)
         ctx.save_for_backward(x, out)
         ctx.dim = dim
@@ -62,7 +61,7 @@ def _kernel(name: str) -> Any:
     def kernel(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return _KeepsInput.apply(x, dim, half_to_float, name)
-        with torch._C._AutoDispatchBelowAutograd():
+        with below_autograd():
             return op(x, dim, half_to_float)
     return kernel
 
@@ -70,15 +69,8 @@ def _kernel(name: str) -> Any:
 @contextlib.contextmanager
 def softmax_keeps_input() -> Iterator[None]:
     """softmax and log_softmax save their input for the backward while open, as before torch 1.11."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-            warnings.simplefilter("ignore")
-            for name in OPS:
-                lib.impl(name, _kernel(name), "AutogradCPU")
+    with aten_kernels(((name, _kernel(name)) for name in OPS), "AutogradCPU"):
         yield
-    finally:
-        destroy_library(lib)
 
 
 @contextlib.contextmanager

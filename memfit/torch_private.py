@@ -8,7 +8,10 @@ names the symbol, not the import of memfit: a symbol that cannot be found is rep
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -87,7 +90,7 @@ MODULE_HOOKS = tuple(_private("torch.nn.modules.module", name, "2.0", kind="func
 
 __all__ = ["MODULE_HOOKS", "BatchNorm", "FakeTensorMode", "ProfiledAllocation", "ProfiledOp", "StorageWeakRef",
            "TorchDispatchMode", "allow_in_compiled_graph",
-           "amp_unscale_", "amp_update_scale_", "checkpoint_generator", "destroy_library", "fake_store",
+           "amp_unscale_", "amp_update_scale_", "aten_kernels", "below_autograd", "checkpoint_generator", "fake_store",
            "grad_scaler_tensors",
            "inner_tensors", "is_fake", "on_top", "op_schema", "saved_tensors_hooks_active", "schedule_ops",
            "stages_per_rank",
@@ -118,10 +121,26 @@ def without_autocast_cpu() -> Any:
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
 
 
-def destroy_library(lib: Any) -> None:
-    """Remove a ``torch.library.Library``'s registrations now (``Library._destroy``, what its own
-    teardown calls; since torch 2.0), the kernels it replaced in force again."""
-    lib._destroy()
+@contextlib.contextmanager
+def aten_kernels(kernels: Iterable[tuple[str, Any]], key: str) -> Iterator[None]:
+    """ATen kernels, (``name.overload``, kernel), registered at dispatch ``key`` while open; on
+    leaving, the library's registrations are removed at once (``Library._destroy``, what its own
+    teardown calls; since torch 2.0) and the kernels they replaced are in force again."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+            warnings.simplefilter("ignore")
+            for name, kernel in kernels:
+                lib.impl(name, kernel, key)
+        yield
+    finally:
+        lib._destroy()
+
+
+def below_autograd() -> Any:
+    """A context in which ops dispatch below autograd, as autograd's own kernels run the op they
+    record (``torch._C._AutoDispatchBelowAutograd``; since torch 1.10)."""
+    return torch._C._AutoDispatchBelowAutograd()
 
 
 # The innermost dispatch mode in force: whether derive's head still has its watch on top (on_top).

@@ -27,13 +27,12 @@ around the op, as the C++ wrappers do), an op's schema, ``torch.library.Library.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from memfit.torch_private import destroy_library, op_schema, without_autocast_cpu
+from memfit.torch_private import aten_kernels, op_schema, without_autocast_cpu
 
 _aten = torch.ops.aten
 
@@ -116,17 +115,11 @@ def _overload(name: str, overload: str) -> Any | None:
 @contextlib.contextmanager
 def cuda_lists() -> Iterator[None]:
     """CPU autocast with CUDA's op lists (see the module's docstring) while open."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-            warnings.simplefilter("ignore")
-            _register(lib)
+    with aten_kernels(_kernels(), "AutocastCPU"):
         yield
-    finally:
-        destroy_library(lib)
 
 
-def _register(lib: Any) -> None:
+def _kernels() -> Iterator[tuple[str, Callable[..., Any]]]:
     groups: list[tuple[list[tuple[str, str]], Callable[[Any, str], Callable[..., Any]]]] = [
         (LOWER_ONLY_CUDA, lambda op, _: _casting(op, lambda: torch.get_autocast_dtype("cpu"))),
         (FP32, lambda op, _: _casting(op, lambda: torch.float32)),
@@ -138,4 +131,4 @@ def _register(lib: Any) -> None:
         for name, overload in ops:
             op = _overload(name, overload)
             if op is not None:
-                lib.impl(f"{name}.{overload}" if overload else name, make(op, name), "AutocastCPU")
+                yield f"{name}.{overload}" if overload else name, make(op, name)
