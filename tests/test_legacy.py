@@ -59,3 +59,16 @@ def test_the_2022_stack_keeps_one_float32_score_tensor_more_a_layer(precision):
             prof = estimate(lambda: sc.build("cpu"), target=sc.target_device(), units=sc.units, step=sc.train_step)
         kept.append(sum(u.saved_bytes for u in prof.units))
     assert kept[1] - kept[0] == layers * batch * heads * seq * seq * 4
+
+
+def test_the_published_fp16_bert_run_is_predicted_within_5_percent():
+    """benchmarks/published.py's row that today's stack missed most (0.874): BERT-large, batch 4 x
+    512, fp16 autocast, estimated for the guide's V100 as its 2022 stack ran it; the allocator
+    model's reserved peak plus the context the guide measured is within 5% of its pynvml figure
+    (0.984 when written; 0.874 as today's stack runs it: ``published.py --today``)."""
+    pytest.importorskip("transformers")
+    import published
+
+    f = next(f for f in published.FIGURES if f.key == "bert-fp16")
+    ratio = published.compared(f, published.estimated(f.scenario, f.stack_2022)).modelled / f.published_bytes
+    assert 0.95 <= ratio <= 1.05, ratio
