@@ -38,7 +38,8 @@ from legacy import stack_2022
 import memfit
 from memfit.budget import format_bytes
 from memfit.devices import MARGIN, MiB
-from memfit.policy import FULL, KEEP, Policies
+from memfit.planning.peak import allocator_ratio
+from memfit.policy import FULL, Policies
 from memfit.profiler.estimate import estimate
 from memfit.report import table
 from memfit.scenarios import Scenario
@@ -123,13 +124,6 @@ def estimated(sc: Scenario, as_2022: bool = False) -> memfit.Profile:
                         parallel=sc.parallel, world_size=sc.world_size or 1)
 
 
-def _reserved_ratio(prof: memfit.Profile, share: float) -> float:
-    """Reserved over allocated by the allocator's model, for a plan that checkpoints ``share`` of
-    the units: between the two steps the estimate ran with every unit kept and every unit full."""
-    kept, full = (prof.reserved_peak_bytes[o] / prof.measured_peak_bytes[o] for o in (KEEP, FULL))
-    return kept + share * (full - kept)
-
-
 @dataclass(slots=True)
 class Compared:
     """A figure's estimate turned into the published kind of number, two ways."""
@@ -142,9 +136,10 @@ class Compared:
 def compared(f: Figure, prof: memfit.Profile) -> Compared:
     policies = f.checkpoint(prof.unit_names)
     allocated = memfit.predict(prof, policies).peak_bytes
-    share = len(policies) / len(prof.unit_names)
+    ratio = allocator_ratio(prof, policies)
+    assert ratio is not None, "an estimate for a CUDA target has the allocator's model"
     return Compared(allocated, round(allocated * (1 + MARGIN)) + f.context_bytes,
-                    round(allocated * _reserved_ratio(prof, share)) + f.context_bytes)
+                    round(allocated * ratio) + f.context_bytes)
 
 
 def main() -> None:

@@ -342,7 +342,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     the CUDA context and the allocator's margin, a per-rank plan's FSDP headroom. Said with every
     plan, and when nothing needs checkpointing."""
     from memfit.devices import describe_memory, target_title, usable_bytes
-    from memfit.planning.peak import fsdp_headroom
+    from memfit.planning.peak import allocator_ratio, device_cap_bytes, fsdp_headroom
 
     out = []
     peak = schedule.predicted_peak_bytes
@@ -356,14 +356,21 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     if memory:
         out.append(f"device memory: {describe_memory(memory)}")
         usable = usable_bytes(memory)
+        cap = device_cap_bytes(profile, schedule.policies) if profile is not None else None
+        ratio = allocator_ratio(profile, schedule.policies) if profile is not None else None
+        if ratio is not None and cap is not None and cap < usable - headroom:
+            out.append(f"the caching allocator's model (estimate mode) has this plan reserve {ratio - 1:.1%} over its "
+                       f"allocated peak, more than the {memory['margin']:.0%} margin: it may allocate at most "
+                       f"{format_bytes(cap)}")
         if schedule.asked_budget_bytes:
             out.append(f"note: the budget asked for, {format_bytes(schedule.asked_budget_bytes)}, is more than "
                        f"that: planned for {format_bytes(schedule.budget_bytes)} instead (describe the card's own "
                        "context and margin with --device-spec FILE; memfit validate on it measures them)")
-        if peak + headroom > usable:
+        limit = cap if cap is not None else usable - headroom
+        if peak > limit:
             out.append(f"warning: a peak of {format_bytes(peak)} leaves less than the allocator's margin on "
                        f"{memory['title']} and would likely run out of memory there; plan with a budget of at most "
-                       f"{format_bytes(usable - headroom)}")
+                       f"{format_bytes(limit)}")
     if schedule.parallel:
         p = schedule.parallel
         how = "estimated for" if schedule.target else "measured on"

@@ -18,8 +18,10 @@ from memfit.devices import (
     spec_toml,
     usable_bytes,
 )
-from memfit.planning.peak import device_cap_bytes, fsdp_headroom
+from memfit.planning.peak import allocator_ratio, device_cap_bytes, fsdp_headroom
+from memfit.policy import FULL, KEEP
 from memfit.profiler.estimate import estimate
+from memfit.report import device_notes
 
 from .conftest import TINY, run_cli, tiny_gpt
 
@@ -114,6 +116,33 @@ def test_fsdp_headroom_comes_off_the_cap():
     assert headroom == 2 * max(u.param_bytes for u in prof.units) > 0
     assert device_cap_bytes(prof) == int((300 * MiB - 8 * MiB) / 1.1) - headroom
     assert memfit.plan(prof, "2GB").predicted_peak_bytes <= device_cap_bytes(prof)
+
+
+def test_where_the_allocators_model_keeps_more_than_the_margin_the_plan_leaves_it_free(tmp_path):
+    """Estimate mode's model of the caching allocator (Profile.reserved_peak_bytes) sets a plan's
+    cap where it has the plan reserve more over its allocated peak than the device's margin
+    (FSDP2's Llama with every layer checkpointed: 30%), and never raises it."""
+    prof = _with_memory(300 * MiB)  # 8 MiB of context, a 10% margin
+    fixed = device_cap_bytes(prof)
+    alone = memfit.plan(prof, "2GB")  # the fixed margin's plan
+    kept, full = prof.measured_peak_bytes[KEEP], prof.measured_peak_bytes[FULL]
+    prof.reserved_peak_bytes = {KEEP: round(kept * 1.05), FULL: round(full * 1.40)}
+    n = len(prof.units)
+    assert device_cap_bytes(prof, {}) == fixed  # 5% over: the margin stands
+    ratio = allocator_ratio(prof, alone.policies)
+    assert ratio == pytest.approx(1.05 + 0.35 * sum(p != KEEP for p in alone.policies.values()) / n)
+    assert alone.predicted_peak_bytes > device_cap_bytes(prof, alone.policies)  # that plan would not fit
+    sched = memfit.plan(prof, "2GB")
+    ratio = allocator_ratio(prof, sched.policies)
+    assert ratio > 1.1 and sched.predicted_peak_bytes <= (300 * MiB - 8 * MiB) / ratio
+    assert sched.budget_bytes < fixed and sched.asked_budget_bytes == 2 * 2**30
+    assert sched.predicted_overhead > alone.predicted_overhead
+    notes = device_notes(sched, prof)
+    assert any(f"reserve {ratio - 1:.1%} over its allocated peak, more than the 10% margin" in n for n in notes)
+    assert not any(n.startswith("warning") for n in notes)
+    assert any(n.startswith("warning") for n in device_notes(alone, prof))
+    prof.reserved_peak_bytes = {KEEP: round(kept * 1.01), FULL: round(full * 1.02)}  # under: as before
+    assert memfit.plan(prof, "2GB").policies == alone.policies
 
 
 def test_files_without_a_memory_record_plan_as_they_did():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from memfit.devices import usable_bytes
 from memfit.formats.profile import Profile, after_forwards, dp_degree
 from memfit.planning.roles import member_input, roles_of, unit_costs, weighed
-from memfit.policy import Policy, as_policies
+from memfit.policy import FULL, KEEP, Policy, as_policies
 
 
 @dataclass(slots=True)
@@ -78,9 +78,30 @@ def fsdp_headroom(profile: Profile) -> int:
     return max(u.param_bytes for u in profile.units) * dp_degree(profile.parallel)
 
 
-def device_cap_bytes(profile: Profile) -> int | None:
+def allocator_ratio(profile: Profile, policies: Mapping[str, Policy | str]) -> float | None:
+    """What the caching allocator's model (estimate mode for a CUDA target: measure/allocator.py)
+    reserves over what is allocated, for a plan of ``policies``: between the estimate's step with
+    every unit kept and with every unit ``full``, by the share of units the plan recomputes
+    something of. None where the profile has no such model (measured, the CPU, older files)."""
+    reserved, allocated = profile.reserved_peak_bytes, profile.measured_peak_bytes
+    if not all(reserved.get(o) and allocated.get(o) for o in (KEEP, FULL)) or not profile.units:
+        return None
+    kept, full = (reserved[o] / allocated[o] for o in (KEEP, FULL))
+    share = sum(p != KEEP for p in as_policies(dict(policies)).values()) / len(profile.units)
+    return kept + share * (full - kept)
+
+
+def device_cap_bytes(profile: Profile, policies: Mapping[str, Policy | str] | None = None) -> int | None:
     """The most a plan's peak may reach on the profile's GPU: its usable memory (devices.py) less
-    the FSDP headroom; None where the profile records no device memory (the CPU)."""
+    the FSDP headroom; None where the profile records no device memory (the CPU). With the plan's
+    ``policies``, the margin is the larger of the device's and what the allocator's model has that
+    plan reserve over its allocated peak (``allocator_ratio``): never less than the fixed margin
+    keeps free, more where the model sees the allocator keep more (FSDP2 with every layer
+    checkpointed: 30% over, docs/estimate.md)."""
     if not profile.memory:
         return None
-    return usable_bytes(profile.memory) - fsdp_headroom(profile)
+    memory = profile.memory
+    ratio = allocator_ratio(profile, policies) if policies is not None else None
+    if ratio is not None and ratio > 1 + memory["margin"]:
+        memory = {**memory, "margin": ratio - 1}
+    return usable_bytes(memory) - fsdp_headroom(profile)

@@ -111,18 +111,16 @@ def _plan_one(profile: Profile, budget: str | int, opts: PlanOptions) -> Schedul
         asked, budget_bytes = budget_bytes, cap
     if strategy != "ilp" and (why := not_applicable(profile, strategy)):
         raise MemfitError(f"strategy {strategy} does not apply to this model: {why}")
-    figures = baselines(profile, budget_bytes)  # stored in the schedule, and the ILP's safety net
-    try:
-        policies, strategy, used, status, seconds = _choose(profile, budget_bytes, opts, fine, figures)
-    except InfeasibleBudgetError as exc:
-        if asked is None:
-            raise
-        raise InfeasibleBudgetError(f"{exc} (the budget of {format_bytes(asked)} was more than the device leaves: "
-                                    f"{describe_memory(profile.memory)})", exc.min_budget_bytes) from None
-    if fine and strategy == "ilp":
-        policies, status = _against_module(profile, budget_bytes, opts, figures, policies, status)
-    pred = predict(profile, policies)
-    if pred.peak_bytes > budget_bytes:  # the scaled model rounds up, so this is a bug if it happens
+    for attempt in range(_REPLANS):
+        figures, policies, strategy, used, status, seconds = _solved(profile, budget_bytes, opts, fine, asked)
+        pred = predict(profile, policies)
+        own = device_cap_bytes(profile, policies)  # the allocator's model may leave this plan less
+        if own is None or pred.peak_bytes <= own:
+            break
+        asked = budget_bytes if asked is None else asked
+        # planned again for what this plan leaves; the next to last time for what any plan leaves
+        budget_bytes = own if attempt < _REPLANS - 2 else _least_cap(profile)
+    if pred.peak_bytes > min(budget_bytes, own or budget_bytes):  # the scaled model rounds up: a bug
         raise InternalError(
             f"the schedule predicts {pred.peak_bytes} bytes, over the budget of {budget_bytes}; please report this "
             "with the profile"
@@ -153,6 +151,35 @@ def _plan_one(profile: Profile, budget: str | int, opts: PlanOptions) -> Schedul
         asked_budget_bytes=asked,
         predicted_uncertainty_s=pred.uncertainty_s,
     )
+
+
+# plans made at most: again where the allocator's model leaves the plan less than it was made for
+# (peak.device_cap_bytes), the last at the least cap any plan has, which every plan meets
+_REPLANS = 4
+
+
+def _least_cap(profile: Profile) -> int:
+    """The device's cap for the plan the allocator's model leaves least: it interpolates between
+    every unit kept and every unit ``full``, so one of those two."""
+    caps = [device_cap_bytes(profile, p) for p in ({}, dict.fromkeys(profile.unit_names, FULL))]
+    return min(c for c in caps if c is not None)
+
+
+def _solved(profile: Profile, budget_bytes: int, opts: PlanOptions, fine: bool,
+            asked: int | None) -> tuple[dict[str, BaselineFigures], Policies, str, str, str, float]:
+    """(baselines, policies, strategy, solver, status, seconds) of the plan at ``budget_bytes``;
+    ``asked``: the larger budget the device's cap replaced, which an infeasible budget names."""
+    figures = baselines(profile, budget_bytes)  # stored in the schedule, and the ILP's safety net
+    try:
+        policies, strategy, used, status, seconds = _choose(profile, budget_bytes, opts, fine, figures)
+    except InfeasibleBudgetError as exc:
+        if asked is None:
+            raise
+        raise InfeasibleBudgetError(f"{exc} (the budget of {format_bytes(asked)} was more than the device leaves: "
+                                    f"{describe_memory(profile.memory)})", exc.min_budget_bytes) from None
+    if fine and strategy == "ilp":
+        policies, status = _against_module(profile, budget_bytes, opts, figures, policies, status)
+    return figures, policies, strategy, used, status, seconds
 
 
 def _plan_shapes(profiles: list[Profile], budget: str | int, opts: PlanOptions,
