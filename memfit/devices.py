@@ -54,14 +54,20 @@ CONTEXT_BYTES = 512 * MiB
 MARGIN = 0.12
 
 
-class MemoryRecord(TypedDict):
-    """What a device leaves to a training step, and where the figures come from (files hold it)."""
-
+class _Memory(TypedDict):
     title: str
     total_bytes: int  # what torch.cuda.mem_get_info() reports as total (a little under the marketed size)
     context_bytes: int  # held outside the caching allocator: CUDA context, loaded kernels
     margin: float  # the allocator's reserved peak / allocated peak - 1
     source: str
+
+
+class MemoryRecord(_Memory, total=False):
+    """What a device leaves to a training step, and where the figures come from (files hold it)."""
+
+    # the card's reserved peak over what estimate mode's allocator model predicted for the same
+    # plan, less one (learned by ``memfit validate --save-device-spec``); absent: 0
+    over_model: float
 
 
 def usable_bytes(memory: MemoryRecord) -> int:
@@ -92,14 +98,18 @@ class Device:
     launch_s: float = LAUNCH_S  # host time per eager op: the least an op takes
     hook_s: float = HOOK_S  # host time per op under a Python saved-tensor hook
     dispatch_s: float = DISPATCH_S  # host time per op through an op set's Python dispatch modes
+    over_model: float = 0.0  # MemoryRecord's: the card's reserved over the allocator model's, less one
 
     @property
     def memory(self) -> MemoryRecord | None:
         """The memory a step can use, as plans record it; None for the CPU (nothing to hold back)."""
         if not self.cuda:
             return None
-        return MemoryRecord(title=self.title, total_bytes=self.memory_bytes, context_bytes=self.context_bytes,
-                            margin=self.margin, source=self.source)
+        record = MemoryRecord(title=self.title, total_bytes=self.memory_bytes, context_bytes=self.context_bytes,
+                              margin=self.margin, source=self.source)
+        if self.over_model:
+            record["over_model"] = self.over_model
+        return record
 
     @property
     def usable_bytes(self) -> int:
@@ -236,8 +246,8 @@ def by_title(title: str) -> Device | None:
     return next((d for d in DEVICES.values() if d.title.lower() == title.lower()), None)
 
 
-SPEC_FIELDS = ("name", "title", "base", "memory", "context", "margin", "tflops", "bandwidth_gbs", "launch_us",
-               "hook_us", "dispatch_us", "source")
+SPEC_FIELDS = ("name", "title", "base", "memory", "context", "margin", "over_model", "tflops", "bandwidth_gbs",
+               "launch_us", "hook_us", "dispatch_us", "source")
 
 
 def load_device_spec(path: str | Path) -> Device:
@@ -277,6 +287,10 @@ def load_device_spec(path: str | Path) -> Device:
     margin = data.get("margin", base.margin if base else MARGIN)
     if not isinstance(margin, int | float) or not 0 <= margin < 1:
         raise MemfitError(f"{path}: margin is reserved/allocated - 1, a number from 0 to 1, got {margin!r}")
+    over_model = data.get("over_model", base.over_model if base else 0.0)
+    if not isinstance(over_model, int | float) or isinstance(over_model, bool) or not 0 <= over_model < 1:
+        raise MemfitError(f"{path}: over_model is the card's reserved over the allocator model's - 1, a number "
+                          f"from 0 to 1, got {over_model!r}")
     bandwidth = data.get("bandwidth_gbs", base.bandwidth_gbs if base else 0)
     if not isinstance(bandwidth, int | float) or bandwidth <= 0:
         raise MemfitError(f"{path}: bandwidth_gbs must be a positive number (GB/s)")
@@ -294,7 +308,7 @@ def load_device_spec(path: str | Path) -> Device:
     fields: dict[str, Any] = {
         "name": data.get("name", path.stem), "title": data.get("title", base.title if base else path.stem),
         "memory_bytes": size("memory") or (base.memory_bytes if base else 0), "tflops": dict(tflops),
-        "bandwidth_gbs": float(bandwidth), "margin": float(margin),
+        "bandwidth_gbs": float(bandwidth), "margin": float(margin), "over_model": float(over_model),
         "context_bytes": size("context") if "context" in data else (base.context_bytes if base else CONTEXT_BYTES),
         "source": data.get("source", f"{path.name}" + (f", else {base.name}'s: {base.source}" if base else "")),
         **host,
@@ -306,9 +320,10 @@ def load_device_spec(path: str | Path) -> Device:
 
 
 def spec_toml(*, name: str, title: str, base: str | None, total: int, context: int, margin: float,
-              source: str) -> str:
+              source: str, over_model: float | None = None) -> str:
     """A device spec file's text, as ``load_device_spec`` reads it (``memfit validate
-    --save-device-spec`` writes the context and margin a run on the card measured)."""
+    --save-device-spec`` writes the context and margin a run on the card measured, and, for a plan
+    made in estimate mode, how far its reserved peak was over the allocator model's)."""
     from memfit.budget import format_bytes
 
     lines = [f"# {title}: {format_bytes(total)} total; measured {format_bytes(context)} outside the allocator and a "
@@ -318,8 +333,10 @@ def spec_toml(*, name: str, title: str, base: str | None, total: int, context: i
     else:
         lines += ["# not in memfit's table: give the card's dense TFLOPS and bandwidth for estimates",
                   "tflops = { float32 = 1.0 }", "bandwidth_gbs = 1.0"]
-    lines += [f"memory = {total}", f"context = {context}", f"margin = {round(margin, 4)}",
-              f"source = {_quoted(source)}"]
+    lines += [f"memory = {total}", f"context = {context}", f"margin = {round(margin, 4)}"]
+    if over_model is not None:
+        lines.append(f"over_model = {round(over_model, 4)}  # reserved over the allocator model's prediction - 1")
+    lines.append(f"source = {_quoted(source)}")
     return "\n".join(lines) + "\n"
 
 

@@ -258,6 +258,10 @@ def validation_report(v: Validation) -> str:
                       f"allocated peak: the allocator's margin); {format_bytes(context)} outside the allocator (CUDA "
                       f"context); {format_bytes(c['free_bytes'])} free of {format_bytes(c['total_bytes'])} at the "
                       "step's end (torch.cuda.mem_get_info)")
+        if v.over_model is not None and v.reserved_ratio is not None:
+            checks.append(f"the caching allocator's model (the estimate this plan was made from) predicted "
+                          f"{v.reserved_ratio - 1:+.1%} over the allocated peak: the card reserved {v.over_model:+.1%} "
+                          "over that (--save-device-spec keeps it as the device's over_model)")
         if not v.reserved_fits:
             checks.append("the reserved peak and the context EXCEED the card's memory: this step does not fit there")
     if v.edited:

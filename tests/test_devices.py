@@ -67,16 +67,19 @@ def test_a_device_spec_file_starts_from_a_builtin_and_round_trips(tmp_path):
     assert mine.memory_bytes == round(79.25 * 2**30) and mine.context_bytes == 600 * MiB and mine.margin == 0.07
     assert mine.usable_bytes == int((mine.memory_bytes - 600 * MiB) / 1.07)
     text = spec_toml(name="learned", title=a100.title, base=a100.name, total=mine.memory_bytes, context=123 * MiB,
-                     margin=0.0815, source='memfit validate "s.json"')
+                     margin=0.0815, source='memfit validate "s.json"', over_model=0.031)
     (tmp_path / "learned.toml").write_text(text)
     learned = load_device_spec(tmp_path / "learned.toml")
     assert (learned.memory_bytes, learned.context_bytes, learned.margin) == (mine.memory_bytes, 123 * MiB, 0.0815)
     assert learned.source == 'memfit validate "s.json"' and learned.title == a100.title
+    assert learned.over_model == 0.031 and learned.memory["over_model"] == 0.031
+    assert "over_model" not in mine.memory and mine.over_model == 0.0  # none learned: the model as it is
 
 
 @pytest.mark.parametrize("text, words", [
     ('memory = "8GB"\n', "give base"),
     ('base = "h100"\nmargin = 1.5\n', "margin is reserved/allocated"),
+    ('base = "h100"\nover_model = -0.1\n', "over_model is the card's reserved over the allocator model's"),
     ('base = "h100"\ncolour = "red"\n', "unknown field"),
     ('base = "tpu"\n', "unknown target 'tpu'"),
     ('base = "h100"\nmemory = "lots"\n', "field 'memory'"),
@@ -141,6 +144,14 @@ def test_where_the_allocators_model_keeps_more_than_the_margin_the_plan_leaves_i
     assert any(f"reserve {ratio - 1:.1%} over its allocated peak, more than the 10% margin" in n for n in notes)
     assert not any(n.startswith("warning") for n in notes)
     assert any(n.startswith("warning") for n in device_notes(alone, prof))
+    assert sched.reserved_ratio == ratio and alone.reserved_ratio is None  # what validate learns the card's over
+    sched.save(tmp_path / "s.json")
+    assert memfit.load_schedule(tmp_path / "s.json").reserved_ratio == ratio
+    assert "reserved_ratio" not in alone.to_dict()
+    prof.memory["over_model"] = 0.25  # a card that reserved 25% over the model: every cap with the model lower
+    assert device_cap_bytes(prof, sched.policies) == int((300 * MiB - 8 * MiB) / (ratio * 1.25))
+    assert device_cap_bytes(prof, {}) == int((300 * MiB - 8 * MiB) / (1.05 * 1.25))
+    del prof.memory["over_model"]
     prof.reserved_peak_bytes = {KEEP: round(kept * 1.01), FULL: round(full * 1.02)}  # under: as before
     assert memfit.plan(prof, "2GB").policies == alone.policies
 
@@ -225,5 +236,9 @@ def test_validation_reports_the_cards_reserved_peak_context_and_margin():
     text = validation_report(v)
     assert "reserved peak 21.00 GiB (+10.5% over the allocated peak" in text
     assert "1.00 GiB outside the allocator" in text
+    assert v.over_model is None and "allocator's model" not in text  # a plan not made in estimate mode
+    v.reserved_ratio = 1.05  # the estimate's allocator model had this plan reserve 5% over its allocated peak
+    assert v.over_model == pytest.approx(21 / (19 * 1.05) - 1)
+    assert "predicted +5.0% over the allocated peak: the card reserved +5.3% over that" in validation_report(v)
     v.cuda = {**v.cuda, "reserved_peak_bytes": 23 * gib + 1}
     assert not v.reserved_fits and not v.ok and "EXCEED the card's memory" in validation_report(v)

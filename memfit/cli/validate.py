@@ -116,7 +116,8 @@ def _validate(args: argparse.Namespace, schedule: Any, sc: Any, device: str) -> 
 
 
 def _save_device_spec(path: str, schedule_path: str, result: Any) -> None:
-    """The card's measured context and margin as a device spec (devices.load_device_spec reads it)."""
+    """The card's measured context and margin as a device spec (devices.load_device_spec reads it),
+    and for a plan made in estimate mode how far the card reserved over the allocator's model."""
     import torch
 
     from memfit.devices import by_title, spec_toml
@@ -124,9 +125,11 @@ def _save_device_spec(path: str, schedule_path: str, result: Any) -> None:
 
     card = torch.cuda.get_device_name()
     known = by_title(card)
+    over = result.over_model
     text = spec_toml(name=Path(path).stem, title=card, base=known.name if known else None,
                      total=result.cuda["total_bytes"], context=result.context_bytes, margin=max(0.0, result.margin),
-                     source=f"memfit validate --schedule {schedule_path} on this card, torch {torch.__version__}")
+                     source=f"memfit validate --schedule {schedule_path} on this card, torch {torch.__version__}",
+                     over_model=None if over is None else min(max(0.0, over), 0.99))
     write_output(lambda p: write_atomic(p, lambda tmp: Path(tmp).write_text(text, encoding="utf-8")), path)
     print(f"wrote {path}: plan against this card's context and margin with --device-spec {path}", file=sys.stderr)
 

@@ -113,6 +113,9 @@ class Schedule:
     shapes: list[Schedule] = field(default_factory=list)
     share: float | None = None  # a shape's fraction of the steps, from a length histogram; None: not given
     pipeline: PipelineRank | None = None  # one rank's plan of a pipeline; None: no pipeline
+    # estimate mode: what the caching allocator's model has this plan reserve over its allocated peak
+    # (planning/peak.allocator_ratio); validate on the card learns the device's margin above it
+    reserved_ratio: float | None = None
 
     @property
     def train_step(self) -> TrainStep:
@@ -148,8 +151,9 @@ class Schedule:
                 del data[key]
         for key in ("compile", "parallel"):  # the file's spelling of the eager step and of one process
             data[key] = data[key] or {}
-        if data.get("share") is None:
-            del data["share"]
+        for key in ("share", "reserved_ratio"):
+            if data.get(key) is None:
+                del data[key]
         if self.shapes:  # each shape keeps only what is its own; a reader merges it with the rest
             data["shapes"] = [{k: v for k, v in shape.to_dict().items() if k in PER_SHAPE} for shape in self.shapes]
         return data
@@ -237,6 +241,7 @@ def _schedule(f: Fields, path: str) -> Schedule:
         share=f.float("share", minimum=0.0) if f.data.get("share") is not None else None,
         pipeline=f.obj("pipeline").record(PipelineRank, {"ranks": 2, "stages": 2, "microbatches": 1, "rank": 0})
         if f.data.get("pipeline") else None,
+        reserved_ratio=f.float("reserved_ratio", minimum=1.0) if f.data.get("reserved_ratio") is not None else None,
     )
 
 

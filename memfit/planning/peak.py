@@ -97,11 +97,14 @@ def device_cap_bytes(profile: Profile, policies: Mapping[str, Policy | str] | No
     ``policies``, the margin is the larger of the device's and what the allocator's model has that
     plan reserve over its allocated peak (``allocator_ratio``): never less than the fixed margin
     keeps free, more where the model sees the allocator keep more (FSDP2 with every layer
-    checkpointed: 30% over, docs/estimate.md)."""
+    checkpointed: 30% over, docs/estimate.md), the model's ratio raised by the record's
+    ``over_model`` (what a run on the card found the allocator to reserve over the model's)."""
     if not profile.memory:
         return None
     memory = profile.memory
     ratio = allocator_ratio(profile, policies) if policies is not None else None
+    if ratio is not None:  # with what a run on the card found the allocator to reserve over the model
+        ratio *= 1 + memory.get("over_model", 0.0)
     if ratio is not None and ratio > 1 + memory["margin"]:
         memory = {**memory, "margin": ratio - 1}
     return usable_bytes(memory) - fsdp_headroom(profile)

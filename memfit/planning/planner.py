@@ -17,7 +17,7 @@ from memfit.planning.dp import dp_exact
 from memfit.planning.ilp import solve
 from memfit.planning.intmodel import IntModel
 from memfit.planning.options import PlanOptions, settle
-from memfit.planning.peak import device_cap_bytes, predict
+from memfit.planning.peak import allocator_ratio, device_cap_bytes, predict
 from memfit.planning.roles import policies_of, weighed
 from memfit.policy import FULL, Policies
 from memfit.trainstep import StepRecord
@@ -150,6 +150,7 @@ def _plan_one(profile: Profile, budget: str | int, opts: PlanOptions) -> Schedul
         memory=MemoryRecord(**profile.memory) if profile.memory else None,
         asked_budget_bytes=asked,
         predicted_uncertainty_s=pred.uncertainty_s,
+        reserved_ratio=allocator_ratio(profile, policies),
     )
 
 

@@ -50,6 +50,7 @@ class Validation:
     plain_grad_diff: float = 0.0
     time_tolerance: float = TIME_TOLERANCE  # slowdown points the measurement may differ from the plan by
     rank_peaks: list[int] = field(default_factory=list)  # a per-rank schedule: each rank's measured peak
+    reserved_ratio: float | None = None  # the schedule's: the allocator model's reserved over allocated
 
     @property
     def time_judged(self) -> bool:
@@ -74,6 +75,14 @@ class Validation:
     def margin(self) -> float | None:
         """The allocator's reserved peak over the allocated peak, less one: devices.MemoryRecord's margin."""
         return None if self.cuda is None else self.cuda["reserved_peak_bytes"] / self.measured_peak_bytes - 1
+
+    @property
+    def over_model(self) -> float | None:
+        """The card's reserved peak over what the allocator's model predicted for this plan (a plan
+        made in estimate mode), less one: devices.MemoryRecord's ``over_model``."""
+        if self.cuda is None or self.reserved_ratio is None:
+            return None
+        return self.cuda["reserved_peak_bytes"] / (self.measured_peak_bytes * self.reserved_ratio) - 1
 
     @property
     def reserved_fits(self) -> bool:
@@ -172,6 +181,7 @@ def validate(
         cuda=sched.cuda,
         overhead_uncertainty=sure,
         time_tolerance=time_tolerance,
+        reserved_ratio=schedule.reserved_ratio,
         **agreement(plain, sched, again),
     )
 
