@@ -105,6 +105,6 @@ def device_cap_bytes(profile: Profile, policies: Mapping[str, Policy | str] | No
     ratio = allocator_ratio(profile, policies) if policies is not None else None
     if ratio is not None:  # with what a run on the card found the allocator to reserve over the model
         ratio *= 1 + memory.get("over_model", 0.0)
-    if ratio is not None and ratio > 1 + memory["margin"]:
-        memory = {**memory, "margin": ratio - 1}
+        if ratio > 1 + memory["margin"]:
+            memory = {**memory, "margin": ratio - 1}
     return usable_bytes(memory) - fsdp_headroom(profile)

@@ -120,7 +120,7 @@ def _plan_one(profile: Profile, budget: str | int, opts: PlanOptions) -> Schedul
         asked = budget_bytes if asked is None else asked
         # planned again for what this plan leaves; the next to last time for what any plan leaves
         budget_bytes = own if attempt < _REPLANS - 2 else _least_cap(profile)
-    if pred.peak_bytes > min(budget_bytes, own or budget_bytes):  # the scaled model rounds up: a bug
+    if pred.peak_bytes > (budget_bytes if own is None else min(budget_bytes, own)):  # the model rounds up: a bug
         raise InternalError(
             f"the schedule predicts {pred.peak_bytes} bytes, over the budget of {budget_bytes}; please report this "
             "with the profile"
