@@ -34,26 +34,32 @@ history against the learned one: a few microseconds per saved tensor, not tens p
 (benchmarks/launch_bound.py), which is what a GPU, where kernels take microseconds, feels.
 
 The hooks cover the unit's whole call (forward hooks, ``always_call``), so a checkpoint region
-inside the unit packs its own tensors as usual (its hooks are inner). The option steps aside
-under ``torch.compile`` (the partitioner makes these choices itself), during memfit's
+inside the unit packs its own tensors as usual (its hooks are inner). The hooks step aside
+under ``torch.compile``, where the unit runs inside a checkpoint whose selective policy tells the
+partitioner what the level re-derives (``op_sets.derive_policy``), during memfit's
 recomputation and inside another saved-tensor context (``torch_private``, with the private API
 it takes for that; the watch's own are named in runtime/derive_watch.py).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitWarning
 from memfit.runtime.derive_forward import Forward, Learn, Replay
 from memfit.runtime.derive_plan import Plan, unpack_hook
+from memfit.runtime.op_sets import derive_policy
 from memfit.runtime.threads import PerThread, Weak, raising, recomputing
+from memfit.runtime.unit_forward import install, uninstall
 from memfit.torch_private import on_top, saved_tensors_hooks_active
 
 
@@ -90,6 +96,7 @@ class Derive(PerThread):
         self.derived_bytes = 0  # storages the last forward re-derives instead of keeping
         self.plans: dict[Any, Plan | None] = {}  # None: watched on every forward
         self.misses: dict[Any, int] = {}
+        install(unit)  # under torch.compile, the unit runs under derive_policy (runtime/unit_forward.py)
         self.handles: list[RemovableHandle] = [
             unit.register_forward_pre_hook(self._enter, with_kwargs=True),
             unit.register_forward_hook(self._unit_done, always_call=True),
@@ -116,6 +123,15 @@ class Derive(PerThread):
         self._root = None  # a pre-hook of the root's that PyTorch's list still holds opens nothing now
         for h in self.handles:
             h.remove()
+        if (unit := self._unit()) is not None:
+            uninstall(unit)
+
+    def compiled_context(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
+        """The unit's compiled checkpoint keeps what this level keeps eagerly (``derive_policy``;
+        the head and the tail are the compiler's, as they are without a schedule)."""
+        width = _width(args, kwargs)
+        return functools.partial(create_selective_checkpoint_contexts, functools.partial(
+            derive_policy, self.level, width if isinstance(width, int) else None))
 
     def _root_enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
         # no kwargs: removed by a switch of plans in an earlier pre-hook, PyTorch calls it all the

@@ -26,14 +26,14 @@ _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group
           if hasattr(_aten, n)}
 # the deeper level: written-out attention's scores and probabilities from the q, k (and v) that
 # autograd keeps for the products anyway (Megatron's core-attention recompute, without a checkpoint)
-_ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
+ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
 _PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
 # levels 2 and 3: products with a weight (a projection from a norm's output that is itself
 # re-derived), what the compiler's partitioner recomputes at small budgets (q, k, v in a ViT block)
 _WEIGHT_PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 _ADDS_PRODUCT = {_aten.addmm.default, _aten.baddbmm.default}  # (bias, left, right)
 # what SDPA's math path builds its causal mask from (ones, tril, where over scalar_tensor)
-_MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
+MASKS = {_aten.ones.default, _aten.zeros.default, _aten.full.default, _aten.scalar_tensor.default,
           _aten.tril.default, _aten.triu.default}
 _COPIES = {_aten.cat.default, _aten.embedding.default}
 # a dropout's noise (the CPU's composite: empty_like, bernoulli_, div_) or mask (a GPU's fused
@@ -284,7 +284,7 @@ def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...],
     if kind is None:
         writes = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments)
                        if a.alias_info is not None and a.alias_info.is_write)
-        ok = cheap(func) or (products and (func in _ROWWISE or func in _PRODUCTS or func in _MASKS))
+        ok = cheap(func) or (products and (func in ROWWISE or func in _PRODUCTS or func in MASKS))
         kind = _KINDS[(func, products)] = (ok, writes, torch.Tag.nondeterministic_seeded in func.tags)
     return kind
 
@@ -307,7 +307,7 @@ def resolve(made: _Made, watch: OpWatch, kept: Callable[[int], torch.Tensor | No
         return made.recipe or None
     if depth > MAX_DEPTH:
         return None
-    rowwise = rowwise or made.func in _ROWWISE
+    rowwise = rowwise or made.func in ROWWISE
     made.recipe, made.blocked = False, False  # no cycles while this one resolves
     leaves, spec = tree_flatten(made.args)
     args = []

@@ -62,8 +62,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-from torch.utils.checkpoint import noop_context_fn as _noop
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.hooks import RemovableHandle
 
 from memfit.errors import MemfitError
@@ -71,6 +70,7 @@ from memfit.measure.host import UnderDispatchMode, Work
 from memfit.measure.step import packed
 from memfit.runtime.op_sets import OP_SETS, keep
 from memfit.runtime.threads import PerThread, Recomputing, Weak, opened_regions, raising, recomputing
+from memfit.runtime.unit_forward import NOOP, install, own, uninstall
 from memfit.torch_private import MODULE_HOOKS, BatchNorm, checkpoint_generator
 
 
@@ -120,9 +120,7 @@ class Region(PerThread):
                 self.handles.append(module.register_forward_hook(
                     functools.partial(Region._post_hook, self, k), always_call=True))
             module.__dict__["_memfit_region"] = self
-            module.__dict__["_memfit_forward"] = module.__dict__.get("forward")
-            wrap = not chain or (k > 0 and any(True for _ in module.children()))
-            module.__dict__["forward"] = _UnitForward(module, wrap)
+            install(module, wrap=not chain or (k > 0 and any(True for _ in module.children())))
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -142,12 +140,11 @@ class Region(PerThread):
         """This thread is inside the region (its saved-tensor context), or between its members."""
         return getattr(self._tls, "open", None) is not None
 
-    @property
-    def compiled_context_fn(self) -> Callable[[], Any]:
+    def compiled_context(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Callable[[], Any]:
         """What a compiled unit's checkpoint keeps instead of recomputing: nothing, or the op
         policy's choice (the compiled graph updates BatchNorm's buffers once by itself)."""
         if not self.op_set:
-            return _noop
+            return NOOP
         return functools.partial(create_selective_checkpoint_contexts,
                                  functools.partial(keep, OP_SETS[self.op_set]))
 
@@ -156,7 +153,7 @@ class Region(PerThread):
         BatchNorm statistics put back as they were (outside SAC's dispatch mode, which would
         take the copies for ops of the unit)."""
         if self.op_set:  # estimate mode's clock prices the op set's dispatch modes per op
-            made = self.compiled_context_fn()
+            made = self.compiled_context()()
             made = (UnderDispatchMode(made[0]), UnderDispatchMode(made[1]))
         else:
             made = _NOTHING
@@ -186,10 +183,7 @@ class Region(PerThread):
             h.remove()
         for module in self.modules:
             module.__dict__.pop("_memfit_region", None)
-            module.__dict__.pop("forward", None)
-            prior = module.__dict__.pop("_memfit_forward", None)
-            if prior is not None:
-                module.__dict__["forward"] = prior
+            uninstall(module)
 
     def _pre_hook(self, k: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._aside() or torch.compiler.is_compiling() or not torch.is_grad_enabled():
@@ -290,7 +284,7 @@ class Region(PerThread):
                         # with no hook to run, nn.Module.__call__ would call the forward straight away;
                         # a unit whose region went since (another shape's plan) is called as it is now
                         direct = module.__dict__.get("_memfit_region") is self and not _hooked(module)
-                        out = _own(module)(*inputs, **kw) if direct else module(*inputs, **kw)
+                        out = own(module)(*inputs, **kw) if direct else module(*inputs, **kw)
                     else:  # the fast weights the forward ran with
                         out = torch.func.functional_call(module, call.tensors, inputs, kw)
 
@@ -304,11 +298,6 @@ def _hooked(module: nn.Module) -> bool:
     """``nn.Module.__call__`` would run hooks around this module's forward (its fast path's test)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or any(MODULE_HOOKS))
-
-
-def _own(module: nn.Module) -> Callable[..., Any]:
-    """The unit's own forward, under memfit's (an instance's own forward attribute, or its class's)."""
-    return module.__dict__["_memfit_forward"] or type(module).forward.__get__(module)
 
 
 def _finish(gen: Generator[None, None, None]) -> None:
@@ -428,37 +417,6 @@ class _PutBack:
 
 
 _BATCH_NORM_FORWARD = getattr(BatchNorm, "forward", None)  # a stand-in class has none (torch_private)
-
-
-class _UnitForward:
-    """A unit's forward: its own, eagerly (the region's hooks checkpoint it); under
-    ``torch.compile``, inside ``torch.utils.checkpoint.checkpoint``, unless ``wrap`` is False (a
-    chain member left to the partitioner)."""
-
-    __slots__ = ("module", "wrap")
-
-    def __init__(self, module: nn.Module, wrap: bool) -> None:
-        self.module = Weak(module)
-        self.wrap = wrap
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_UnitForward, (self.module(), self.wrap))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module()
-        assert module is not None, "a unit's forward outlived its module"
-        own = _own(module)
-        if not torch.compiler.is_compiling():
-            region = module.__dict__["_memfit_region"]
-            return region.run(module, own, args, kwargs) if region.single else own(*args, **kwargs)
-        if not self.wrap:
-            return own(*args, **kwargs)
-        # Keywords travel in a partial, so that names such as ``debug`` cannot reach checkpoint's own.
-        fn = functools.partial(own, **kwargs) if kwargs else own
-        context_fn = module.__dict__["_memfit_region"].compiled_context_fn
-        # Dynamo accepts no context_fn, or a plain function or partial that makes the contexts.
-        extra = {} if context_fn is _noop else {"context_fn": context_fn}
-        return checkpoint(fn, *args, use_reentrant=False, **extra)
 
 
 def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
