@@ -51,9 +51,10 @@ def budget_backend(budget: float) -> Any:
 
 def training_copy(model: nn.Module, policies: Policies | None = None,
                   budget: float | None = None) -> tuple[nn.Module, Any, Any]:
-    """A copy of ``model`` in training mode, with memfit's ``policies`` set, or compiled under
-    activation memory ``budget`` (``budget_backend``): the copy, its backend (None: eager) and
-    what a step calls (the copy, or it compiled)."""
+    """A copy of ``model`` in training mode, with memfit's ``policies`` set, compiled under
+    activation memory ``budget`` where one is given (``budget_backend``; 1.0, the default, for
+    policies planned for the compiled step): the copy, its backend (None: eager) and what a step
+    calls (the copy, or it compiled)."""
     m = copy.deepcopy(model)
     m.train()
     if policies:

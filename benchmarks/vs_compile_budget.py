@@ -6,8 +6,11 @@
 
 For each ``torch._functorch.config.activation_memory_budget`` the model is compiled (backend
 aot_eager, whose partitioner then recomputes what its runtime estimates say is cheapest) and its
-steady-state peak measured. At that peak memfit plans twice from one fine profile: at module
-granularity and with ``granularity="fine"`` (children, op sets), both run eagerly.
+steady-state peak measured. At that peak memfit plans three times from one fine profile: at module
+granularity and with ``granularity="fine"`` (children, op sets, ``derive`` levels), both run
+eagerly, and the fine plan for the compiled step (``memfit.plan_compiled``, aot_eager at the
+default budget): its options handed to the same partitioner as selective-checkpoint policies
+(runtime/unit_forward.py), so the two compiled columns differ only in what is kept.
 Every configuration is built at once and timed in one interleaved series (each timed step after
 an untimed step of its own, the order reversing every round, GC held off), medians over
 --rounds rounds; slowdowns are against the plain eager step of the same rounds, with two standard
@@ -88,7 +91,7 @@ def main() -> None:
         return cfg
 
     configs = [config("plain eager"), config("plain eager (A/A control)")]
-    rows: list[tuple[float, Config, Config | None, Config | None]] = []
+    rows: list[tuple[float, Config, Config | None, Config | None, Config | None]] = []
     for b in args.budgets:
         compiled = config(f"compile {b:.1f}", budget=b)
         plans = []
@@ -100,6 +103,11 @@ def main() -> None:
                 continue
             plans.append(config(f"memfit {granularity} @ {b:.1f}", s.policies))
             plans[-1].predicted = s.predicted_overhead
+        try:  # measures compiled plans until one fits; resets Dynamo, so the copies above compile again
+            s = memfit.plan_compiled(model, raw_inputs, prof, compiled.peak, "aot_eager", granularity="fine")
+            plans.append(config(f"memfit fine compiled @ {b:.1f}", s.policies, 1.0))
+        except memfit.InfeasibleBudgetError:
+            plans.append(None)
         rows.append((b, compiled, *plans))
         configs += [c for c in (compiled, *plans) if c is not None]
 
@@ -128,12 +136,14 @@ def main() -> None:
         return "yes" if all(torch.equal(g, plain[n]) for n, g in (cfg.grads or {}).items()) else "NO"
 
     out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f), f"{f.predicted * 100:+.1f}%" if f else "-",
-            plan_summary(f.policies) if f else "-"] for b, c, m, f in rows]
+            plan_summary(f.policies) if f else "-", *cell(fc), plan_summary(fc.policies) if fc else "-"]
+           for b, c, m, f, fc in rows]
     print(f"\nplain eager step {statistics.median(configs[0].times or [0]) * 1e3:.1f} ms, peak "
           f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds, {args.threads} thread(s); "
           f"A/A control {slowdown(configs[1]) * 100:+.1f}% ±{sure(configs[1]) * 100:.1f}")
     print(table(["budget", "compile peak", "compile", "compile grads equal", "memfit module peak", "module",
-                 "memfit fine peak", "fine", "fine predicted", "fine plan"], out))
+                 "memfit fine peak", "fine", "fine predicted", "fine plan", "compiled fine peak", "compiled fine",
+                 "compiled fine plan"], out))
     if args.plot:
         import matplotlib
 
@@ -142,7 +152,8 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for idx, name, style in ((1, "torch.compile activation_memory_budget (aot_eager)", "o-"),
-                                 (2, "memfit, module granularity", "s--"), (3, "memfit, fine granularity", "^-")):
+                                 (2, "memfit, module granularity", "s--"), (3, "memfit, fine granularity", "^-"),
+                                 (4, "memfit, fine granularity, compiled (aot_eager)", "v-")):
             pts = sorted((r[idx].peak / 2**20, slowdown(r[idx]) * 100) for r in rows if r[idx] is not None)
             ax.plot([p for p, _ in pts], [s for _, s in pts], style, label=name)
         ax.set_xlabel("measured peak (MiB)")
