@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from memfit.budget import format_bytes
-from memfit.formats.profile import Profile, describe_layout
+from memfit.formats.layout import describe_layout
+from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
 from memfit.planning.peak import predict
 from memfit.planning.planner import best_baseline

@@ -56,7 +56,7 @@ class Scenario:
     zero_grad: str = "none"
     keep_output: bool = False
     autocast_cache: bool = True  # amp's autocast keeps its weight casts (False: Lightning's cache_enabled=False)
-    parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16, ddp or tp (formats.profile.PARALLEL)
+    parallel: str | None = None  # planned per rank: fsdp, fsdp-bf16, ddp or tp (formats.layout.PARALLEL)
     world_size: int | None = None  # ranks for parallel (default 2)
     # ranks per tensor-parallel group of a 2-D mesh beside FSDP2 (torchtitan's tensor_parallel_degree;
     # its data_parallel_shard_degree is world_size / tp), and whether the residual stream between
@@ -357,7 +357,7 @@ def load_scenario(name_or_path: str) -> Scenario:
         if data["target"] not in DEVICES:
             raise bad("target", f"one of {', '.join(DEVICES)}, or a device spec file (.toml) beside the scenario")
     if "parallel" in data:
-        from memfit.formats.profile import PARALLEL
+        from memfit.formats.layout import PARALLEL
 
         if data["parallel"] not in PARALLEL:
             raise bad("parallel", f"one of {', '.join(PARALLEL)}")
@@ -383,7 +383,7 @@ def load_scenario(name_or_path: str) -> Scenario:
     if (tp is not None or data.get("sequence_parallel")) and "parallel" not in data:
         raise MemfitError(f"{path}: tp and sequence_parallel shape the ranks of parallel: give parallel too")
     if "parallel" in data:
-        from memfit.formats.profile import layout_of
+        from memfit.formats.layout import layout_of
 
         try:
             layout_of(data["parallel"], world_size or 2, tp or 1, bool(data.get("sequence_parallel")))

@@ -41,7 +41,7 @@ BUILDERS = {"llama": _llama, "qwen2": _qwen2, "gpt-neox": _neox}
 
 
 def _layout(world: int, tp: int):
-    from memfit.formats.profile import layout_of
+    from memfit.formats.layout import layout_of
 
     return layout_of("tp" if tp == world else "fsdp", world, tp, True)
 
@@ -56,7 +56,7 @@ def _derived_rank(device: str, model_name: str, tp: int) -> dict:
     """memfit's own sharding (measure/ranks.shard) on every rank, each data-parallel group on its
     share of the batch; rank 0's plan everywhere; then the user's loop beside one process."""
     import memfit
-    from memfit.formats.profile import dp_degree
+    from memfit.formats.layout import dp_degree
     from memfit.measure.ranks import shard
     from memfit.policy import FULL
     from memfit.units import find_units

@@ -301,7 +301,7 @@ def test_sharded_stages_estimate_what_their_ranks_measure(kind: str, world: int,
     import dataclasses
 
     import memfit
-    from memfit.formats.profile import layout_of
+    from memfit.formats.layout import layout_of
     from memfit.steps.stages import estimate_stages
     from tests.pipeline_models import built, cut, loss_fn, run_mesh_rank
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memfit.formats.profile import PARALLEL
+from memfit.formats.layout import PARALLEL
 from memfit.trainstep import OPTIMIZERS, PRECISIONS, ZERO_GRADS
 
 Command = Callable[[str, str], argparse.ArgumentParser]  # a subcommand's parser, by name and help

@@ -201,8 +201,8 @@ def target_of(args: argparse.Namespace, sc: Any) -> Any:
 
 def layout_from(args: argparse.Namespace, sc: Any) -> Any:
     """The ranks the flags (over the scenario's own ``parallel``, ``world_size``, ``tp``,
-    ``sequence_parallel``) ask for, checked (``formats.profile.layout_of``); None for one process."""
-    from memfit.formats.profile import layout_of
+    ``sequence_parallel``) ask for, checked (``formats.layout.layout_of``); None for one process."""
+    from memfit.formats.layout import layout_of
 
     if args.world_size is not None and args.parallel is None and sc.parallel is None:
         raise MemfitError("--world-size is the number of ranks for --parallel; give --parallel too")
@@ -219,7 +219,7 @@ def layout_from(args: argparse.Namespace, sc: Any) -> Any:
 
 def mesh_arguments(layout: Any) -> dict[str, Any]:
     """``layout`` as the keyword arguments of ``estimate`` and ``estimate_stages``."""
-    from memfit.formats.profile import tp_degree
+    from memfit.formats.layout import tp_degree
 
     if layout is None:
         return {}
@@ -238,7 +238,7 @@ def profile_of(args: argparse.Namespace, sc: Any = None) -> Any:
     import torch
 
     from memfit.devices import DEVICES
-    from memfit.formats.profile import describe_layout
+    from memfit.formats.layout import describe_layout
 
     repeat = 5 if args.repeat is None else args.repeat
     if repeat < 1:
@@ -343,7 +343,7 @@ def validation_setup(args: argparse.Namespace, schedule: Any) -> tuple[Any, str]
                           f"between devices; validate with --device {schedule.device}, or plan again on {args.device}")
     model_flags = ("scenario", "model", "input_shape", "units")
     if schedule.parallel and not source:
-        from memfit.formats.profile import describe_layout
+        from memfit.formats.layout import describe_layout
 
         raise MemfitError(f"this schedule is per rank, for {describe_layout(schedule.parallel)}, and does not record "
                           "which model it was made for: "

@@ -110,7 +110,7 @@ def _say_nothing_to_do(args: argparse.Namespace, profs: list[Any], schedule: Any
     """The budget fits the plain step (of every shape planned): say so, where checkpointing would
     matter."""
     from memfit.budget import format_bytes
-    from memfit.formats.profile import describe_layout
+    from memfit.formats.layout import describe_layout
     from memfit.planning.planner import min_budget_bytes
     from memfit.report import device_notes
 

@@ -115,7 +115,7 @@ def _check_step(sc: Any) -> None:
 def _check_mesh(layout: Any, target: Any) -> None:
     """Refuse stages held by several ranks where memfit cannot plan them: measured here (one
     process measures every stage; sharded stages need their ranks), or under DDP."""
-    from memfit.formats.profile import describe_layout
+    from memfit.formats.layout import describe_layout
 
     if layout["kind"] == "ddp":
         raise MemfitError("--pp plans stages sharded by --parallel fsdp, fsdp-bf16 or tp, not ddp")
@@ -126,7 +126,7 @@ def _check_mesh(layout: Any, target: Any) -> None:
 
 def _profiles(args: argparse.Namespace, sc: Any, stages: int, microbatches: int, layout: Any) -> list[Any]:
     """Each rank's profile: estimated for the scenario's or the flags' target, else measured here."""
-    from memfit.formats.profile import describe_layout
+    from memfit.formats.layout import describe_layout
     from memfit.steps.stages import causal_lm_loss, estimate_stages, profile_stages
 
     target = modelflags.target_of(args, sc)
@@ -183,7 +183,7 @@ def validate_pipeline(schedule_path: str) -> int:
     import torch
 
     from memfit.budget import format_bytes
-    from memfit.formats.profile import describe_layout
+    from memfit.formats.layout import describe_layout
     from memfit.formats.schedule import load_schedule
     from memfit.report import table
     from memfit.scenarios import scenario_from_source

@@ -15,7 +15,7 @@ from memfit.cli import modelflags
 from memfit.cli.flags import Command, source_flags, title, trust_source_flag
 from memfit.console import check_interrupt, write_output
 from memfit.errors import MemfitError
-from memfit.formats.profile import describe_layout
+from memfit.formats.layout import describe_layout
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import ParallelLayout, check_layout, dp_degree, tp_degree
+from memfit.formats.layout import ParallelLayout, check_layout, dp_degree, tp_degree
 from memfit.torch_private import unset_fake_temporarily
 from memfit.units import matches
 

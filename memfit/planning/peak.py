@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memfit.devices import usable_bytes
-from memfit.formats.profile import Profile, after_forwards, dp_degree
+from memfit.formats.layout import dp_degree
+from memfit.formats.profile import Profile, after_forwards
 from memfit.planning.roles import member_input, roles_of, unit_costs, weighed
 from memfit.policy import FULL, KEEP, Policy, as_policies
 

@@ -10,7 +10,8 @@ from typing import Any
 from memfit.budget import format_bytes, parse_bytes
 from memfit.devices import MemoryRecord, describe_memory
 from memfit.errors import InfeasibleBudgetError, InternalError, MemfitError, SolverTimeout
-from memfit.formats.profile import ParallelLayout, Profile
+from memfit.formats.layout import ParallelLayout
+from memfit.formats.profile import Profile
 from memfit.formats.schedule import BaselineFigures, Fallback, Schedule
 from memfit.planning.baselines import BASELINES, STRATEGIES, not_applicable, pick, predicted
 from memfit.planning.dp import dp_exact

@@ -19,7 +19,8 @@ import torch
 
 from memfit.devices import Device, device_spec
 from memfit.errors import MemfitError
-from memfit.formats.profile import ParallelLayout, Profile, layout_of
+from memfit.formats.layout import ParallelLayout, layout_of
+from memfit.formats.profile import Profile
 from memfit.measure.fake import fake_meters
 from memfit.measure.ranks import check_clipping, held_by_wrapper, make_mesh, shard
 from memfit.profiler.autocast_lists import cuda_lists

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.formats.profile import ParallelLayout, Profile, describe_layout, layout_of, profile_from_dict
+from memfit.formats.layout import ParallelLayout, describe_layout, layout_of
+from memfit.formats.profile import Profile, profile_from_dict
 from memfit.measure.ranks import check_clipping, held_by_wrapper, shard
 from memfit.policy import KEEP, Policies
 

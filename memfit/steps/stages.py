@@ -24,7 +24,8 @@ from torch import nn
 from memfit.budget import parse_bytes
 from memfit.devices import Device, device_spec
 from memfit.errors import InfeasibleBudgetError, MemfitError
-from memfit.formats.profile import Profile, layout_of
+from memfit.formats.layout import layout_of
+from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule
 from memfit.measure.ranks import check_clipping, shard
 from memfit.measure.step import make_optimizer
