@@ -48,8 +48,8 @@ def own(module: nn.Module) -> Callable[..., Any]:
 
 class UnitForward:
     """A unit's forward: its own, eagerly (a single unit's region runs it inside the region);
-    under ``torch.compile``, inside ``checkpoint`` with what runs it's compiled policy, unless
-    ``wrap`` is False (a chain member left to the partitioner)."""
+    under ``torch.compile``, inside ``checkpoint`` with the compiled policy of what runs it (its
+    region or its ``derive``), unless ``wrap`` is False (a chain member left to the partitioner)."""
 
     __slots__ = ("module", "wrap")
 
