@@ -347,7 +347,7 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
     the CUDA context and the allocator's margin, a per-rank plan's FSDP headroom. Said with every
     plan, and when nothing needs checkpointing."""
     from memfit.devices import describe_memory, target_title, usable_bytes
-    from memfit.planning.peak import allocator_ratio, device_cap_bytes, fsdp_headroom
+    from memfit.planning.peak import card_ratio, device_cap_bytes, fsdp_headroom
 
     out = []
     peak = schedule.predicted_peak_bytes
@@ -362,10 +362,12 @@ def device_notes(schedule: Schedule, profile: Profile | None) -> list[str]:
         out.append(f"device memory: {describe_memory(memory)}")
         usable = usable_bytes(memory)
         cap = device_cap_bytes(profile, schedule.policies) if profile is not None else None
-        ratio = allocator_ratio(profile, schedule.policies) if profile is not None else None
+        ratio = card_ratio(profile, schedule.policies) if profile is not None else None
         if ratio is not None and cap is not None and cap < usable - headroom:
+            over = profile.memory.get("over_model") if profile is not None and profile.memory else None
+            learned = " (with the card's learned over_model)" if over else ""
             out.append(f"the caching allocator's model (estimate mode) has this plan reserve {ratio - 1:.1%} over its "
-                       f"allocated peak, more than the {memory['margin']:.0%} margin: it may allocate at most "
+                       f"allocated peak{learned}, more than the {memory['margin']:.0%} margin: it may allocate at most "
                        f"{format_bytes(cap)}")
         if schedule.asked_budget_bytes:
             out.append(f"note: the budget asked for, {format_bytes(schedule.asked_budget_bytes)}, is more than "

@@ -1,6 +1,7 @@
 """Budgets against what a GPU can hold: the device table, usable memory (total less the CUDA
 context, less the allocator's margin), device spec files, and the cap every plan keeps to."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -151,6 +152,9 @@ def test_where_the_allocators_model_keeps_more_than_the_margin_the_plan_leaves_i
     prof.memory["over_model"] = 0.25  # a card that reserved 25% over the model: every cap with the model lower
     assert device_cap_bytes(prof, sched.policies) == int((300 * MiB - 8 * MiB) / (ratio * 1.25))
     assert device_cap_bytes(prof, {}) == int((300 * MiB - 8 * MiB) / (1.05 * 1.25))
+    kept_plan = dataclasses.replace(sched, policies={})  # 5% by the model alone, under the margin: the card's
+    assert any(f"reserve {1.05 * 1.25 - 1:.1%} over its allocated peak (with the card's learned over_model)" in n
+               for n in device_notes(kept_plan, prof))
     del prof.memory["over_model"]
     prof.reserved_peak_bytes = {KEEP: round(kept * 1.01), FULL: round(full * 1.02)}  # under: as before
     assert memfit.plan(prof, "2GB").policies == alone.policies

@@ -103,9 +103,17 @@ def device_cap_bytes(profile: Profile, policies: Mapping[str, Policy | str] | No
     if not profile.memory:
         return None
     memory = profile.memory
-    ratio = allocator_ratio(profile, policies) if policies is not None else None
-    if ratio is not None:  # with what a run on the card found the allocator to reserve over the model
-        ratio *= 1 + memory.get("over_model", 0.0)
-        if ratio > 1 + memory["margin"]:
-            memory = {**memory, "margin": ratio - 1}
+    ratio = card_ratio(profile, policies) if policies is not None else None
+    if ratio is not None and ratio > 1 + memory["margin"]:
+        memory = {**memory, "margin": ratio - 1}
     return usable_bytes(memory) - fsdp_headroom(profile)
+
+
+def card_ratio(profile: Profile, policies: Mapping[str, Policy | str]) -> float | None:
+    """What the card is expected to reserve over a plan's allocated peak: the allocator model's
+    ratio (``allocator_ratio``) raised by the memory record's ``over_model``, what a run on the
+    card found it to reserve over the model's. None where the profile has no such model."""
+    ratio = allocator_ratio(profile, policies)
+    if ratio is None:
+        return None
+    return ratio * (1 + (profile.memory or {}).get("over_model", 0.0))
