@@ -32,7 +32,8 @@ from memfit.measure.step import Inputs, LossFn, packed, storage_key
 from memfit.policy import DERIVE, DERIVE_ALL, DERIVE_PRODUCTS, DERIVES, Children, Nested, Option, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive
-from memfit.runtime.op_sets import ACTIVATION_PRODUCTS, GEMM, WEIGHTS
+from memfit.runtime.derive_watch import ACTIVATION_PRODUCTS
+from memfit.runtime.op_sets import GEMM, WEIGHTS
 from memfit.torch_private import TorchDispatchMode
 
 MIN_SHARE = 0.1  # of the unit's saved bytes

@@ -27,7 +27,7 @@ _NORMS = {getattr(_aten, n).default for n in ("native_layer_norm", "native_group
 # the deeper level: written-out attention's scores and probabilities from the q, k (and v) that
 # autograd keeps for the products anyway (Megatron's core-attention recompute, without a checkpoint)
 ROWWISE = {getattr(_aten, n).default for n in ("_softmax", "_log_softmax", "_safe_softmax") if hasattr(_aten, n)}
-_PRODUCTS = {_aten.bmm.default, _aten.baddbmm.default}
+ACTIVATION_PRODUCTS = frozenset({_aten.bmm.default, _aten.baddbmm.default})  # q.k^T and probabilities.v
 # levels 2 and 3: products with a weight (a projection from a norm's output that is itself
 # re-derived), what the compiler's partitioner recomputes at small budgets (q, k, v in a ViT block)
 _WEIGHT_PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
@@ -242,7 +242,7 @@ class OpWatch(TorchDispatchMode):
         # a product of two activations that makes no more than it takes is re-run only on the way
         # to a row-wise op's output (the scores of heads no shorter than the sequence), never for
         # its own output (P.v)
-        bounded = ok and func in _PRODUCTS and not _expands(args, out)
+        bounded = ok and func in ACTIVATION_PRODUCTS and not _expands(args, out)
         if not ok and self.level >= 2 and func in _WEIGHT_PRODUCTS and self._projects(func, args, out):
             ok = True
         if bounded and self.level >= 2 and self._projects(func, args, out):
@@ -284,7 +284,7 @@ def _kind(func: Any, products: bool) -> tuple[bool, tuple[tuple[int, str], ...],
     if kind is None:
         writes = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments)
                        if a.alias_info is not None and a.alias_info.is_write)
-        ok = cheap(func) or (products and (func in ROWWISE or func in _PRODUCTS or func in MASKS))
+        ok = cheap(func) or (products and (func in ROWWISE or func in ACTIVATION_PRODUCTS or func in MASKS))
         kind = _KINDS[(func, products)] = (ok, writes, torch.Tag.nondeterministic_seeded in func.tags)
     return kind
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from memfit.measure.host import served_later
-from memfit.runtime.derive_watch import MASKS, ROWWISE, cheap
+from memfit.runtime.derive_watch import ACTIVATION_PRODUCTS, MASKS, ROWWISE, cheap
 from memfit.torch_private import op_schema
 
 _aten = torch.ops.aten
@@ -30,7 +30,6 @@ def _ops(*names: str) -> frozenset[Any]:
 
 GEMM = "gemm"
 WEIGHTS = "weights"
-ACTIVATION_PRODUCTS = _ops("bmm", "baddbmm")  # written-out attention's q.k^T and probabilities.v
 OP_SETS: dict[str, frozenset[Any]] = {
     # matrix products, convolutions and attention kernels: the dear ops; the cheap elementwise
     # ones between them (norms, activations, dropout, softmax) come back in the backward
