@@ -12,6 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import memfit
+from memfit import zoo
 from memfit.formats.schedule import load_schedule
 from memfit.policy import FULL, KEEP, Segment, parse
 from memfit.runtime import watch
@@ -45,6 +46,23 @@ def test_compiled_schedule_gives_the_plain_models_results(factory, pattern):
     policies = {n: parse(p.format(*names)) for n, p in zip(names, PATTERNS[pattern], strict=True)}
     memfit.apply(twin, _schedule(model, policies))
     twin.compile(backend="aot_eager")  # in place: names stay
+    _assert_identical(_run(model, inputs), _run(twin, inputs))
+
+
+@pytest.mark.filterwarnings("ignore:memfit. this .* runs under torch.compile")  # an eager plan, compiled on purpose
+@pytest.mark.parametrize("factory, level", [(tiny_gpt, "derive:all"), (_small_cnn, "derive"),
+                                            (lambda: zoo.nanogpt(batch=2, seq=32, vocab=128, d_model=32, n_head=4,
+                                                                 n_layer=3), "derive:products")],
+                         ids=["gpt-dropout", "cnn-bn", "nanogpt"])
+def test_compiled_derive_trains_as_the_plain_model(factory, level):
+    """``derive`` compiled (its level a selective-checkpoint policy, runtime/unit_forward.py),
+    trained by a user's loop of SGD steps: losses, outputs, gradients, weights and BatchNorm
+    buffers bit for bit the plain eager model's, dropout included (its draws are kept)."""
+    model, inputs = factory()
+    names = find_units(model, "auto")[:4]
+    twin = copy.deepcopy(model)
+    memfit.apply(twin, _schedule(model, dict.fromkeys(names, parse(level))))
+    twin.compile(backend="aot_eager")
     _assert_identical(_run(model, inputs), _run(twin, inputs))
 
 
