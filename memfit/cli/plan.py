@@ -250,7 +250,8 @@ def add_parsers(command: Command) -> None:
                       help="also store K tighter plans, for memfit.tighten(model) after an out-of-memory error")
     plan.add_argument("--compile", metavar="BACKEND",
                       help="plan for the step under torch.compile with this backend (inductor, aot_eager): each "
-                      "candidate plan is compiled and its peak measured until one fits")
+                      "option is compiled once for its figures, then each candidate plan is compiled and its peak "
+                      "measured until one fits")
     plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
     save_profile_flag(plan)
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
