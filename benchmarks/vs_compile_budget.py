@@ -9,8 +9,9 @@ aot_eager, whose partitioner then recomputes what its runtime estimates say is c
 steady-state peak measured. At that peak memfit plans three times from one fine profile: at module
 granularity and with ``granularity="fine"`` (children, op sets, ``derive`` levels), both run
 eagerly, and the fine plan for the compiled step (``memfit.plan_compiled``, aot_eager at the
-default budget): its options handed to the same partitioner as selective-checkpoint policies
-(runtime/unit_forward.py), so the two compiled columns differ only in what is kept.
+default budget, from the profile's figures moved once to the compiled step's,
+``compiled_figures``): its options handed to the same partitioner as selective-checkpoint
+policies (runtime/unit_forward.py), so the two compiled columns differ only in what is kept.
 Every configuration is built at once and timed in one interleaved series (each timed step after
 an untimed step of its own, the order reversing every round, GC held off), medians over
 --rounds rounds; slowdowns are against the plain eager step of the same rounds, with two standard
@@ -41,6 +42,7 @@ from memfit.policy import Policies
 from memfit.report import table
 from memfit.runtime.harness import measure_steps
 from memfit.scenarios import load_scenario
+from memfit.steps.compiled import compiled_figures
 
 
 @dataclass
@@ -90,6 +92,7 @@ def main() -> None:
         print(f"{label}: {format_bytes(cfg.peak)} ({cfg.peak:,} bytes)", flush=True)  # a plan fits to the byte
         return cfg
 
+    figures = compiled_figures(model, raw_inputs, prof, "aot_eager")  # once for every budget's compiled plan
     configs = [config("plain eager"), config("plain eager (A/A control)")]
     rows: list[tuple[float, Config, Config | None, Config | None, Config | None]] = []
     for b in args.budgets:
@@ -104,7 +107,8 @@ def main() -> None:
             plans.append(config(f"memfit {granularity} @ {b:.1f}", s.policies))
             plans[-1].predicted = s.predicted_overhead
         try:  # measures compiled plans until one fits; resets Dynamo, so the copies above compile again
-            s = memfit.plan_compiled(model, raw_inputs, prof, compiled.peak, "aot_eager", granularity="fine")
+            s = memfit.plan_compiled(model, raw_inputs, prof, compiled.peak, "aot_eager", granularity="fine",
+                                     figures=figures)
             plans.append(config(f"memfit fine compiled @ {b:.1f}", s.policies, 1.0))
         except memfit.InfeasibleBudgetError:
             plans.append(None)

@@ -155,6 +155,22 @@ def test_plan_compiled_fits_its_budget_and_validates(gpt_profile):
         plan_compiled(model, batch, gpt_profile, gpt_profile.baseline_bytes, "aot_eager")
 
 
+def test_compiled_figures_price_options_by_the_compiled_step(gpt_profile):
+    """Times moved to the compiled step's: ``full`` on every block timed compiled against the
+    plain compiled step, its cost split over the blocks in their eager shares, the step the plain
+    compiled one; memory alone (``rounds=0``) leaves the eager times."""
+    model, batch = tiny_gpt()
+    timed = compiled_figures(model, batch, gpt_profile, "aot_eager", rounds=3)
+    untimed = compiled_figures(model, batch, gpt_profile, "aot_eager", rounds=0)
+    eager = [u.options[FULL].recompute_s for u in gpt_profile.units]
+    moved = [u.options[FULL].recompute_s for u in timed.units]
+    assert [u.options[FULL].recompute_s for u in untimed.units] == eager and untimed.step_s == gpt_profile.step_s
+    assert timed.step_s != gpt_profile.step_s and sum(moved) > 0  # recomputing every block costs, compiled too
+    assert moved == pytest.approx([e / sum(eager) * sum(moved) for e in eager])
+    assert all(u.options[FULL].recompute_uncertainty_s > 0 for u in timed.units)
+    assert all(u.options[KEEP].recompute_s == 0 for u in timed.units)
+
+
 def test_compiled_figures_predict_the_compiled_step():
     """The partitioner keeps other tensors than eager autograd (on this ViT the plain compiled
     step keeps more, a chain of leaf children frees nothing compiled): the profile's figures moved
@@ -168,7 +184,7 @@ def test_compiled_figures_predict_the_compiled_step():
     prof = memfit.profile(model, inputs, repeat=1, granularity="fine")
     chain = next(o for o in prof.units[0].options if isinstance(o, Children))
     others = (FULL, chain, parse("derive:all"))
-    compiled = compiled_figures(model, inputs, prof, "aot_eager", options=others)
+    compiled = compiled_figures(model, inputs, prof, "aot_eager", options=others, rounds=0)
     assert compiled.units[0].options[KEEP].stored_bytes != prof.units[0].options[KEEP].stored_bytes
     for other in others:
         mixed = {n: other if k % 2 else KEEP for k, n in enumerate(prof.unit_names)}

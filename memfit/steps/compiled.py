@@ -33,6 +33,7 @@ from memfit.runtime.harness import StepHarness
 from memfit.trainstep import TrainStep, step_of
 
 ROUNDS = 4  # re-plans at most; each costs a compilation
+TIME_ROUNDS = 5  # interleaved rounds that time each option's compiled step (compiled_figures)
 _FITS = 3  # passes that move an option's figures toward its measured compiled peak
 
 
@@ -59,8 +60,9 @@ def compiled_peak(model: nn.Module, inputs: Any, policies: Policies, backend: st
 
 
 def compiled_figures(model: nn.Module, inputs: Any, profile: Profile, backend: str, *,
-                     options: Collection[Option] | None = None, loss_fn: LossFn | None = None,
-                     step: TrainStep | None = None, progress: Callable[[str], None] | None = None) -> Profile:
+                     options: Collection[Option] | None = None, rounds: int = TIME_ROUNDS,
+                     loss_fn: LossFn | None = None, step: TrainStep | None = None,
+                     progress: Callable[[str], None] | None = None) -> Profile:
     """A copy of ``profile`` whose options keep what they keep in the step compiled with
     ``backend``: for each option (``none`` first), the compiled step with every unit that has it
     under it is measured, and the figures of those units' option are moved, by each unit's share,
@@ -73,7 +75,16 @@ def compiled_figures(model: nn.Module, inputs: Any, profile: Profile, backend: s
     options. A unit's share of a gap is what it keeps (``none``) or what the option frees from it
     eagerly (the rest), so units of different sizes move in proportion. One compilation per
     option: those in ``options`` (default: every one the profile measured; ``none`` always); the
-    others keep their eager figures, and times stay the eager profile's.
+    others keep their eager figures.
+
+    Times too, where ``rounds`` > 0: the eager prices mislead a compiled plan (on uneven-gpt,
+    ``derive`` on every block costs +8% eager and +4.3% compiled, ``derive:all`` +28.5% and
+    +18.4%, ``full`` +29.7% and +21.9%: the compiled step runs no saved-tensor hooks and
+    recomputes only what the policy names). Each option's compiled step is timed against the plain
+    compiled step, interleaved over ``rounds`` rounds on two copies of the model
+    (``compiled_step_times``: two more compilations), and its units' times are scaled so that they
+    add up to that overhead, each unit keeping its eager share; ``step_s`` becomes the plain
+    compiled step's.
     """
     fixed = copy.deepcopy(profile)
     kinds: dict[Option, list[int]] = {}
@@ -81,13 +92,30 @@ def compiled_figures(model: nn.Module, inputs: Any, profile: Profile, backend: s
         for option in unit.options:
             if options is None or option == KEEP or option in options:
                 kinds.setdefault(option, []).append(j)
+    plains: list[float] = []
     for option, js in sorted(kinds.items(), key=lambda kv: kv[0] != KEEP):
         policies = {fixed.units[j].name: option for j in js}
         if progress is not None:
             progress(f"compiling ({backend}) and measuring {len(js)} unit(s) under {option}")
         peak = compiled_peak(model, inputs, policies, backend, loss_fn=loss_fn, step=step)
         _move_to(fixed, option, js, peak)
+        if rounds > 0 and option != KEEP:
+            plain_s, ratio, sure = compiled_step_times(model, inputs, policies, backend, loss_fn=loss_fn,
+                                                       step=step, steps=rounds)
+            plains.append(plain_s)
+            _scale_times([fixed.units[j].options[option] for j in js], max(0.0, ratio - 1) * plain_s, sure * plain_s)
+    if plains:
+        fixed.step_s = statistics.median(plains)
     return fixed
+
+
+def _scale_times(costs: list[OptionCost], total_s: float, sure_s: float) -> None:
+    """Scale ``costs``' times to add up to ``total_s`` (their uncertainties to ``sure_s``), each
+    keeping its share of their eager sum (equal shares where that is 0)."""
+    eager = sum(c.recompute_s for c in costs)
+    for c in costs:
+        share = c.recompute_s / eager if eager > 0 else 1 / len(costs)
+        c.recompute_s, c.recompute_uncertainty_s = total_s * share, sure_s * share
 
 
 def _move_to(profile: Profile, option: Option, js: list[int], peak: int) -> None:
@@ -125,12 +153,12 @@ def _shift(costs: list[OptionCost], moves: list[int]) -> None:
 def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str | int, backend: str,
                   options: PlanOptions | None = None, *, loss_fn: LossFn | None = None,
                   step: TrainStep | None = None, progress: Callable[[str], None] | None = None,
-                  **settings: Any) -> Schedule:
+                  figures: Profile | None = None, **settings: Any) -> Schedule:
     """The plan for ``model`` compiled with ``backend`` whose measured compiled peak fits ``budget``
     at the least predicted recompute time among the plans tried.
 
-    Plans without segments from the profile's figures moved to the compiled step's
-    (``compiled_figures``: one compilation per option), measures the plan's compiled step, and
+    Plans without segments from the profile's memory figures and times moved to the compiled
+    step's (``compiled_figures``: three compilations per option), measures the plan's compiled step, and
     plans again with the budget moved by the gap between the compiled peak and ``budget`` (down when
     it did not fit, up when it left room), until a plan recurs or ``ROUNDS`` are spent. The
     schedule records the backend and the measured peak in ``schedule.compile``, which
@@ -138,7 +166,8 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     fits. Clears torch.compile's caches after each measurement. ``step``: the training step, by
     default the profile's (needed again for a callable optimizer). ``options`` and ``settings``:
     the planning settings as in ``plan``, whose segments are turned off (a compiled segment keeps
-    every member's input).
+    every member's input). ``figures``: ``compiled_figures`` of ``profile`` for this backend, made
+    already (several budgets, one set of compilations).
     """
     from memfit.planning.planner import plan
 
@@ -148,8 +177,8 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     if opts.fallbacks:
         raise MemfitError("fallbacks are planned for the eager step only; plan a compiled step without them")
     target = parse_bytes(budget)
-    compiled = compiled_figures(model, inputs, profile, backend, loss_fn=loss_fn, step=step, progress=progress,
-                                options=None if opts.granularity == "fine" else COARSE)
+    compiled = figures or compiled_figures(model, inputs, profile, backend, loss_fn=loss_fn, step=step,
+                                           progress=progress, options=None if opts.granularity == "fine" else COARSE)
     cap = target
     seen: set[tuple[str, ...]] = set()
     tried: list[tuple[int, int]] = []  # (predicted, compiled measured)
