@@ -73,9 +73,9 @@ def compiled_figures(model: nn.Module, inputs: Any, profile: Profile, backend: s
     level keeps to the byte what it keeps eagerly, and a chain of leaf children frees 30 MiB
     eagerly and nothing compiled; planned from the eager figures, a compiled plan buys the wrong
     options. A unit's share of a gap is what it keeps (``none``) or what the option frees from it
-    eagerly (the rest), so units of different sizes move in proportion. One compilation per
-    option: those in ``options`` (default: every one the profile measured; ``none`` always); the
-    others keep their eager figures.
+    eagerly (the rest), so units of different sizes move in proportion. The options moved: those
+    in ``options`` (default: every one the profile measured; ``none`` always); the others keep
+    their eager figures.
 
     Times too, where ``rounds`` > 0: the eager prices mislead a compiled plan (on uneven-gpt,
     ``derive`` on every block costs +8% eager and +4.3% compiled, ``derive:all`` +28.5% and
