@@ -186,6 +186,8 @@ def test_compiled_figures_predict_the_compiled_step():
     others = (FULL, chain, parse("derive:all"))
     compiled = compiled_figures(model, inputs, prof, "aot_eager", options=others, rounds=0)
     assert compiled.units[0].options[KEEP].stored_bytes != prof.units[0].options[KEEP].stored_bytes
+    plain = compiled_peak(model, inputs, {}, "aot_eager")
+    assert compiled.measured_peak_bytes[KEEP] == plain == memfit.predict(compiled, {}).peak_bytes
     for other in others:
         mixed = {n: other if k % 2 else KEEP for k, n in enumerate(prof.unit_names)}
         measured = compiled_peak(model, inputs, mixed, "aot_eager")
