@@ -111,12 +111,16 @@ def compiled_figures(model: nn.Module, inputs: Any, profile: Profile, backend: s
     return fixed
 
 
+def _shares(weights: list[float]) -> list[float]:
+    """Each weight's share of their sum; equal shares where they sum to nothing."""
+    total = sum(weights)
+    return [w / total for w in weights] if total > 0 else [1 / len(weights)] * len(weights)
+
+
 def _scale_times(costs: list[OptionCost], total_s: float, sure_s: float) -> None:
     """Scale ``costs``' times to add up to ``total_s`` (their uncertainties to ``sure_s``), each
-    keeping its share of their eager sum (equal shares where that is 0)."""
-    eager = sum(c.recompute_s for c in costs)
-    for c in costs:
-        share = c.recompute_s / eager if eager > 0 else 1 / len(costs)
+    keeping its share of their eager sum."""
+    for c, share in zip(costs, _shares([c.recompute_s for c in costs]), strict=True):
         c.recompute_s, c.recompute_uncertainty_s = total_s * share, sure_s * share
 
 
@@ -131,9 +135,8 @@ def _move_to(profile: Profile, option: Option, js: list[int], peak: int) -> None
             return
         costs = [profile.units[j].options[option] for j in js]
         kept = [profile.units[j].options[KEEP].stored_bytes for j in js]
-        shares = [max(0, k if option == KEEP else k - c.stored_bytes) for c, k in zip(costs, kept, strict=True)]
-        total = sum(shares) or len(js)
-        moves = [round(gap * (s if sum(shares) else 1) / total) for s in shares]
+        weights = [max(0, k if option == KEEP else k - c.stored_bytes) for c, k in zip(costs, kept, strict=True)]
+        moves = [round(gap * share) for share in _shares(weights)]
         _shift(costs, moves)
         left = peak - predict(profile, policies).peak_bytes
         if abs(left) >= abs(gap):
@@ -179,15 +182,16 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     if opts.fallbacks:
         raise MemfitError("fallbacks are planned for the eager step only; plan a compiled step without them")
     target = parse_bytes(budget)
-    compiled = figures or compiled_figures(model, inputs, profile, backend, loss_fn=loss_fn, step=step,
-                                           progress=progress, options=None if opts.granularity == "fine" else COARSE)
+    if figures is None:
+        figures = compiled_figures(model, inputs, profile, backend, loss_fn=loss_fn, step=step, progress=progress,
+                                   options=None if opts.granularity == "fine" else COARSE)
     cap = target
     seen: set[tuple[str, ...]] = set()
     tried: list[tuple[int, int]] = []  # (predicted, compiled measured)
     best: Schedule | None = None
     for _ in range(ROUNDS):
         try:
-            schedule = plan(compiled, cap, opts)
+            schedule = plan(figures, cap, opts)
         except InfeasibleBudgetError:
             break
         key = tuple(schedule.policies.values())
