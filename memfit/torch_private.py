@@ -178,6 +178,18 @@ def allow_in_compiled_graph(fn: Any) -> None:
     torch._dynamo.config.reorderable_logging_functions.add(fn)
 
 
+def more_compiled_versions(n: int) -> contextlib.AbstractContextManager[Any]:
+    """Let Dynamo keep ``n`` more compiled versions of one forward before it falls back to eager
+    (copies of a model whose units run different options are each a cache entry of the model's
+    forward): ``torch._dynamo.config.recompile_limit`` and ``accumulated_recompile_limit``, patched
+    for the duration. Since torch 2.7 (``cache_size_limit`` before)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=config.recompile_limit + n,
+                        accumulated_recompile_limit=config.accumulated_recompile_limit + n)
+
+
 def amp_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """GradScaler's unscaling kernel (``torch._amp_foreach_non_finite_check_and_unscale_``), for
     estimate mode's stand-in scaler (measure/step.py:ValuelessScaler). Since torch 1.9."""

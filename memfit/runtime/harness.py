@@ -158,15 +158,18 @@ class StepHarness:
         finally:
             remove(self.model)
 
-    def run(self, steps: int = 2, seed: int = 0, compile: str | Callable[..., Any] | None = None) -> StepRun:
+    def run(self, steps: int = 2, seed: int = 0, compile: str | Callable[..., Any] | None = None, *,
+            runner: nn.Module | None = None) -> StepRun:
         """``steps`` training steps from a fixed seed (the first warms up, and compiles under
-        ``compile``, a ``torch.compile`` backend by name or a callable); the peak is the last
-        step's. A fresh optimizer each call: its state is created by the warm-up."""
+        ``compile``, a ``torch.compile`` backend by name or a callable; ``runner``: the model
+        compiled already, run again); the peak is the last step's. A fresh optimizer each call:
+        its state is created by the warm-up."""
         model, inp, loss = self.model, self.inputs, self.loss_fn
         if self.device.type == "cuda":  # the reserved peak measured is this run's, not an earlier run's cache
             gc.collect()
             torch.cuda.empty_cache()
-        runner = model if compile is None else torch.compile(model, backend=compile)
+        if runner is None:
+            runner = model if compile is None else torch.compile(model, backend=compile)
         state = self.new_state()
         model.train()
         torch.manual_seed(seed)

@@ -30,6 +30,7 @@ from memfit.planning.peak import predict
 from memfit.policy import COARSE, KEEP, Option, Policies
 from memfit.runtime.apply import set_policies
 from memfit.runtime.harness import StepHarness
+from memfit.torch_private import more_compiled_versions
 from memfit.trainstep import TrainStep, step_of
 
 ROUNDS = 4  # re-plans at most; each costs a compilation
@@ -81,10 +82,11 @@ def compiled_figures(model: nn.Module, inputs: Any, profile: Profile, backend: s
     ``derive`` on every block costs +8% eager and +4.3% compiled, ``derive:all`` +28.5% and
     +18.4%, ``full`` +29.7% and +21.9%: the compiled step runs no saved-tensor hooks and
     recomputes only what the policy names). Each option's compiled step is timed against the plain
-    compiled step, interleaved over ``rounds`` rounds on two copies of the model
-    (``compiled_step_times``: two more compilations), and its units' times are scaled so that they
-    add up to that overhead, each unit keeping its eager share; ``step_s`` becomes the plain
-    compiled step's. ``measured_peak_bytes`` holds the compiled peaks of the options every unit has.
+    compiled step, interleaved over ``rounds`` rounds (``CompiledSteps``: one compilation per
+    option, the one whose peak was measured, and one of the plain model for all), and its units'
+    times are scaled so that they add up to that overhead, each unit keeping its eager share;
+    ``step_s`` becomes the plain compiled step's. ``measured_peak_bytes`` holds the compiled peaks
+    of the options every unit has.
     """
     fixed = copy.deepcopy(profile)
     kinds: dict[Option, list[int]] = {}
@@ -93,19 +95,20 @@ def compiled_figures(model: nn.Module, inputs: Any, profile: Profile, backend: s
             if options is None or option == KEEP or option in options:
                 kinds.setdefault(option, []).append(j)
     plains: list[float] = []
-    for option, js in sorted(kinds.items(), key=lambda kv: kv[0] != KEEP):
-        policies = {fixed.units[j].name: option for j in js}
-        if progress is not None:
-            progress(f"compiling ({backend}) and measuring {len(js)} unit(s) under {option}")
-        peak = compiled_peak(model, inputs, policies, backend, loss_fn=loss_fn, step=step)
-        _move_to(fixed, option, js, peak)
-        if len(js) == len(fixed.units):  # the step with every unit under it: the record's own figure
-            fixed.measured_peak_bytes[option] = peak
-        if rounds > 0 and option != KEEP:
-            plain_s, ratio, sure = compiled_step_times(model, inputs, policies, backend, loss_fn=loss_fn,
-                                                       step=step, steps=rounds)
-            plains.append(plain_s)
-            _scale_times([fixed.units[j].options[option] for j in js], max(0.0, ratio - 1) * plain_s, sure * plain_s)
+    with CompiledSteps(model, inputs, backend, loss_fn=loss_fn, step=step, versions=len(kinds) + 1) as compiled:
+        for option, js in sorted(kinds.items(), key=lambda kv: kv[0] != KEEP):
+            policies = {fixed.units[j].name: option for j in js}
+            if progress is not None:
+                progress(f"compiling ({backend}) and measuring {len(js)} unit(s) under {option}")
+            peak = compiled.peak(policies)
+            _move_to(fixed, option, js, peak)
+            if len(js) == len(fixed.units):  # the step with every unit under it: the record's own figure
+                fixed.measured_peak_bytes[option] = peak
+            if rounds > 0 and option != KEEP:
+                plain_s, ratio, sure = compiled.times(policies, rounds)
+                plains.append(plain_s)
+                _scale_times([fixed.units[j].options[option] for j in js], max(0.0, ratio - 1) * plain_s,
+                             sure * plain_s)
     if plains:
         fixed.step_s = statistics.median(plains)
     return fixed
@@ -163,7 +166,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     at the least predicted recompute time among the plans tried.
 
     Plans without segments from the profile's memory figures and times moved to the compiled
-    step's (``compiled_figures``: three compilations per option), measures the plan's compiled step, and
+    step's (``compiled_figures``: one compilation per option), measures the plan's compiled step, and
     plans again with the budget moved by the gap between the compiled peak and ``budget`` (down when
     it did not fit, up when it left room), until a plan recurs or ``ROUNDS`` are spent. The
     schedule records the backend and the measured peak in ``schedule.compile``, which
@@ -223,28 +226,86 @@ def compiled_step_times(model: nn.Module, inputs: Any, policies: Policies, backe
                         loss_fn: LossFn | None = None, step: TrainStep | None = None,
                         steps: int = 5) -> tuple[float, float, float]:
     """Median compiled step time of the plain model, the median ratio of the scheduled
-    compiled step's to it and that ratio's uncertainty (``ratio_uncertainty``), interleaved as
-    ``alternate`` does, on two copies of ``model`` (a compiled model is not switched between
-    plans: each switch would compile again)."""
-    copies = [copy.deepcopy(model), copy.deepcopy(model)]
-    set_policies(copies[1], policies)
-    steps_of = [StepHarness(m, inputs, loss_fn=loss_fn, step=step) for m in copies]
-    runners = [torch.compile(m, backend=backend) for m in copies]
-    states = [h.new_state() for h in steps_of]
-    for m in copies:
-        m.train()
+    compiled step's to it and that ratio's uncertainty (``CompiledSteps.times``)."""
+    with CompiledSteps(model, inputs, backend, loss_fn=loss_fn, step=step) as compiled:
+        return compiled.times(policies, steps)
 
-    def timed(k: int) -> float:
-        h = steps_of[k]
-        return timed_step(runners[k], h.inputs, h.loss_fn, states[k], h.device)
 
-    try:
-        for k in range(2):
-            timed(k)  # compiles
-        plain, sched = alternate(timed, 2, steps)
-    finally:
-        torch.compiler.reset()
-    return statistics.median(plain), median_ratio(plain, sched), ratio_uncertainty(plain, sched)
+class _Copy:
+    """A copy of the model under a set of policies, compiled: its harness and compiled module."""
+
+    __slots__ = ("harness", "runner", "state")
+
+    def __init__(self, harness: StepHarness, runner: nn.Module) -> None:
+        self.harness, self.runner = harness, runner
+        self.state: Any = None  # the timed steps' optimizer, made by their first step
+
+
+class CompiledSteps:
+    """Compiled training steps of copies of ``model``, each copy compiled once and kept while it
+    is measured: its peak (``peak``) and its time against the plain copy's (``times``), which is
+    compiled once for all. A compiled model is not switched between plans (each switch would
+    compile again). Dynamo keeps a version of the model's forward per copy, so ``versions`` more
+    are allowed for the duration (``more_compiled_versions``); leaving clears torch.compile's
+    caches. The model itself is not touched."""
+
+    def __init__(self, model: nn.Module, inputs: Any, backend: str, *, loss_fn: LossFn | None = None,
+                 step: TrainStep | None = None, versions: int = 2) -> None:
+        self._model, self._inputs, self._backend = model, inputs, backend
+        self._loss_fn, self._step = loss_fn, step
+        self._limits = more_compiled_versions(versions)
+        self._plain: _Copy | None = None
+        self._last: tuple[Policies, _Copy] | None = None
+
+    def __enter__(self) -> CompiledSteps:
+        self._limits.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._plain = self._last = None
+        try:
+            torch.compiler.reset()  # the next plan's hooks differ: start it from a clean cache
+        finally:
+            self._limits.__exit__(*exc)
+
+    def _copy(self, policies: Policies) -> _Copy:
+        """The compiled copy under ``policies`` (``none`` on every unit: the plain copy)."""
+        scheduled = {n: p for n, p in policies.items() if p != KEEP}
+        if not scheduled and self._plain is not None:
+            return self._plain
+        if self._last is not None and self._last[0] == scheduled:
+            return self._last[1]
+        model = copy.deepcopy(self._model)
+        set_policies(model, scheduled)
+        model.train()
+        made = _Copy(StepHarness(model, self._inputs, loss_fn=self._loss_fn, step=self._step),
+                     torch.compile(model, backend=self._backend))
+        if scheduled:
+            self._last = (scheduled, made)
+        else:
+            self._plain = made
+        return made
+
+    def peak(self, policies: Policies) -> int:
+        """The measured peak of a steady-state compiled step under ``policies`` (as ``compiled_peak``)."""
+        made = self._copy(policies)
+        return made.harness.run(runner=made.runner).peak_bytes
+
+    def times(self, policies: Policies, rounds: int) -> tuple[float, float, float]:
+        """Median compiled step time of the plain copy, the median ratio of the copy under
+        ``policies`` to it and that ratio's uncertainty (``ratio_uncertainty``), interleaved over
+        ``rounds`` rounds as ``alternate`` does."""
+        pair = [self._copy({}), self._copy(policies)]
+        for made in pair:
+            if made.state is None:
+                made.state = made.harness.new_state()
+
+        def timed(k: int) -> float:
+            made = pair[k]
+            return timed_step(made.runner, made.harness.inputs, made.harness.loss_fn, made.state, made.harness.device)
+
+        plain, sched = alternate(timed, 2, rounds)  # each timed step follows an untimed one (the first compiles)
+        return statistics.median(plain), median_ratio(plain, sched), ratio_uncertainty(plain, sched)
 
 
 def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, int]:
