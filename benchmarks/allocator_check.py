@@ -33,7 +33,8 @@ def one(name: str, precision: str | None, steps: int, save: str | None) -> dict[
     """In this process (a fresh one): build, train ``steps`` steps recorded, replay."""
     import torch
 
-    from memfit.measure.step import Inputs, StepState, default_loss, training_step
+    from memfit.measure.inputs import Inputs
+    from memfit.measure.step import StepState, default_loss, training_step
     from memfit.scenarios import load_scenario
 
     sc = load_scenario(name)

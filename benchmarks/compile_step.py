@@ -20,7 +20,8 @@ import torch
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.step import Inputs, StepState, default_loss
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss
 from memfit.measure.timing import alternate, timed_step
 from memfit.report import table
 from memfit.runtime.apply import set_policies

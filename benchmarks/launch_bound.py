@@ -52,7 +52,8 @@ from torch.utils.checkpoint import checkpoint
 
 from memfit import zoo
 from memfit.jsonio import write_json_atomic
-from memfit.measure.step import Inputs, StepState, default_loss, training_step
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss, training_step
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, ratio_uncertainty
 from memfit.policy import Children, Derive, Nested, Selective, parse, read
 from memfit.profiler.options import fine_options

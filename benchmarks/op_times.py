@@ -19,7 +19,8 @@ import torch
 from peer_tools import training_copy
 from torch.profiler import ProfilerActivity, profile
 
-from memfit.measure.step import Inputs, StepState, default_loss
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss
 from memfit.measure.timing import timed_step
 from memfit.policy import parse
 from memfit.report import table

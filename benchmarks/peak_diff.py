@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from peer_tools import training_copy
 
-from memfit.measure.step import Inputs, StepState, default_loss, training_step
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss, training_step
 from memfit.policy import as_policies
 from memfit.scenarios import load_scenario
 from memfit.torch_private import ProfiledAllocation

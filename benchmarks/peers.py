@@ -44,7 +44,8 @@ from peer_tools import SacMilp, budget_backend, hand_made, plan_summary, same_gr
 import memfit
 from memfit.budget import format_bytes
 from memfit.jsonio import write_atomic
-from memfit.measure.step import Inputs, StepState, default_loss, make_optimizer
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss, make_optimizer
 from memfit.measure.timing import alternate, median_ratio, timed_step
 from memfit.policy import Policies
 from memfit.report import table

@@ -89,11 +89,10 @@ def run(args: argparse.Namespace, rockmate: Any) -> dict[str, Any]:
     from torch import nn
 
     from memfit.budget import format_bytes
+    from memfit.measure.inputs import Inputs, iter_tensors
     from memfit.measure.step import (
-        Inputs,
         StepState,
         default_loss,
-        iter_tensors,
         local,
         static_bytes,
         storage_bytes,

@@ -36,7 +36,8 @@ from peer_tools import plan_summary, training_copy
 
 import memfit
 from memfit.budget import format_bytes
-from memfit.measure.step import Inputs, StepState, default_loss
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainty, timed_step
 from memfit.policy import Policies
 from memfit.report import table

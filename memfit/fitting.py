@@ -25,7 +25,8 @@ from memfit.cache import Entry, cache_root, digest
 from memfit.errors import MemfitError
 from memfit.formats.profile import Profile
 from memfit.formats.schedule import Schedule, load_schedule, model_fingerprint
-from memfit.measure.step import Inputs, LossFn
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import LossFn
 from memfit.planning.options import PlanOptions, settle
 from memfit.planning.planner import plan
 from memfit.profiler import profile

@@ -10,7 +10,7 @@ import torch
 import memfit
 from memfit.devices import DEVICES, device_spec
 from memfit.measure.fake import fake_meters
-from memfit.measure.step import Inputs
+from memfit.measure.inputs import Inputs
 from memfit.policy import DERIVE, FULL, KEEP, Derive, Selective, parse
 from memfit.profiler import options
 from memfit.profiler.estimate import estimate

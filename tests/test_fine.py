@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import memfit
-from memfit.measure.step import Inputs, default_loss
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import default_loss
 from memfit.policy import FULL, KEEP, Derive, Nested, Selective, as_policies, parse
 from memfit.profiler.options import fine_options
 from memfit.profiler.saved import unit_facts

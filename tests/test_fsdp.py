@@ -56,7 +56,7 @@ def _rank_shapes(device: str):  # type: ignore[no-untyped-def]
     from torch.distributed.fsdp import fully_shard
 
     from memfit.formats.schedule import Schedule, model_fingerprint
-    from memfit.measure.step import Inputs
+    from memfit.measure.inputs import Inputs
     from memfit.runtime.apply import is_checkpointed
     from memfit.zoo import gpt
 

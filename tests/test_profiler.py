@@ -8,7 +8,8 @@ from torch import nn
 
 import memfit
 from memfit.formats.profile import profile_from_dict
-from memfit.measure.step import Inputs, StepState, default_loss, training_step
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss, training_step
 from memfit.policy import FULL, KEEP
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.harness import measure_steps

@@ -5,7 +5,7 @@ units form a chain."""
 import torch
 from torch import nn
 
-from memfit.measure.step import Inputs
+from memfit.measure.inputs import Inputs
 from memfit.profiler.saved import unit_facts
 
 B, D = 8, 32

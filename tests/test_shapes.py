@@ -275,7 +275,7 @@ def test_two_forwards_of_two_shapes_before_one_backward_give_the_plain_gradients
     """The second forward switches plans while the first one's graph waits for its backward:
     the first one's recomputation still replays its own plan's regions."""
     from memfit.formats.schedule import Schedule, model_fingerprint
-    from memfit.measure.step import Inputs
+    from memfit.measure.inputs import Inputs
 
     model, batch = gpt(batch=2, seq=16, vocab=128, d_model=32, n_head=2, n_layer=4, seed=0)  # with dropout
     names = [f"h.{i}" for i in range(4)]

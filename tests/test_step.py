@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError
-from memfit.measure.step import Inputs, StepState, default_loss, make_optimizer, static_bytes, training_step
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import StepState, default_loss, make_optimizer, static_bytes, training_step
 from memfit.trainstep import TrainStep
 
 

@@ -279,7 +279,8 @@ def test_an_options_own_work_is_timed_in_the_stretches_of_the_unit_that_does_it(
     plain step counts none, ``full`` none in a forward, and nothing is counted while no clock
     reads it."""
     from memfit.measure import host
-    from memfit.measure.step import Inputs, default_loss, training_step
+    from memfit.measure.inputs import Inputs
+    from memfit.measure.step import default_loss, training_step
     from memfit.runtime.harness import StepHarness
     from memfit.runtime.marks import stretches
     from memfit.trainstep import step_of

@@ -15,9 +15,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.devices import Device
 from memfit.measure.allocator import MIN_BLOCK, CachingAllocator
 from memfit.measure.host import take_served, under_dispatch_mode
+from memfit.measure.inputs import iter_tensors
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters
-from memfit.measure.step import iter_tensors, local, storage_key
+from memfit.measure.step import local, storage_key
 from memfit.torch_private import TorchDispatchMode, inner_tensors, op_schema, saved_tensors_hooks_active
 
 # Convolution kernels reorder their operands into scratch buffers (oneDNN on the CPU, cuDNN

@@ -10,8 +10,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from memfit.measure.inputs import Inputs
 from memfit.measure.memory import gc_held
-from memfit.measure.step import Inputs, LossFn, training_step
+from memfit.measure.step import LossFn, training_step
 
 T = TypeVar("T")
 

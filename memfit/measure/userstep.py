@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, MemfitWarning
-from memfit.measure.step import Inputs, LossFn, iter_tensors, resolve_precision
+from memfit.measure.inputs import Inputs, iter_tensors
+from memfit.measure.step import LossFn, resolve_precision
 from memfit.torch_private import grad_scaler_tensors, is_fake
 from memfit.trainstep import CUSTOM, StepRecord, TrainStep
 

@@ -17,18 +17,10 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.formats.profile import OptionCost, Profile
 from memfit.formats.schedule import model_fingerprint
+from memfit.measure.inputs import Inputs, forward_names
 from memfit.measure.memory import device_memory
 from memfit.measure.meters import Meters
-from memfit.measure.step import (
-    Inputs,
-    LossFn,
-    StepState,
-    default_loss,
-    forward_names,
-    static_bytes,
-    storage_bytes,
-    training_step,
-)
+from memfit.measure.step import LossFn, StepState, default_loss, static_bytes, storage_bytes, training_step
 from memfit.measure.timing import alternate, ratio_uncertainties
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.planning.options import GRANULARITIES

@@ -28,7 +28,8 @@ from torch import nn
 
 from memfit import policy
 from memfit.errors import MemfitError, PolicyError
-from memfit.measure.step import Inputs, LossFn, packed, storage_key
+from memfit.measure.inputs import Inputs
+from memfit.measure.step import LossFn, packed, storage_key
 from memfit.policy import DERIVE, DERIVE_ALL, DERIVE_PRODUCTS, DERIVES, Children, Nested, Option, Selective
 from memfit.profiler.saved import unit_facts
 from memfit.runtime.derive import Derive

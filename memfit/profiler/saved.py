@@ -11,7 +11,8 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import UnitSelectionError
-from memfit.measure.step import Inputs, LossFn, iter_tensors, local, packed, storage_bytes, storage_key
+from memfit.measure.inputs import Inputs, iter_tensors
+from memfit.measure.step import LossFn, local, packed, storage_bytes, storage_key
 from memfit.runtime.marks import UnitMarks
 from memfit.torch_private import TorchDispatchMode
 

@@ -22,18 +22,10 @@ import torch
 from torch import nn
 
 from memfit.formats.schedule import Schedule
+from memfit.measure.inputs import Inputs
 from memfit.measure.memory import CudaFigures, Mark, measured
 from memfit.measure.meters import Meters, real_meters
-from memfit.measure.step import (
-    Inputs,
-    LossFn,
-    StepState,
-    default_loss,
-    device_of,
-    static_bytes,
-    static_tensors,
-    training_step,
-)
+from memfit.measure.step import LossFn, StepState, default_loss, device_of, static_bytes, static_tensors, training_step
 from memfit.measure.timing import alternate, median_ratio, ratio_uncertainties, timed_step
 from memfit.measure.userstep import StepFn, UserStepState
 from memfit.policy import Policies

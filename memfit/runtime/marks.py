@@ -19,9 +19,10 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.errors import MemfitError
+from memfit.measure.inputs import Inputs, iter_tensors
 from memfit.measure.memory import Mark
 from memfit.measure.meters import Meters, Recorder, Together
-from memfit.measure.step import Inputs, LossFn, StepState, iter_tensors, static_tensors, training_step
+from memfit.measure.step import LossFn, StepState, static_tensors, training_step
 from memfit.measure.userstep import UserStepState
 from memfit.runtime.threads import recomputing
 

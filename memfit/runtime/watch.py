@@ -35,7 +35,7 @@ from torch import nn
 from memfit.budget import format_bytes
 from memfit.errors import EagerPlanCompiledWarning, MemfitWarning, PlanDriftWarning
 from memfit.formats.schedule import Schedule
-from memfit.measure.step import Inputs, iter_tensors
+from memfit.measure.inputs import Inputs, iter_tensors
 from memfit.policy import Segment
 from memfit.runtime.threads import Weak
 from memfit.torch_private import allow_in_compiled_graph

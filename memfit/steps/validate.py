@@ -13,12 +13,9 @@ from torch import nn
 
 from memfit.errors import EagerPlanCompiledWarning, MemfitError, ScheduleMismatchError
 from memfit.formats.schedule import Schedule
+from memfit.measure.inputs import Inputs
 from memfit.measure.memory import CudaFigures
-from memfit.measure.step import (
-    Inputs,
-    LossFn,
-    device_of,
-)
+from memfit.measure.step import LossFn, device_of
 from memfit.measure.userstep import StepFn
 from memfit.policy import Policies
 from memfit.runtime.harness import StepHarness, StepRun
