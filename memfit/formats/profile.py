@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from memfit.devices import MemoryRecord
-from memfit.errors import FileFormatError, MemfitError
-from memfit.formats.layout import PARALLEL, ParallelLayout, check_layout
+from memfit.errors import FileFormatError
+from memfit.formats.layout import ParallelLayout
+from memfit.formats.records import choice_field, positive_field, raise_field, read_memory, read_parallel, read_step
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import COARSE, FULL, KEEP, Option, Segment, read
 from memfit.trainstep import CUSTOM, OPTIMIZERS, StepRecord, TrainStep
@@ -303,7 +304,7 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         buffer_bytes=f.int("buffer_bytes"),
         optimizer_state_bytes=f.int("optimizer_state_bytes"),
         input_bytes=f.int("input_bytes"),
-        step_s=_positive(f, "step_s"),
+        step_s=positive_field(f, "step_s"),
         units=units,
         phases=phases,
         fingerprint=f.obj("fingerprint").data,
@@ -315,36 +316,12 @@ def profile_from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
         rng_state_bytes=int(data.get("rng_state_bytes", 0)),
         recompute_factor=float(data.get("recompute_factor", 1.0)),
         source=f.obj("source").data if "source" in data else {},
-        mode=_choice(f, "mode", ("measured", "estimated"), "measured"),
+        mode=choice_field(f, "mode", ("measured", "estimated"), "measured"),
         target=str(data.get("target", "")),
         parallel=read_parallel(f),
         step=read_step(f),
         memory=read_memory(f),
     )
-
-
-def read_memory(f: Fields) -> MemoryRecord | None:
-    """A profile's or schedule's ``memory`` field: None where none was recorded (the CPU, older files)."""
-    if not f.data.get("memory"):
-        return None
-    m = f.obj("memory")
-    record = m.record(MemoryRecord, {"total_bytes": 1, "context_bytes": 0, "margin": 0.0})
-    if record["context_bytes"] >= record["total_bytes"] or record["margin"] >= 1:
-        raise FileFormatError(f"{m.where}: the context must be less than the total and the margin less than 1")
-    return record
-
-
-def read_step(f: Fields) -> StepRecord | None:
-    """A profile's or schedule's ``step`` field: None for the plain step of files made before it."""
-    if not f.data.get("step"):
-        return None
-    s = f.obj("step")
-    record = s.record(StepRecord, {"accumulate": 1})
-    try:
-        TrainStep.from_fields(record)
-    except MemfitError as exc:
-        raise FileFormatError(f"{s.where}: {exc}") from None
-    return record
 
 
 def _unit(u: Fields) -> UnitProfile:
@@ -398,32 +375,6 @@ def _phase(p: Fields, n_units: int) -> Phase:
                  releases, ckpt_peak)
 
 
-def read_parallel(f: Fields) -> ParallelLayout | None:
-    """A profile's or schedule's ``parallel`` field: None for one process."""
-    if not f.data.get("parallel"):
-        return None
-    p = f.obj("parallel")
-    layout = p.record(ParallelLayout, {"world_size": 2, "tp": 1})
-    if layout["kind"] not in PARALLEL:
-        raise_field(p.where, "kind", layout["kind"])
-    check_layout(layout, FileFormatError)
-    return layout
-
-
-def _choice(f: Fields, key: str, allowed: tuple[str, ...], default: str) -> str:
-    value = f.data.get(key, default)
-    if value not in allowed:
-        raise_field(f.where, key, value)
-    return str(value)
-
-
-def _positive(f: Fields, key: str) -> float:
-    value = f.float(key, minimum=0.0)
-    if value <= 0:
-        raise_field(f.where, key, value)
-    return value
-
-
 def _check_timeline(f: Fields, units: list[UnitProfile], phases: list[Phase]) -> None:
     """Unique unit names; each unit runs forward and backward as often, its first backward not
     a later one; later backwards need every option's later figures."""
@@ -442,5 +393,3 @@ def _check_timeline(f: Fields, units: list[UnitProfile], phases: list[Phase]) ->
             raise_field(f.where, "units", f"unit {u.name!r} runs more than once but lacks later_bwd_* figures")
 
 
-def raise_field(where: str, key: str, value: Any) -> None:
-    raise FileFormatError(f"{where}: field {key!r} has an invalid value {value!r}")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from memfit.devices import MemoryRecord
 from memfit.errors import FileFormatError
 from memfit.formats.layout import ParallelLayout
-from memfit.formats.profile import read_memory, read_parallel, read_step
+from memfit.formats.records import read_memory, read_parallel, read_step
 from memfit.jsonio import Fields, read_json, write_json_atomic
 from memfit.policy import KEEP, KINDS_HELP, Policy, read, spelt
 from memfit.trainstep import StepRecord, TrainStep
