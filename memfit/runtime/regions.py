@@ -38,7 +38,7 @@ references, which ``copy.deepcopy`` and pickling carry over to the copy's own mo
 
 A unit whose parameters were substituted for the call (``torch.func.functional_call`` with fast
 weights) is recomputed with the same substituted tensors; BatchNorm's running statistics are
-left as they were by a recomputation (held still, or put back: ``_PutBack``), so they are updated
+left as they were by a recomputation (held still, or put back: ``PutBack``), so they are updated
 once, whatever the mode was at ``apply``, and nothing of the unit is kept across the forward (a
 kept output could be changed in place later, as every ResNet does with ``out += identity``). A
 member whose input was changed in place since the previous member returned (``relu_`` between
@@ -54,8 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
-import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +67,7 @@ from memfit.errors import MemfitError
 from memfit.measure.host import UnderDispatchMode, Work
 from memfit.measure.step import packed
 from memfit.runtime.op_sets import OP_SETS, keep
+from memfit.runtime.recompute_state import PutBack, Tables, substituted
 from memfit.runtime.threads import PerThread, Recomputing, Weak, opened_regions, raising, recomputing
 from memfit.runtime.unit_forward import NOOP, install, own, uninstall
 from memfit.torch_private import MODULE_HOOKS, BatchNorm, checkpoint_generator
@@ -158,14 +157,14 @@ class Region(PerThread):
         else:
             made = _NOTHING
         norms = self._norms()
-        return (made[0], _PutBack(norms, made[1])) if norms else made
+        return (made[0], PutBack(norms, made[1])) if norms else made
 
-    def _tables(self, k: int) -> _Tables:
+    def _tables(self, k: int) -> Tables:
         """The parameter tables of member ``k``'s modules that have parameters, found once per
         thread (a walk over every submodule on every call cost more than the check itself)."""
         tables = getattr(self._tls, "tables", None)
         if tables is None:
-            tables = self._tls.tables = [_Tables([m._parameters for m in module.modules() if m._parameters])
+            tables = self._tls.tables = [Tables([m._parameters for m in module.modules() if m._parameters])
                                          for module in self.modules]
         return tables[k]
 
@@ -193,7 +192,7 @@ class Region(PerThread):
                 and _version(st.last) == st.version):
             st.pause.__exit__(None, None, None)
             st.pause, st.last, st.k, st.ran = None, None, k, False
-            st.calls.append(_Call(k, args[1:], kwargs, takes_first, _substituted(module, self._tables(k))))
+            st.calls.append(_Call(k, args[1:], kwargs, takes_first, substituted(module, self._tables(k))))
             return
         # Not the next member fed the previous one's output: the members so far close as a region
         # of their own (a forward that raised before left it open too), and this one opens another.
@@ -213,7 +212,7 @@ class Region(PerThread):
         """Inside the region from here on, from member ``k``'s call: saved tensors are left for
         recomputation until the generator is resumed (checked) or closed (without checks). The
         calls list is what the recomputation replays; later members append theirs."""
-        calls = [_Call(k, (), {}, False, _substituted(module, self._tables(k)))]
+        calls = [_Call(k, (), {}, False, substituted(module, self._tables(k)))]
         # Keyword arguments travel in the closure, so that names such as ``debug`` in a unit's
         # forward cannot collide with the generator's own keywords.
         gen = checkpoint_generator(
@@ -330,93 +329,6 @@ def _version(output: Any) -> int:
 
 def _same(t: Any) -> Any:
     return t
-
-
-class _Tables:
-    """A unit's modules' parameter tables, and (weakly, so that a parameter the user replaced is
-    not kept) the parameters last seen in them, all of them ``nn.Parameter``: while the tables
-    hold the same objects, no call substituted any."""
-
-    __slots__ = ("seen", "tables")
-
-    def __init__(self, tables: list[dict[str, Any]]) -> None:
-        self.tables = tables
-        self.seen: list[weakref.ref[Any]] = []
-
-    def current(self) -> list[Any]:
-        return [p for table in self.tables for p in table.values() if p is not None]
-
-    def same(self, now: list[Any]) -> bool:
-        return len(now) == len(self.seen) and all(map(operator.is_, now, map(_deref, self.seen)))
-
-    def remember(self, now: list[Any]) -> None:
-        self.seen = [weakref.ref(p) for p in now]
-
-
-_deref = weakref.ref.__call__
-
-
-def _substituted(module: nn.Module, tables: _Tables) -> dict[str, torch.Tensor] | None:
-    """The unit's parameters and buffers as this call sees them, when any parameter is not the
-    module's own (``torch.func.functional_call`` puts plain tensors in ``_parameters``); None
-    otherwise, the usual case, which costs one comparison of the tables' objects with the last
-    ones seen (identity first: a per-parameter type check cost a launch-bound step a point)."""
-    now = tables.current()
-    if tables.same(now):
-        return None
-    # type() first: isinstance against Parameter's metaclass is a Python call per parameter
-    if all(type(p) is nn.Parameter or isinstance(p, nn.Parameter) for p in now):
-        tables.remember(now)
-        return None
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
-
-
-class _PutBack:
-    """Around a recomputation: the BatchNorm statistics that it would update a second time in
-    training mode left as they were when it began (not as after the forward: a second forward of
-    the model before this backward has updated them since). Layers that run ``_BatchNorm``'s own
-    forward (BatchNorm1d/2d/3d) are held still for its duration with no tensor op: momentum 0
-    (the kernel's running = 0 * batch + 1 * running leaves every finite value as it was) and no
-    ``num_batches_tracked`` to count; the batch statistics normalize as in the forward. Others
-    (SyncBatchNorm, subclasses with a forward of their own) get their buffers copied back after."""
-
-    def __init__(self, norms: list[nn.Module], inner: Any) -> None:
-        self.norms = norms
-        self.inner = inner
-        self.held: list[tuple[nn.Module, Any, Any]] = []
-        self.stats: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __enter__(self) -> None:
-        for m in self.norms:
-            if not (m.training and m.track_running_stats):
-                continue
-            if type(m).forward is _BATCH_NORM_FORWARD:  # plain attributes: no Module.__setattr__ per layer
-                buffers = m._buffers
-                self.held.append((m, m.momentum, buffers.get("num_batches_tracked")))
-                m.__dict__["momentum"] = 0.0
-                if "num_batches_tracked" in buffers:
-                    buffers["num_batches_tracked"] = None
-            else:
-                self.stats += [(b, b.clone()) for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-                               if b is not None]
-        self.inner.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self.inner.__exit__(*exc)
-        finally:
-            for m, momentum, tracked in self.held:
-                m.__dict__["momentum"] = momentum
-                if tracked is not None:
-                    m._buffers["num_batches_tracked"] = tracked
-            with torch.no_grad():
-                for buffer, value in self.stats:
-                    buffer.copy_(value)
-            self.held, self.stats = [], []
-
-
-_BATCH_NORM_FORWARD = getattr(BatchNorm, "forward", None)  # a stand-in class has none (torch_private)
 
 
 def guard(model: nn.Module, regions: list[Region]) -> list[RemovableHandle]:
