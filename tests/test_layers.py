@@ -23,8 +23,8 @@ LAYERS = [
     ["memfit.profiler"],
     # what runs whole steps of a scheduled model: validate, compiled planning, ranks, pipeline stages
     ["memfit.steps"],
-    # scenarios, tables and pictures
-    ["memfit.scenarios", "memfit.zoo", "memfit.report", "memfit.plots", "memfit.lengths"],
+    # scenarios (and the user factories they import), tables and pictures
+    ["memfit.scenarios", "memfit.factories", "memfit.zoo", "memfit.report", "memfit.plots", "memfit.lengths"],
     # the command line (the package memfit.cli: parser, commands, model flags) and the package's
     # front door: memfit.fit and its cache, the trainers' callbacks; memfit.hf is here because it
     # is both the HF scenarios' models (which scenarios load by name, not by import) and the home
