@@ -155,6 +155,31 @@ def test_plan_compiled_fits_its_budget_and_validates(gpt_profile):
         plan_compiled(model, batch, gpt_profile, gpt_profile.baseline_bytes, "aot_eager")
 
 
+def test_plan_compiled_times_its_finalists_and_keeps_the_fastest():
+    """Beside the plan from the compiled figures, plans without one of its finer options are
+    measured compiled; those that fit are timed in one interleaved series and the fastest is
+    returned, with its own measured peak (validate agrees to the byte); ``finalists=0`` gives
+    the plan from the figures alone."""
+    model, batch = tiny_gpt()
+    prof = memfit.profile(model, batch, repeat=1, granularity="fine")
+    levels = [parse(o) for o in ("derive@mlp", "derive:all")]
+    figures = compiled_figures(model, batch, prof, "aot_eager", options=levels, rounds=0)
+    plain, least = figures.measured_peak_bytes[KEEP], figures.measured_peak_bytes[levels[-1]]
+    budget = (plain + least) // 2
+    first = plan_compiled(model, batch, prof, budget, "aot_eager", granularity="fine", figures=figures, finalists=0)
+    said: list[str] = []
+    chosen = plan_compiled(model, batch, prof, budget, "aot_eager", granularity="fine", figures=figures,
+                           progress=said.append)
+    timed = [m for m in said if m.startswith("timed ")]
+    assert len(timed) == 1, said  # at this budget a plan without one of the first's options fits
+    ratios = [float(r.removesuffix("%")) for r in timed[0].split(": ")[1].split(" against")[0].split(", ")]
+    assert len(ratios) >= 2 and ratios[0] == 0.0
+    assert (chosen.policies == first.policies) == (min(ratios) == 0.0)  # the fastest measured, or the first
+    assert chosen.compile["peak_bytes"] <= budget == chosen.budget_bytes
+    v = memfit.validate(model, batch, chosen, steps=0)
+    assert v.ok and v.measured_peak_bytes == chosen.compile["peak_bytes"]
+
+
 def test_compiled_figures_price_options_by_the_compiled_step(gpt_profile):
     """Times moved to the compiled step's: ``full`` on every block timed compiled against the
     plain compiled step, its cost split over the blocks in their eager shares, the step the plain
