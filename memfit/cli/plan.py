@@ -251,7 +251,8 @@ def add_parsers(command: Command) -> None:
     plan.add_argument("--compile", metavar="BACKEND",
                       help="plan for the step under torch.compile with this backend (inductor, aot_eager): each "
                       "option is compiled once for its figures, then each candidate plan is compiled and its peak "
-                      "measured until one fits")
+                      "measured until one fits, and up to three other plans that fit are timed against it, "
+                      "compiled (the fastest is kept)")
     plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
     save_profile_flag(plan)
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")
