@@ -165,7 +165,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
                   step: TrainStep | None = None, progress: Callable[[str], None] | None = None,
                   figures: Profile | None = None, finalists: int = FINALISTS, **settings: Any) -> Schedule:
     """The plan for ``model`` compiled with ``backend`` whose measured compiled peak fits ``budget``
-    at the least predicted recompute time among the plans tried.
+    at the least predicted recompute time among the plans tried, or a finalist measured faster.
 
     Plans without segments from the profile's memory figures and times moved to the compiled
     step's (``compiled_figures``: one compilation per option), measures the plan's compiled step, and
@@ -181,11 +181,11 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
 
     Then up to ``finalists`` other plans that fit are timed against it, compiled, in one
     interleaved series of ``FINAL_ROUNDS`` rounds, and the fastest is returned: each is planned
-    from the figures without one of the finer options the first plan chose, and kept where its compiled
-    step is measured to fit. Why: an option's compiled price comes from 5 rounds, noisier than
-    the point that separates two cheap options, and the planner takes whichever noise favours (on
-    vit-tiny at compile's 0.6 peak, ``derive:products@attention`` on one block where ``derive``
-    on all six fits to the byte). ``finalists=0``: the plan from the figures alone.
+    from the figures without one of the finer options the first plan chose, and kept where its
+    compiled step is measured to fit. Why: an option's compiled price comes from 5 rounds,
+    noisier than the point that separates two cheap options, and the planner takes whichever
+    noise favours (on vit-tiny at compile's 0.6 peak, ``derive:products@attention`` on one block
+    where ``derive`` on all six fits to the byte). ``finalists=0``: the plan from the figures alone.
     """
     from memfit.planning.planner import plan
 
