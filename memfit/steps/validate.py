@@ -138,7 +138,8 @@ def validate(
     Time is judged too, from ``MIN_TIMED_ROUNDS`` (3) rounds on: the validation fails when the
     measured slowdown differs from the predicted one by more than ``time_tolerance`` (a
     fraction of the plain step) plus the measurement's own uncertainty."""
-    from memfit.steps.compiled import compiled_step_times, with_backend
+    from memfit.steps.compiled import with_backend
+    from memfit.steps.compiled_steps import compiled_step_times
 
     backend, predicted_peak = with_backend(schedule, compile)
     train_step = _user_step(schedule, step_fn, step, optimizer) if step_fn is not None or (schedule.step or {}).get(
