@@ -381,4 +381,3 @@ def load_scenario(name_or_path: str) -> Scenario:
         pp_schedule=data.get("pp_schedule"),
         pp_microbatches=data.get("pp_microbatches"),
     )
-

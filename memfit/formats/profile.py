@@ -391,5 +391,3 @@ def _check_timeline(f: Fields, units: list[UnitProfile], phases: list[Phase]) ->
         if len(bwd) > 1 and any(o.later_bwd_peak_bytes is None or o.later_bwd_end_bytes is None
                                 for o in u.options.values()):
             raise_field(f.where, "units", f"unit {u.name!r} runs more than once but lacks later_bwd_* figures")
-
-
