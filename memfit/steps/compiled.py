@@ -177,7 +177,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     every member's input). ``figures``: ``compiled_figures`` of ``profile`` for this backend, made
     already (several budgets, one set of compilations).
 
-    Then up to ``finalists`` other plans that fit are timed against it, compiled, in one
+    Then up to ``finalists`` other plans that fit are timed against it, compiled, each in an
     interleaved series of ``FINAL_ROUNDS`` rounds, and the fastest is returned: each is planned
     from the figures without one of the finer options the first plan chose, and kept where its
     compiled step is measured to fit. Why: an option's compiled price comes from 5 rounds,
@@ -246,36 +246,34 @@ def _fastest(first: Schedule, figures: Profile, opts: PlanOptions, finalists: in
              backend: str, *, loss_fn: LossFn | None, step: TrainStep | None,
              progress: Callable[[str], None] | None) -> Schedule:
     """The fastest compiled step among ``first`` and up to ``finalists`` other plans that fit
-    its budget (``plan_compiled``), timed in one interleaved series."""
+    its budget (``plan_compiled``), each timed against ``first`` in an interleaved series of its
+    own (two compiled copies at once beside the model)."""
     from memfit.planning.planner import plan
 
     target = first.budget_bytes
-    plans, seen = [first], {tuple(first.policies.values())}
+    timed: list[tuple[float, Schedule]] = [(1.0, first)]
+    seen = {tuple(first.policies.values())}
     with CompiledSteps(model, inputs, backend, loss_fn=loss_fn, step=step, versions=finalists + 2) as compiled:
         for option in dict.fromkeys(p for p in first.policies.values() if p not in (KEEP, FULL)):  # baselines need full
-            if len(plans) > finalists:
+            if len(timed) > finalists:
                 break
             try:
                 other = plan(_without(figures, option), target, opts)
             except InfeasibleBudgetError:
                 continue
-            key = tuple(other.policies.values())
-            if key in seen:
+            if (key := tuple(other.policies.values())) in seen:
                 continue
             seen.add(key)
             if progress is not None:
                 progress(f"compiling ({backend}) and measuring a finalist without {option}")
-            peak = compiled.peak(other.policies, keep=True)
+            peak = compiled.peak(other.policies)
             if peak <= target:
                 other.compile, other.budget_bytes = CompiledPeak(backend=backend, peak_bytes=peak), target
-                plans.append(other)
-        if len(plans) == 1:
-            return first
-        ratios = compiled.series([p.policies for p in plans], FINAL_ROUNDS)
-    if progress is not None:
-        progress(f"timed {len(plans)} plans that fit, compiled, over {FINAL_ROUNDS} interleaved rounds: "
-                 + ", ".join(f"{(r - 1) * 100:+.1f}%" for r in ratios) + " against the first")
-    return plans[min(range(len(plans)), key=ratios.__getitem__)]
+                timed.append((compiled.times(other.policies, FINAL_ROUNDS, against=first.policies)[1], other))
+    if len(timed) > 1 and progress is not None:
+        progress(f"timed {len(timed)} plans that fit, compiled, each against the first over {FINAL_ROUNDS} "
+                 "interleaved rounds: " + ", ".join(f"{(r - 1) * 100:+.1f}%" for r, _ in timed))
+    return min(timed, key=lambda rs: rs[0])[1]
 
 
 def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, int]:

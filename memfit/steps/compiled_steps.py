@@ -49,8 +49,10 @@ class _Copy:
 class CompiledSteps:
     """Compiled training steps of copies of ``model``, each copy compiled once and kept while it
     is measured: its peak (``peak``) and its time against the plain copy's (``times``), which is
-    compiled once for all. A compiled model is not switched between plans (each switch would
-    compile again). Dynamo keeps a version of the model's forward per copy, so ``versions`` more
+    compiled once for all, or against another plan's, kept likewise. Beside the model, two copies
+    at once as compiled planning uses it (the plain one or a reference, and the one measured): on
+    a device, each holds its weights, gradients and optimizer state. A compiled model is not switched between plans
+    (each switch would compile again). Dynamo keeps a version of the model's forward per copy, so ``versions`` more
     are allowed for the duration (``more_compiled_versions``); leaving clears torch.compile's
     caches. The model itself is not touched."""
 
@@ -61,15 +63,14 @@ class CompiledSteps:
         self._limits = more_compiled_versions(versions)
         self._plain: _Copy | None = None
         self._last: tuple[Policies, _Copy] | None = None
-        self._kept: dict[tuple[tuple[str, Option], ...], _Copy] = {}
+        self._against: tuple[tuple[tuple[str, Option], ...], _Copy] | None = None
 
     def __enter__(self) -> CompiledSteps:
         self._limits.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._plain = self._last = None
-        self._kept.clear()
+        self._plain = self._last = self._against = None
         try:
             torch.compiler.reset()  # the next plan's hooks differ: start it from a clean cache
         finally:
@@ -89,6 +90,13 @@ class CompiledSteps:
             self._plain = made
         return made
 
+    def _reference(self, policies: Policies) -> _Copy:
+        """The compiled copy under ``policies`` that others are timed against, kept between calls."""
+        key = _key(policies)
+        if self._against is None or self._against[0] != key:
+            self._against = (key, self._build(_scheduled(policies)))
+        return self._against[1]
+
     def _build(self, policies: Policies) -> _Copy:
         model = copy.deepcopy(self._model)
         set_policies(model, policies)
@@ -96,19 +104,16 @@ class CompiledSteps:
         return _Copy(StepHarness(model, self._inputs, loss_fn=self._loss_fn, step=self._step),
                      torch.compile(model, backend=self._backend))
 
-    def peak(self, policies: Policies, *, keep: bool = False) -> int:
-        """The measured peak of a steady-state compiled step under ``policies`` (as
-        ``compiled_peak``); ``keep``: its copy stays compiled for ``series``."""
+    def peak(self, policies: Policies) -> int:
+        """The measured peak of a steady-state compiled step under ``policies`` (as ``compiled_peak``)."""
         made = self._copy(policies)
-        if keep:
-            self._kept[_key(policies)] = made
         return made.harness.run(runner=made.runner).peak_bytes
 
-    def times(self, policies: Policies, rounds: int) -> tuple[float, float, float]:
-        """Median compiled step time of the plain copy, the median ratio of the copy under
-        ``policies`` to it and that ratio's uncertainty (``ratio_uncertainty``), interleaved over
-        ``rounds`` rounds as ``alternate`` does."""
-        pair = [self._copy({}), self._copy(policies)]
+    def times(self, policies: Policies, rounds: int, *, against: Policies | None = None) -> tuple[float, float, float]:
+        """Median compiled step time of the plain copy (or of the copy under ``against``, kept
+        for the next call), the median ratio of the copy under ``policies`` to it and that ratio's
+        uncertainty (``ratio_uncertainty``), interleaved over ``rounds`` rounds as ``alternate`` does."""
+        pair = [self._copy({}) if against is None else self._reference(against), self._copy(policies)]
         for made in pair:
             if made.state is None:
                 made.state = made.harness.new_state()
@@ -119,16 +124,3 @@ class CompiledSteps:
 
         plain, sched = alternate(timed, 2, rounds)  # each timed step follows an untimed one (the first compiles)
         return statistics.median(plain), median_ratio(plain, sched), ratio_uncertainty(plain, sched)
-
-    def series(self, plans: list[Policies], rounds: int) -> list[float]:
-        """The median ratio of each plan's compiled step to the first's, all copies compiled at
-        once and timed in one interleaved series (no plain copy: each plan's copy fits)."""
-        made = [self._kept.pop(_key(policies), None) or self._build(_scheduled(policies)) for policies in plans]
-        states = [m.harness.new_state() for m in made]
-
-        def timed(k: int) -> float:
-            m = made[k]
-            return timed_step(m.runner, m.harness.inputs, m.harness.loss_fn, states[k], m.harness.device)
-
-        times = alternate(timed, len(made), rounds)
-        return [median_ratio(times[0], t) for t in times]
