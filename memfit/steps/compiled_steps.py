@@ -51,10 +51,11 @@ class CompiledSteps:
     is measured: its peak (``peak``) and its time against the plain copy's (``times``), which is
     compiled once for all, or against another plan's, kept likewise. Beside the model, two copies
     at once as compiled planning uses it (the plain one or a reference, and the one measured): on
-    a device, each holds its weights, gradients and optimizer state. A compiled model is not switched between plans
-    (each switch would compile again). Dynamo keeps a version of the model's forward per copy, so ``versions`` more
-    are allowed for the duration (``more_compiled_versions``); leaving clears torch.compile's
-    caches. The model itself is not touched."""
+    a device, each holds its weights, gradients and optimizer state. A compiled model is not
+    switched between plans (each switch would compile again). Dynamo keeps a version of the
+    model's forward per copy, so ``versions`` more are allowed for the duration
+    (``more_compiled_versions``); leaving clears torch.compile's caches. The model itself is not
+    touched."""
 
     def __init__(self, model: nn.Module, inputs: Any, backend: str, *, loss_fn: LossFn | None = None,
                  step: TrainStep | None = None, versions: int = 2) -> None:
@@ -109,10 +110,12 @@ class CompiledSteps:
         made = self._copy(policies)
         return made.harness.run(runner=made.runner).peak_bytes
 
-    def times(self, policies: Policies, rounds: int, *, against: Policies | None = None) -> tuple[float, float, float]:
+    def times(self, policies: Policies, rounds: int, *,
+              against: Policies | None = None) -> tuple[float, float, float]:
         """Median compiled step time of the plain copy (or of the copy under ``against``, kept
-        for the next call), the median ratio of the copy under ``policies`` to it and that ratio's
-        uncertainty (``ratio_uncertainty``), interleaved over ``rounds`` rounds as ``alternate`` does."""
+        for the next call), the median ratio of the copy under ``policies`` to it and that
+        ratio's uncertainty (``ratio_uncertainty``), interleaved over ``rounds`` rounds as
+        ``alternate`` does."""
         pair = [self._copy({}) if against is None else self._reference(against), self._copy(policies)]
         for made in pair:
             if made.state is None:
