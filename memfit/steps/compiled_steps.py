@@ -32,7 +32,10 @@ def _scheduled(policies: Policies) -> Policies:
     return {n: p for n, p in policies.items() if p != KEEP}
 
 
-def _key(policies: Policies) -> tuple[tuple[str, Option], ...]:
+Key = tuple[tuple[str, Option], ...]  # a plan's scheduled units, in name order
+
+
+def _key(policies: Policies) -> Key:
     return tuple(sorted(_scheduled(policies).items()))
 
 
@@ -63,8 +66,8 @@ class CompiledSteps:
         self._loss_fn, self._step = loss_fn, step
         self._limits = more_compiled_versions(versions)
         self._plain: _Copy | None = None
-        self._last: tuple[Policies, _Copy] | None = None
-        self._against: tuple[tuple[tuple[str, Option], ...], _Copy] | None = None
+        self._last: tuple[Key, _Copy] | None = None
+        self._against: tuple[Key, _Copy] | None = None
 
     def __enter__(self) -> CompiledSteps:
         self._limits.__enter__()
@@ -79,14 +82,14 @@ class CompiledSteps:
 
     def _copy(self, policies: Policies) -> _Copy:
         """The compiled copy under ``policies`` (``none`` on every unit: the plain copy)."""
-        scheduled = _scheduled(policies)
-        if not scheduled and self._plain is not None:
+        key = _key(policies)
+        if not key and self._plain is not None:
             return self._plain
-        if self._last is not None and self._last[0] == scheduled:
+        if self._last is not None and self._last[0] == key:
             return self._last[1]
-        made = self._build(scheduled)
-        if scheduled:
-            self._last = (scheduled, made)
+        made = self._build(policies)
+        if key:
+            self._last = (key, made)
         else:
             self._plain = made
         return made
@@ -95,12 +98,12 @@ class CompiledSteps:
         """The compiled copy under ``policies`` that others are timed against, kept between calls."""
         key = _key(policies)
         if self._against is None or self._against[0] != key:
-            self._against = (key, self._build(_scheduled(policies)))
+            self._against = (key, self._build(policies))
         return self._against[1]
 
     def _build(self, policies: Policies) -> _Copy:
         model = copy.deepcopy(self._model)
-        set_policies(model, policies)
+        set_policies(model, _scheduled(policies))
         model.train()
         return _Copy(StepHarness(model, self._inputs, loss_fn=self._loss_fn, step=self._step),
                      torch.compile(model, backend=self._backend))
