@@ -48,6 +48,7 @@ _LAZY = {
     "plan": "memfit.planning.planner",
     "PlanOptions": "memfit.planning.options",
     "plan_compiled": "memfit.steps.compiled",
+    "compile_backend": "memfit.steps.compiled_budget",
     "Profile": "memfit.formats.profile",
     "profile": "memfit.profiler",
     "estimate": "memfit.profiler.estimate",
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
     from memfit.profiler.estimate import estimate
     from memfit.runtime.apply import apply, remove, tighten
     from memfit.steps.compiled import plan_compiled
+    from memfit.steps.compiled_budget import compile_backend
     from memfit.steps.stages import StagePlans, estimate_stages, plan_stages, profile_stages
     from memfit.steps.validate import Validation, validate
 
@@ -124,6 +126,7 @@ __all__ = [
     "UnitSelectionError",
     "Validation",
     "apply",
+    "compile_backend",
     "default_loss",
     "estimate",
     "estimate_stages",

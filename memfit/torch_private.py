@@ -190,6 +190,24 @@ def more_compiled_versions(n: int) -> contextlib.AbstractContextManager[Any]:
                         accumulated_recompile_limit=config.accumulated_recompile_limit + n)
 
 
+def partitioner_budget(memory_budget: float) -> contextlib.AbstractContextManager[Any]:
+    """AOTAutograd's min-cut partitioner keeps at most ``memory_budget`` (0 to 1) of the
+    activations it could keep, recomputing the rest: ``torch._functorch.config.activation_memory_budget``,
+    patched for the duration. Read when a graph is partitioned, inside the backend's first call
+    for it. Since torch 2.4."""
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(activation_memory_budget=memory_budget)
+
+
+def backend_by_name(name: str) -> Any:
+    """The compiler ``torch.compile(backend=name)`` would call (``torch._dynamo.lookup_backend``),
+    so that memfit can wrap it. Since torch 2.0."""
+    import torch._dynamo
+
+    return torch._dynamo.lookup_backend(name)
+
+
 def amp_unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """GradScaler's unscaling kernel (``torch._amp_foreach_non_finite_check_and_unscale_``), for
     estimate mode's stand-in scaler (measure/step.py:ValuelessScaler). Since torch 1.9."""

@@ -44,11 +44,18 @@ class Fallback(TypedDict):
     predicted_overhead: float
 
 
-class CompiledPeak(TypedDict):
-    """A plan for the step under ``torch.compile``: its backend and the compiled step's measured peak."""
-
+class _Compiled(TypedDict):
     backend: str
     peak_bytes: int
+
+
+class CompiledPeak(_Compiled, total=False):
+    """A plan for the step under ``torch.compile``: its backend and the compiled step's measured
+    peak; and, where the plan is compiled under the partitioner's own activation memory budget
+    (0 to 1; steps/compiled_budget.py), that budget: the backend is then
+    ``memfit.compile_backend(schedule)``, not the name alone."""
+
+    memory_budget: float
 
 
 class PipelineRank(TypedDict):
@@ -230,7 +237,8 @@ def _schedule(f: Fields, path: str) -> Schedule:
         if "source" in f.data else Source(),
         levels=_levels(f, str(path)),
         fallbacks=[_fallback(g, list(policies)) for g in (f.items("fallbacks") if "fallbacks" in f.data else [])],
-        compile=f.obj("compile").record(CompiledPeak, {"peak_bytes": 1}) if f.data.get("compile") else None,
+        compile=(f.obj("compile").record(CompiledPeak, {"peak_bytes": 1, "memory_budget": 0.0})
+                 if f.data.get("compile") else None),
         target=str(f.data.get("target", "")),
         parallel=read_parallel(f),
         step=read_step(f),
