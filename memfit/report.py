@@ -151,7 +151,9 @@ def schedule_report(schedule: Schedule, profile: Profile | None = None) -> str:
     if _not_plain(schedule):
         out.append(f"planned for the step: {_step_words(schedule)}")
     if schedule.compile:
-        out.append(f"compiled step ({schedule.compile['backend']}), measured: peak "
+        budget_note = (f", the partitioner's own memory budget {schedule.compile['memory_budget']:g}: compile with "
+                       "memfit.compile_backend(schedule)" if "memory_budget" in schedule.compile else "")
+        out.append(f"compiled step ({schedule.compile['backend']}{budget_note}), measured: peak "
                    f"{format_bytes(schedule.compile['peak_bytes'])} (the figures above are the eager step's)")
     if any(not f["fits"] and "peak_bytes" in f for f in schedule.baselines.values()):
         out.append("*: the strategy does not fit; its tightest schedule's figures")
@@ -247,7 +249,7 @@ def validation_report(v: Validation) -> str:
         + (f"; the plain step against itself: {v.plain_grad_diff:.3g}" if v.plain_grad_diff else "")
         + f"); buffers {'equal' if v.buffers_equal else 'DIFFER'}",
         *([] if v.rank_peaks else [f"step time {_ms(v.plain_step_s)} plain, {_ms(v.step_s)} scheduled"
-                                   + (f", both compiled ({v.compile})" if v.compile else "")]),
+                                   + _compiled_words(v)]),
         _time_check(v),
     ]
     if v.rank_peaks:
@@ -286,6 +288,13 @@ def shapes_validation_report(schedule: Schedule, results: Sequence[Validation]) 
     failed = sum(not v.ok for v in results)
     out.append(f"validation {'OK' if not failed else 'FAILED'}: {len(results) - failed} of {len(results)} shapes")
     return "\n".join(out)
+
+
+def _compiled_words(v: Validation) -> str:
+    if not v.compile:
+        return ""
+    under = "" if v.compile_memory_budget is None else f"; the plan at memory budget {v.compile_memory_budget:g}"
+    return f", both compiled ({v.compile}{under})"
 
 
 def _time_check(v: Validation) -> str:

@@ -144,7 +144,7 @@ def test_plan_compiled_fits_its_budget_and_validates(gpt_profile):
     model, batch = tiny_gpt()
     plain = compiled_peak(model, batch, {}, "aot_eager")
     budget = (plain + gpt_profile.baseline_bytes) // 2 + plain // 4
-    schedule = plan_compiled(model, batch, gpt_profile, budget, "aot_eager")
+    schedule = plan_compiled(model, batch, gpt_profile, budget, "aot_eager", finalists=0)  # memfit's own plan
     assert schedule.compile["backend"] == "aot_eager"
     assert schedule.compile["peak_bytes"] <= budget == schedule.budget_bytes
     assert schedule.checkpointed and not any(isinstance(p, Segment) for p in schedule.policies.values())
@@ -169,7 +169,7 @@ def test_plan_compiled_times_its_finalists_and_keeps_the_fastest():
     first = plan_compiled(model, batch, prof, budget, "aot_eager", granularity="fine", figures=figures, finalists=0)
     said: list[str] = []
     chosen = plan_compiled(model, batch, prof, budget, "aot_eager", granularity="fine", figures=figures,
-                           progress=said.append)
+                           progress=said.append, compiler_budget=False)  # memfit's own (and test_compiled_budget)
     timed = [m for m in said if m.startswith("timed ")]
     assert len(timed) == 1, said  # at this budget a plan without one of the first's options fits
     ratios = [float(r.removesuffix("%")) for r in timed[0].split(": ")[1].split(", ")]
@@ -250,7 +250,9 @@ def test_cli_plan_and_validate_compiled(tmp_path, capsys):
                  "--repeat", "1", "-o", str(out)]) == 0
     schedule = load_schedule(out)
     assert schedule.compile["backend"] == "aot_eager" and schedule.compile["peak_bytes"] <= 3.8 * 2**20
-    capsys.readouterr()
+    said = capsys.readouterr()
+    assert "torch.compile(model, backend=memfit.compile_backend(schedule))" in said.out  # the budget goes with it
+    assert "the compiler's own plan at memory budget" in said.err  # timed beside memfit's
     assert main(["validate", "--schedule", str(out), "--steps", "1", "--json", "--trust-source"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["compile"] == "aot_eager" and result["measured_peak_bytes"] == schedule.compile["peak_bytes"]
@@ -260,6 +262,7 @@ def test_cli_plan_and_validate_compiled(tmp_path, capsys):
     (["--compile", "nope"], "unknown torch.compile backend 'nope'; use one of"),
     (["--compile", "aot_eager", "--fallbacks", "2"], "--fallbacks is planned for the eager step only"),
     (["--compile", "aot_eager", "--strategy", "sqrt"], "--compile rules out --strategy sqrt"),
+    (["--no-compiler-budget"], "--no-compiler-budget is a choice of compiled planning: give --compile"),
 ])
 def test_cli_compile_mistakes_stop_before_profiling(extra, message, capsys):
     from memfit.cli import main

@@ -56,6 +56,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_backend(args.compile)
         if args.fallbacks:
             raise MemfitError("--fallbacks is planned for the eager step only; drop it with --compile")
+    elif args.no_compiler_budget:
+        raise MemfitError("--no-compiler-budget is a choice of compiled planning: give --compile BACKEND too")
     output = "schedule.json" if args.output is None else args.output
     check_outputs(args, {"-o": (output, "schedule file"), **modelflags.profile_output(args)})
     if args.timeline:
@@ -80,7 +82,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         schedule = plan(profs if len(profs) > 1 else prof, budget, settings, shares=shares)
         prof = next(p for p in profs if p.input_shapes == schedule.input_shapes)  # the largest shape's
     check_interrupt()
-    idle = not any(p.checkpointed for p in schedule.plans)
+    # the compiler's own plan checkpoints no unit of memfit's and is a plan: its budget
+    idle = not any(p.checkpointed for p in schedule.plans) and "memory_budget" not in (schedule.compile or {})
     write = args.output is not None or not idle
     if write:
         replaced = _schedule_for_another_model(output, schedule)
@@ -101,7 +104,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(shapes_report(schedule, profs) if schedule.shapes else schedule_report(schedule, prof))
     print(f"\nwrote {output}; in train.py:\n"
-          f'    model = memfit.apply(model, memfit.load_schedule("{output}"))')
+          + (f'    schedule = memfit.load_schedule("{output}")\n    model = memfit.apply(model, schedule)\n'
+             "    model = torch.compile(model, backend=memfit.compile_backend(schedule))" if schedule.compile else
+             f'    model = memfit.apply(model, memfit.load_schedule("{output}"))'))
     return 0
 
 
@@ -165,7 +170,7 @@ def _plan_compiled(args: argparse.Namespace, prof: Any, budget: int, options: Pl
         print(message, file=sys.stderr)
 
     return plan_compiled(model, inputs, prof, budget, args.compile, options, step=prof.train_step,
-                         progress=progress)
+                         progress=progress, compiler_budget=not args.no_compiler_budget)
 
 
 def _schedule_for_another_model(path: str, schedule: Any) -> str | None:
@@ -252,7 +257,12 @@ def add_parsers(command: Command) -> None:
                       help="plan for the step under torch.compile with this backend (inductor, aot_eager): each "
                       "option is compiled once for its figures, then each candidate plan is compiled and its peak "
                       "measured until one fits, and up to three other plans that fit are timed against it, "
-                      "compiled (the fastest is kept)")
+                      "compiled, with the compiler's own plan (its activation memory budget, 0 to 1, the largest "
+                      "that fits by bisection, with the plain gradients): the fastest is kept; compile with "
+                      "memfit.compile_backend(schedule)")
+    plan.add_argument("--no-compiler-budget", action="store_true",
+                      help="with --compile: leave out the compiler's own plan, for a compile call that takes a "
+                      "backend by name only (the Trainer's torch_compile_backend)")
     plan.add_argument("--timeline", metavar="FILE", help="draw the plan's predicted memory over the step (.png/.svg)")
     save_profile_flag(plan)
     plan.add_argument("--json", action="store_true", help="print the schedule as JSON instead of tables")

@@ -27,7 +27,8 @@ from memfit.measure.step import LossFn
 from memfit.planning.options import PlanOptions, settle
 from memfit.planning.peak import predict
 from memfit.policy import COARSE, FULL, KEEP, Option, Policies
-from memfit.runtime.harness import StepHarness
+from memfit.runtime.harness import StepHarness, StepRun
+from memfit.steps.compiled_budget import largest_fitting
 from memfit.steps.compiled_steps import CompiledSteps
 from memfit.trainstep import TrainStep, step_of
 
@@ -161,7 +162,8 @@ def _shift(costs: list[OptionCost], moves: list[int]) -> None:
 def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str | int, backend: str,
                   options: PlanOptions | None = None, *, loss_fn: LossFn | None = None,
                   step: TrainStep | None = None, progress: Callable[[str], None] | None = None,
-                  figures: Profile | None = None, finalists: int = FINALISTS, **settings: Any) -> Schedule:
+                  figures: Profile | None = None, finalists: int = FINALISTS, compiler_budget: bool = True,
+                  **settings: Any) -> Schedule:
     """The plan for ``model`` compiled with ``backend`` whose measured compiled peak fits ``budget``
     at the least predicted recompute time among the plans tried, or a finalist measured faster.
 
@@ -183,7 +185,12 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
     compiled step is measured to fit. Why: an option's compiled price comes from 5 rounds,
     noisier than the point that separates two cheap options, and the planner takes whichever
     noise favours (on vit-tiny at compile's 0.6 peak, ``derive:products@attention`` on one block
-    where ``derive`` on all six fits to the byte). ``finalists=0``: the plan from the figures alone.
+    where ``derive`` on all six fits to the byte). The compiler's own plan is timed beside them
+    (``_compilers_own``: no unit of memfit's, the partitioner's activation memory budget found by
+    bisection to fit, its gradients the plain step's), and returned where it is the fastest, with
+    ``strategy`` "compiler" and the budget in ``schedule.compile``: compile with
+    ``memfit.compile_backend(schedule)``; ``compiler_budget=False`` leaves it out (where the compile
+    call takes a backend by name only). ``finalists=0``: the plan from the figures alone.
     """
     from memfit.planning.planner import plan
 
@@ -222,7 +229,7 @@ def plan_compiled(model: nn.Module, inputs: Any, profile: Profile, budget: str |
         best.budget_bytes = target
         if finalists > 0:
             best = _fastest(best, figures, opts, finalists, model, inputs, backend, loss_fn=loss_fn, step=step,
-                            progress=progress)
+                            progress=progress, compiler_budget=compiler_budget)
         return best
     shown = "; ".join(f"{format_bytes(p)} predicted -> {format_bytes(m)} compiled" for p, m in tried)
     least = min((m for _, m in tried), default=target + 1)
@@ -244,16 +251,17 @@ def _without(figures: Profile, option: Option) -> Profile:
 
 def _fastest(first: Schedule, figures: Profile, opts: PlanOptions, finalists: int, model: nn.Module, inputs: Any,
              backend: str, *, loss_fn: LossFn | None, step: TrainStep | None,
-             progress: Callable[[str], None] | None) -> Schedule:
-    """The fastest compiled step among ``first`` and up to ``finalists`` other plans that fit
-    its budget (``plan_compiled``), each timed against ``first`` in an interleaved series of its
-    own (two compiled copies at once beside the model)."""
+             progress: Callable[[str], None] | None, compiler_budget: bool) -> Schedule:
+    """The fastest compiled step among ``first``, up to ``finalists`` other plans that fit its
+    budget (``plan_compiled``) and, with ``compiler_budget``, the compiler's own plan, each timed
+    against ``first`` in an interleaved series of its own (two compiled copies at once beside the
+    model)."""
     from memfit.planning.planner import plan
 
     target = first.budget_bytes
     timed: list[tuple[float, Schedule]] = [(1.0, first)]
     seen = {tuple(first.policies.values())}
-    with CompiledSteps(model, inputs, backend, loss_fn=loss_fn, step=step, versions=finalists + 2) as compiled:
+    with CompiledSteps(model, inputs, backend, loss_fn=loss_fn, step=step, versions=finalists + 12) as compiled:
         for option in dict.fromkeys(p for p in first.policies.values() if p not in (KEEP, FULL)):  # baselines need full
             if len(timed) > finalists:
                 break
@@ -270,19 +278,65 @@ def _fastest(first: Schedule, figures: Profile, opts: PlanOptions, finalists: in
             if peak <= target:
                 other.compile, other.budget_bytes = CompiledPeak(backend=backend, peak_bytes=peak), target
                 timed.append((compiled.times(other.policies, FINAL_ROUNDS, against=first.policies)[1], other))
+        own = _compilers_own(compiled, first, figures.step_s, model, backend, progress) if compiler_budget else None
+        if own is not None:
+            timed.append(own)
     if len(timed) > 1 and progress is not None:
         progress(f"timed {len(timed)} plans that fit, compiled, each against the first over {FINAL_ROUNDS} "
                  "interleaved rounds: " + ", ".join(f"{(r - 1) * 100:+.1f}%" for r, _ in timed))
     return min(timed, key=lambda rs: rs[0])[1]
 
 
-def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, int]:
-    """The backend to validate ``schedule`` under (``backend``, else the one it was planned for)
-    and the peak to compare with: the compiled step's measured at planning for that backend,
-    else the eager prediction."""
+def _compilers_own(compiled: CompiledSteps, first: Schedule, step_s: float, model: nn.Module, backend: str,
+                   progress: Callable[[str], None] | None) -> tuple[float, Schedule] | None:
+    """The compiler's own plan (steps/compiled_budget.py): no unit of memfit's, the largest memory
+    budget of the partitioner's whose compiled step fits ``first``'s budget, timed against
+    ``first`` (the ratio, and the plan); None where none fits, or where its losses or gradients
+    are not the plain compiled step's (a plan that changes training is no plan)."""
+    from memfit.steps.validate import agreement, repeats_exactly
+
+    say = progress or (lambda _: None)
+    runs: dict[float, StepRun] = {}
+
+    def peak_at(memory_budget: float) -> int:
+        say(f"compiling ({backend}) and measuring the compiler's own plan at memory budget {memory_budget:g}")
+        runs[memory_budget] = compiled.first_run({}, memory_budget)
+        return runs[memory_budget].peak_bytes
+
+    found = largest_fitting(peak_at, first.budget_bytes)
+    if found is None:
+        say(f"no memory budget of the compiler's own fits {format_bytes(first.budget_bytes)}")
+        return None
+    memory_budget, peak = found
+    plain = compiled.first_run({})
+    same = agreement(plain, runs[memory_budget], None if repeats_exactly(model, backend) else compiled.first_run({}))
+    if not (same["losses_equal"] and same["grads_equal"] and same["buffers_equal"]):
+        say(f"the compiler's own plan at memory budget {memory_budget:g} fits, but its gradients are not the plain "
+            f"step's (off by up to {same['max_grad_diff']:.3g}; a dropout recomputed with a fresh mask, PyTorch "
+            "issue #190758): left out")
+        return None
+    _, ratio, sure = compiled.times({}, FINAL_ROUNDS, against=first.policies, memory_budget=memory_budget)
+    scale = (1.0 + first.predicted_overhead) * step_s  # ratios to first, in the plain compiled step's seconds
+    overhead = max(0.0, (1.0 + first.predicted_overhead) * ratio - 1.0)
+    own = dataclasses.replace(
+        first, policies=dict.fromkeys(first.policies, KEEP), predicted_peak_bytes=peak,
+        predicted_recompute_s=overhead * step_s, predicted_overhead=overhead, predicted_uncertainty_s=sure * scale,
+        strategy="compiler", solver="torch.compile's partitioner",
+        solver_status=f"its own activation memory budget {memory_budget:g}, measured "
+                      f"{(ratio - 1) * 100:+.1f}% against memfit's plan", levels={},
+        compile=CompiledPeak(backend=backend, peak_bytes=peak, memory_budget=memory_budget))
+    return ratio, own
+
+
+def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, float | None, int]:
+    """The backend to validate ``schedule`` under (``backend``, else the one it was planned for),
+    the partitioner's memory budget its plan records (None: none, or not compiled) and the peak
+    to compare with: the compiled step's measured at planning for that backend, else the eager
+    prediction."""
     planned = schedule.compile["backend"] if schedule.compile else None
     chosen = backend if backend is not None else planned
     if chosen is not None:
         check_backend(chosen)
+    memory_budget = schedule.compile.get("memory_budget") if schedule.compile and chosen is not None else None
     peak = schedule.compile["peak_bytes"] if chosen is not None and chosen == planned else schedule.predicted_peak_bytes
-    return chosen, peak
+    return chosen, memory_budget, peak

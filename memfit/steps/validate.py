@@ -39,6 +39,7 @@ class Validation:
     grads_equal: bool
     buffers_equal: bool
     compile: str | None = None  # the torch.compile backend both models ran under
+    compile_memory_budget: float | None = None  # the partitioner's, the scheduled model's (the plan's)
     edited: bool = False  # the schedule's policies were changed after planning: the predictions are not theirs
     cuda: CudaFigures | None = None  # on a GPU: the scheduled step's reserved peak and free memory
     overhead_uncertainty: float = float("nan")  # measured_overhead's (``ratio_uncertainty``; NaN: too few rounds)
@@ -139,9 +140,10 @@ def validate(
     measured slowdown differs from the predicted one by more than ``time_tolerance`` (a
     fraction of the plain step) plus the measurement's own uncertainty."""
     from memfit.steps.compiled import with_backend
+    from memfit.steps.compiled_budget import compiler
     from memfit.steps.compiled_steps import compiled_step_times
 
-    backend, predicted_peak = with_backend(schedule, compile)
+    backend, memory_budget, predicted_peak = with_backend(schedule, compile)
     train_step = _user_step(schedule, step_fn, step, optimizer) if step_fn is not None or (schedule.step or {}).get(
         "function") else _planned_step(schedule, step, optimizer)
     schedule = _plan_for(schedule, inputs)
@@ -158,11 +160,11 @@ def validate(
         found.restore()
         with harness.scheduled(schedule), warnings.catch_warnings():
             warnings.simplefilter("ignore", EagerPlanCompiledWarning)  # what validate --compile is asked to check
-            sched = harness.run(compile=backend)
+            sched = harness.run(compile=None if backend is None else compiler(backend, memory_budget))
         found.restore()
         if steps > 0 and backend is not None:
             plain_s, ratio, sure = compiled_step_times(model, inputs, schedule.policies, backend, loss_fn=loss_fn,
-                                                 step=train_step, steps=steps)
+                                                 step=train_step, steps=steps, memory_budget=memory_budget)
         elif steps > 0:
             plain_s, (ratio,), (sure,) = harness.step_times([schedule.policies], steps)
     return Validation(
@@ -175,6 +177,7 @@ def validate(
         plain_step_s=plain_s,
         step_s=plain_s * ratio,
         compile=backend,
+        compile_memory_budget=memory_budget,
         edited=schedule.edited,
         cuda=sched.cuda,
         overhead_uncertainty=sure,
