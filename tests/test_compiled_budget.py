@@ -1,6 +1,7 @@
 """The compiler's own activation memory budget as a compiled plan: found by bisection, measured,
 kept only with the plain step's gradients, recorded in the schedule and compiled again from it."""
 
+import copy
 import dataclasses
 import itertools
 
@@ -121,3 +122,31 @@ def test_the_compilers_own_plan_is_left_out_where_it_recomputes_a_dropout():
     with CompiledSteps(model, batch, "aot_eager", versions=12) as compiled:
         assert _compilers_own(compiled, first, prof.step_s, model, "aot_eager", said.append) is None
     assert "gradients are not the plain step's" in said[-1] and "left out" in said[-1], said
+
+
+def test_a_users_loop_under_the_compilers_own_plan_trains_as_the_plain_compiled_model():
+    """The user's side, in a loop written as users write it: ``apply`` the schedule, compile with
+    ``memfit.compile_backend(schedule)``, train three AdamW steps; every parameter ends bit for bit
+    where the plain compiled model's does, and the step under the budget peaks lower."""
+    model, batch = _gpt(0.0)
+    first, _ = _first_plan(model, batch, budget=1)
+    schedule = dataclasses.replace(first, policies=dict.fromkeys(first.policies, KEEP),
+                                   compile={"backend": "aot_eager", "peak_bytes": 1, "memory_budget": 0.5})
+
+    def train(m, backend):
+        run = torch.compile(m, backend=backend)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            run(**batch)["loss"].backward()
+            opt.step()
+        return m
+
+    plain = train(copy.deepcopy(model), "aot_eager")
+    torch.compiler.reset()
+    ours = train(memfit.apply(copy.deepcopy(model), schedule), memfit.compile_backend(schedule))
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    torch.compiler.reset()
+    under = compiled_peak(model, batch, {}, memfit.compile_backend(schedule))
+    assert under < compiled_peak(model, batch, {}, "aot_eager")
