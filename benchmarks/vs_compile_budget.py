@@ -11,7 +11,9 @@ granularity and with ``granularity="fine"`` (children, op sets, ``derive`` level
 eagerly, and the fine plan for the compiled step (``memfit.plan_compiled``, aot_eager at the
 default budget, from the profile's figures moved once to the compiled step's,
 ``compiled_figures``): its options handed to the same partitioner as selective-checkpoint
-policies (runtime/unit_forward.py), so the two compiled columns differ only in what is kept.
+policies (runtime/unit_forward.py), so the two compiled columns differ only in what is kept;
+or, where it was timed the fastest beside memfit's own plans, the compiler's own plan at the
+largest budget that fits (steps/compiled_budget.py), which the plan column then names.
 Every configuration is built at once and timed in one interleaved series (each timed step after
 an untimed step of its own, the order reversing every round, GC held off), medians over
 --rounds rounds; slowdowns are against the plain eager step of the same rounds, with two standard
@@ -57,6 +59,7 @@ class Config:
     grads: dict[str, Any] | None = None
     policies: Policies | None = None
     predicted: float = float("nan")  # a plan's predicted slowdown
+    plan: str = ""  # what it is, where its policies do not say
 
 
 def main() -> None:
@@ -110,7 +113,9 @@ def main() -> None:
         try:  # measures compiled plans until one fits; resets Dynamo, so the copies above compile again
             s = memfit.plan_compiled(model, raw_inputs, prof, compiled.peak, "aot_eager", granularity="fine",
                                      figures=figures)
-            plans.append(config(f"memfit fine compiled @ {b:.1f}", s.policies, 1.0))
+            plans.append(config(f"memfit fine compiled @ {b:.1f}", s.policies, s.compile.get("memory_budget", 1.0)))
+            if s.strategy == "compiler":  # timed fastest beside memfit's own plans (steps/compiled_budget.py)
+                plans[-1].plan = f"the compiler's own, memory budget {s.compile['memory_budget']:g}"
         except memfit.InfeasibleBudgetError:
             plans.append(None)
         rows.append((b, compiled, *plans))
@@ -141,7 +146,7 @@ def main() -> None:
         return "yes" if all(torch.equal(g, plain[n]) for n, g in (cfg.grads or {}).items()) else "NO"
 
     out = [[f"{b:.1f}", *cell(c), same(c), *cell(m), *cell(f), f"{f.predicted * 100:+.1f}%" if f else "-",
-            plan_summary(f.policies) if f else "-", *cell(fc), plan_summary(fc.policies) if fc else "-"]
+            plan_summary(f.policies) if f else "-", *cell(fc), (fc.plan or plan_summary(fc.policies)) if fc else "-"]
            for b, c, m, f, fc in rows]
     print(f"\nplain eager step {statistics.median(configs[0].times or [0]) * 1e3:.1f} ms, peak "
           f"{format_bytes(configs[0].peak)}; medians over {args.rounds} interleaved rounds, {args.threads} thread(s); "
