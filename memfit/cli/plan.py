@@ -51,7 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise MemfitError(f"{'--compile' if args.compile else '--no-segments'} rules out --strategy sqrt, which "
                           "checkpoints segments of units")
     if args.compile:
-        from memfit.steps.compiled import check_backend
+        from memfit.steps.compiled_budget import check_backend
 
         check_backend(args.compile)
         if args.fallbacks:

@@ -36,7 +36,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         return validate_pipeline(args.schedule)
     if args.compile:
-        from memfit.steps.compiled import check_backend
+        from memfit.steps.compiled_budget import check_backend
 
         check_backend(args.compile)
     if schedule.shapes and (args.timeline or args.save_device_spec or args.input_shape):

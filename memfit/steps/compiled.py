@@ -28,7 +28,7 @@ from memfit.planning.options import PlanOptions, settle
 from memfit.planning.peak import predict
 from memfit.policy import COARSE, FULL, KEEP, Option, Policies
 from memfit.runtime.harness import StepHarness, StepRun
-from memfit.steps.compiled_budget import largest_fitting
+from memfit.steps.compiled_budget import check_backend, largest_fitting
 from memfit.steps.compiled_steps import CompiledSteps
 from memfit.trainstep import TrainStep, step_of
 
@@ -38,14 +38,6 @@ _FITS = 3  # passes that move an option's figures toward its measured compiled p
 FINALISTS = 3  # other fitting plans timed against the one from the figures (plan_compiled)
 FINAL_ROUNDS = 11  # interleaved rounds that time the finalists
 
-
-def check_backend(backend: str) -> str:
-    """``backend`` if ``torch.compile`` knows it, else a ``MemfitError`` naming the ones it knows."""
-    known = torch.compiler.list_backends(exclude_tags=())
-    if backend not in known:
-        usual = sorted(b for b in known if "TESTING" not in b and not b.startswith("relu_"))  # not Dynamo's test ones
-        raise MemfitError(f"unknown torch.compile backend {backend!r}; use one of {', '.join(usual)}")
-    return backend
 
 
 def compiled_peak(model: nn.Module, inputs: Any, policies: Policies, backend: str, *,
@@ -326,17 +318,3 @@ def _compilers_own(compiled: CompiledSteps, first: Schedule, step_s: float, mode
                       f"{(ratio - 1) * 100:+.1f}% against memfit's plan", levels={},
         compile=CompiledPeak(backend=backend, peak_bytes=peak, memory_budget=memory_budget))
     return ratio, own
-
-
-def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, float | None, int]:
-    """The backend to validate ``schedule`` under (``backend``, else the one it was planned for),
-    the partitioner's memory budget its plan records (None: none, or not compiled) and the peak
-    to compare with: the compiled step's measured at planning for that backend, else the eager
-    prediction."""
-    planned = schedule.compile["backend"] if schedule.compile else None
-    chosen = backend if backend is not None else planned
-    if chosen is not None:
-        check_backend(chosen)
-    memory_budget = schedule.compile.get("memory_budget") if schedule.compile and chosen is not None else None
-    peak = schedule.compile["peak_bytes"] if chosen is not None and chosen == planned else schedule.predicted_peak_bytes
-    return chosen, memory_budget, peak

@@ -6,7 +6,8 @@ too, which a checkpoint inside the blocks cannot reach. Where that is faster at 
 memfit's options, memfit's compiled plan is the compiler's own, and says so: compiled planning
 (steps/compiled.py) finds the largest such budget whose compiled step fits, checks that its
 gradients are the plain compiled step's (they are not where the partitioner recomputes a dropout
-with a fresh mask, PyTorch issue #190758), and times it beside its own plans.
+with a fresh mask, PyTorch issue #190758), and times it beside its own plans. Here too: the
+backend a compiled plan is compiled and validated under (``check_backend``, ``with_backend``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from memfit.errors import MemfitError
 from memfit.formats.schedule import Schedule
 from memfit.torch_private import backend_by_name, partitioner_budget
 
 STEP = 0.05  # the budgets tried are multiples of it, from STEP to 1 - STEP
+
+def check_backend(backend: str) -> str:
+    """``backend`` if ``torch.compile`` knows it, else a ``MemfitError`` naming the ones it knows."""
+    known = torch.compiler.list_backends(exclude_tags=())
+    if backend not in known:
+        usual = sorted(b for b in known if "TESTING" not in b and not b.startswith("relu_"))  # not Dynamo's test ones
+        raise MemfitError(f"unknown torch.compile backend {backend!r}; use one of {', '.join(usual)}")
+    return backend
 
 
 @functools.cache
@@ -76,3 +87,17 @@ def largest_fitting(peak_at: Callable[[float], int], target: int) -> tuple[float
         else:
             hi = mid - 1
     return found
+
+
+def with_backend(schedule: Schedule, backend: str | None) -> tuple[str | None, float | None, int]:
+    """The backend to validate ``schedule`` under (``backend``, else the one it was planned for),
+    the partitioner's memory budget its plan records (None: none, or not compiled) and the peak
+    to compare with: the compiled step's measured at planning for that backend, else the eager
+    prediction."""
+    planned = schedule.compile["backend"] if schedule.compile else None
+    chosen = backend if backend is not None else planned
+    if chosen is not None:
+        check_backend(chosen)
+    memory_budget = schedule.compile.get("memory_budget") if schedule.compile and chosen is not None else None
+    peak = schedule.compile["peak_bytes"] if chosen is not None and chosen == planned else schedule.predicted_peak_bytes
+    return chosen, memory_budget, peak

@@ -139,8 +139,7 @@ def validate(
     Time is judged too, from ``MIN_TIMED_ROUNDS`` (3) rounds on: the validation fails when the
     measured slowdown differs from the predicted one by more than ``time_tolerance`` (a
     fraction of the plain step) plus the measurement's own uncertainty."""
-    from memfit.steps.compiled import with_backend
-    from memfit.steps.compiled_budget import compiler
+    from memfit.steps.compiled_budget import compiler, with_backend
     from memfit.steps.compiled_steps import compiled_step_times
 
     backend, memory_budget, predicted_peak = with_backend(schedule, compile)
