@@ -39,7 +39,6 @@ FINALISTS = 3  # other fitting plans timed against the one from the figures (pla
 FINAL_ROUNDS = 11  # interleaved rounds that time the finalists
 
 
-
 def compiled_peak(model: nn.Module, inputs: Any, policies: Policies, backend: str, *,
                   loss_fn: LossFn | None = None, optimizer: str | None = "adamw",
                   step: TrainStep | None = None) -> int:
