@@ -31,22 +31,18 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from memfit.policy import KEEP, Policies
 from memfit.runtime.apply import set_policies
+from memfit.steps.compiled_budget import compiler
 
 _aten = torch.ops.aten
 PRODUCTS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 
 
 def budget_backend(budget: float) -> Any:
-    """aot_eager partitioning under this activation memory budget. A backend object of its own
-    per budget: Dynamo guards on the backend, so copies compiled for other budgets do not share
-    (they would, with one backend: nn.Modules are graph inputs, the guards pass for any copy)."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return aot_eager(gm, example_inputs)
-
-    return backend
+    """aot_eager partitioning under this activation memory budget: memfit's own
+    (``steps/compiled_budget.compiler``), one backend object per budget, so copies compiled for
+    other budgets do not share graphs (Dynamo guards on the backend; nn.Modules are graph inputs,
+    so with one backend the guards would pass for any copy)."""
+    return compiler("aot_eager", budget)
 
 
 def training_copy(model: nn.Module, policies: Policies | None = None,
