@@ -307,11 +307,12 @@ def _compilers_own(compiled: CompiledSteps, first: Schedule, step_s: float, mode
             "issue #190758): left out")
         return None
     _, ratio, sure = compiled.times({}, FINAL_ROUNDS, against=first.policies, memory_budget=memory_budget)
-    scale = (1.0 + first.predicted_overhead) * step_s  # ratios to first, in the plain compiled step's seconds
-    overhead = max(0.0, (1.0 + first.predicted_overhead) * ratio - 1.0)
+    base = 1.0 + first.predicted_overhead  # first's step, in plain compiled steps: ratios to it scale by it
+    overhead = max(0.0, base * ratio - 1.0)
     own = dataclasses.replace(
         first, policies=dict.fromkeys(first.policies, KEEP), predicted_peak_bytes=peak,
-        predicted_recompute_s=overhead * step_s, predicted_overhead=overhead, predicted_uncertainty_s=sure * scale,
+        predicted_recompute_s=overhead * step_s, predicted_overhead=overhead,
+        predicted_uncertainty_s=sure * base * step_s,
         strategy="compiler", solver="torch.compile's partitioner",
         solver_status=f"its own activation memory budget {memory_budget:g}, measured "
                       f"{(ratio - 1) * 100:+.1f}% against memfit's plan", levels={},

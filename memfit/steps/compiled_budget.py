@@ -24,6 +24,7 @@ from memfit.torch_private import backend_by_name, partitioner_budget
 
 STEP = 0.05  # the budgets tried are multiples of it, from STEP to 1 - STEP
 
+
 def check_backend(backend: str) -> str:
     """``backend`` if ``torch.compile`` knows it, else a ``MemfitError`` naming the ones it knows."""
     known = torch.compiler.list_backends(exclude_tags=())
